@@ -1,0 +1,424 @@
+"""An eager, plain-PyTorch DeepSeek-V4.1 decode step (spec sections 1-2).
+
+One call of `DSV41Model.forward(tokens, positions)` decodes one token per request (S = 1, T = B): it reads and
+updates the caches in place and returns fp32 logits [B, vocab]. Shapes are static for a given batch size, caches
+are preallocated for `max_batch` requests of `max_context` tokens, and nothing syncs with the host, so the step is
+traceable by `torch.compile(fullgraph=True)` and capturable in a CUDA graph.
+
+Choices where the spec leaves room (documented in the README):
+- index scores are computed in fp32 (HF) rather than bf16 (the reference);
+- the indexer is replicated under TP (vLLM), so there is no all-reduce of the index scores;
+- embedding and head are replicated under TP;
+- weights are held dequantized in bf16 (fp32 where the reference promotes: mHC, sink, router bias, ratio-2
+  compressor, head); FP8/FP4 GEMM inputs go through the FP8 per-32 fake quantisation when `fake_quant` is on;
+- `wq_a` and `wkv` are held merged as `wqkv_a` (one GEMM, as vLLM's fused_wqa_wkv), likewise w1|w3 as `w13`;
+- a selected index is valid iff it is below N_c and not masked by the candidate blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dsv41.models import functional as fn
+from dsv41.models.config import ModelConfig, yarn_inv_freq
+
+
+def _tp() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_reduce(x: Tensor) -> Tensor:
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_reduce(x, "sum", dist.group.WORLD)
+
+
+class _Params:
+    """Deterministic random initialisation: every tensor draws from its own seed (a hash of its name), so a
+    model built from a subset of layers, or a TP shard, holds exactly the values of the full model."""
+
+    def __init__(self, seed: int, device, dtype):
+        self.seed, self.device, self.dtype = seed, torch.device(device), dtype
+
+    def _gen(self, name: str) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        h = 0
+        for ch in name:
+            h = (h * 131 + ord(ch)) % (2**61 - 1)
+        g.manual_seed((self.seed * 1_000_003 + h) % (2**63 - 1))
+        return g
+
+    def normal(self, name, shape, std, mean=0.0, dtype=None, shard=None) -> nn.Parameter:
+        t = torch.randn(shape, generator=self._gen(name), device=self.device, dtype=torch.float32) * std + mean
+        if shard is not None:
+            dim, rank, world = shard
+            t = t.chunk(world, dim)[rank].contiguous()
+        return nn.Parameter(t.to(dtype or self.dtype), requires_grad=False)
+
+    def linear(self, name, out_f, in_f, dtype=None, shard=None) -> nn.Parameter:
+        return self.normal(name, (out_f, in_f), 1.0 / math.sqrt(in_f), dtype=dtype, shard=shard)
+
+    def norm(self, name, n) -> nn.Parameter:
+        return self.normal(name, (n,), 0.1, mean=1.0)
+
+
+class Compressor(nn.Module):
+    """The kv source's compressor (spec 2.4) plus the index-key projection. Owns the compressed KV cache
+    [max_batch, max_context/r, head_dim] and the index-key cache [.., index_head_dim]."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, p: _Params, max_batch: int, max_context: int):
+        super().__init__()
+        self.cfg, self.ratio = cfg, cfg.ratio(layer)
+        pre = f"layers.{layer}.attn.compressor."
+        d, hd, ihd = cfg.dim, cfg.head_dim, cfg.index_head_dim
+        wdtype = torch.float32 if self.ratio == 2 else None
+        self.wkv = p.linear(pre + "wkv", hd, d, dtype=wdtype)
+        if self.ratio == 2:
+            self.wgate = p.linear(pre + "wgate", hd, d, dtype=wdtype)
+        self.norm = p.norm(pre + "norm.weight", hd)
+        ipre = f"layers.{layer}.attn.indexer."
+        self.wk = p.linear(ipre + "wk", ihd, hd)
+        self.k_norm = p.norm(ipre + "k_norm.weight", ihd)
+        n_cap = max_context // self.ratio
+        dev = p.device
+        self.register_buffer("compress_kv", torch.zeros(max_batch, n_cap, hd, dtype=p.dtype, device=dev), persistent=False)
+        self.register_buffer("index_k", torch.zeros(max_batch, n_cap, ihd, dtype=p.dtype, device=dev), persistent=False)
+        if self.ratio == 2:
+            self.register_buffer("kv_state", torch.zeros(max_batch, 2, hd, device=dev), persistent=False)
+            self.register_buffer("score_state", torch.full((max_batch, 2, hd), -math.inf, device=dev), persistent=False)
+
+    def reset(self):
+        self.compress_kv.zero_()
+        self.index_k.zero_()
+        if self.ratio == 2:
+            self.kv_state.zero_()
+            self.score_state.fill_(-math.inf)
+
+    def forward(self, h: Tensor, pos: Tensor, bidx: Tensor, inv_freq: Tensor) -> None:
+        cfg, r = self.cfg, self.ratio
+        if r == 1:
+            latent = fn.rms_norm(F.linear(h, self.wkv), self.norm, cfg.norm_eps)
+            complete = torch.ones_like(pos, dtype=torch.bool)
+            gpos = pos
+        else:
+            hf = h.float()
+            slot = pos % 2
+            self.kv_state.index_put_((bidx, slot), F.linear(hf, self.wkv))
+            self.score_state.index_put_((bidx, slot), F.linear(hf, self.wgate))
+            n = h.shape[0]
+            pooled = (self.kv_state[:n] * torch.softmax(self.score_state[:n], dim=1)).sum(dim=1)
+            latent = fn.rms_norm(pooled.to(h.dtype), self.norm, cfg.norm_eps)
+            complete = (pos + 1) % 2 == 0
+            gpos = pos - 1
+        angle = gpos.float().unsqueeze(-1) * inv_freq
+        cos, sin = angle.cos(), angle.sin()
+        entry = pos // r
+        k = fn.rms_norm(F.linear(latent, self.wk), self.k_norm, cfg.norm_eps)
+        k = fn.fp4_fake_quant(fn.apply_rope_tail(k, cos, sin), 32, e4m3_scale=False)
+        kv = fn.fp4_fake_quant(fn.apply_rope_tail(latent, cos, sin), 16, e4m3_scale=True)
+        keep = complete.unsqueeze(-1)
+        self.index_k.index_put_((bidx, entry), torch.where(keep, k, self.index_k[bidx, entry]))
+        self.compress_kv.index_put_((bidx, entry), torch.where(keep, kv, self.compress_kv[bidx, entry]))
+
+
+class Indexer(nn.Module):
+    """Index scores and top-k selection (spec 2.4) of an index-source layer."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, p: _Params):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        pre = f"layers.{layer}.attn.indexer."
+        self.wq_b = p.linear(pre + "wq_b", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
+        self.weights_proj = p.linear(pre + "weights_proj", cfg.index_n_heads, cfg.dim)
+        self.is_candidate_source = layer == cfg.candidate_source_layer
+        self.is_reindex = cfg.is_reindex(layer)
+
+    def forward(self, qr, h, keys, n_c, cos, sin, shared) -> Tensor:
+        """qr [T, q_lora], h [T, D] bf16, keys [T, Ncap, ihd], n_c [T] -> idx [T, min(topk, Ncap)] int64
+        (offset by the window size; -1 where invalid)."""
+        cfg = self.cfg
+        t, n_cap = keys.shape[0], keys.shape[1]
+        x = fn.fp8_fake_quant(qr) if cfg.fake_quant else qr
+        q = F.linear(x, self.wq_b).view(t, cfg.index_n_heads, cfg.index_head_dim)
+        q = fn.fp4_fake_quant(fn.apply_rope_tail(q, cos, sin), 32, e4m3_scale=False)
+        w = F.linear(h, self.weights_proj).float() * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+        s = (torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu() * w.unsqueeze(-1)).sum(dim=1)
+        visible = torch.arange(n_cap, device=s.device) < n_c.unsqueeze(-1)
+        s = s.masked_fill(~visible, -math.inf)
+        if self.is_candidate_source:
+            shared["candidates"] = select_candidate_blocks(s, n_c, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+        elif self.is_reindex:
+            s = s.masked_fill(~shared["candidates"], -math.inf)
+        sel = torch.topk(s, min(cfg.index_topk, n_cap), dim=-1, sorted=False).indices
+        sel = torch.sort(sel, dim=-1).values
+        valid = s.gather(-1, sel) > -math.inf
+        return torch.where(valid, sel + cfg.window_size, -1)
+
+
+def select_candidate_blocks(s: Tensor, n_c: Tensor, block: int, topk_blocks: int) -> Tensor:
+    """Layer 20's candidate blocks: bs[j] = max of s over block j (-inf padded), the newest block pinned to +inf,
+    keep the top-min(topk_blocks, n_blocks) blocks with bs > -inf. s [T, Ncap] -> cand [T, Ncap] bool."""
+    t, n_cap = s.shape
+    n_blocks = -(-n_cap // block)
+    bs = F.pad(s, (0, n_blocks * block - n_cap), value=-math.inf).view(t, n_blocks, block).amax(-1)
+    newest = (n_c - 1).div(block, rounding_mode="floor")
+    pin = (torch.arange(n_blocks, device=s.device) == newest.unsqueeze(-1)) & (n_c > 0).unsqueeze(-1)
+    bs = bs.masked_fill(pin, math.inf)
+    top = torch.topk(bs, min(topk_blocks, n_blocks), dim=-1)
+    keep = torch.zeros_like(bs, dtype=torch.bool).scatter(1, top.indices, top.values > -math.inf)
+    return keep.repeat_interleave(block, dim=1)[:, :n_cap]
+
+
+def sparse_attention(q: Tensor, window: Tensor, compressed: Tensor | None, idx: Tensor, sink: Tensor, scale: float) -> Tensor:
+    """Attention with a per-head sink over the selected KV rows (spec 2.5; K == V).
+
+    q [T, H, hd] bf16; window [T, W, hd]; compressed [T, Ncap, hd] or None; idx [T, K] int64 into
+    [window ; compressed], -1 = invalid; sink [H] fp32. A row with no valid index gives 0. -> o [T, H, hd] bf16.
+    """
+    t, w = window.shape[0], window.shape[1]
+    b = torch.arange(t, device=q.device).unsqueeze(-1)
+    kv = window[b, idx.clamp(0, w - 1)]
+    if compressed is not None:
+        from_comp = compressed[b, (idx - w).clamp(0, compressed.shape[1] - 1)]
+        kv = torch.where((idx >= w).unsqueeze(-1), from_comp, kv)
+    kvf = kv.float()
+    logits = torch.einsum("thd,tkd->thk", q.float(), kvf) * scale
+    logits = logits.masked_fill((idx < 0).unsqueeze(1), -math.inf)
+    m = torch.maximum(logits.amax(-1), sink)
+    p = torch.exp(logits - m.unsqueeze(-1))
+    denom = p.sum(-1) + torch.exp(sink - m)
+    return torch.einsum("thk,tkd->thd", p / denom.unsqueeze(-1), kvf).to(q.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, p: _Params, max_batch: int, max_context: int, tp: tuple[int, int]):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        rank, world = tp
+        self.world = world
+        pre = f"layers.{layer}.attn."
+        d, hd, ql = cfg.dim, cfg.head_dim, cfg.q_lora_rank
+        self.n_local_heads = cfg.n_heads // world
+        self.n_local_groups = cfg.o_groups // world
+        heads_per_group = cfg.n_heads // cfg.o_groups
+        self.wqkv_a = p.linear(pre + "wqkv_a", ql + hd, d)
+        self.q_norm = p.norm(pre + "q_norm.weight", ql)
+        self.kv_norm = p.norm(pre + "kv_norm.weight", hd)
+        self.wq_b = p.linear(pre + "wq_b", cfg.n_heads * hd, ql, shard=(0, rank, world))
+        self.wo_a = p.linear(pre + "wo_a", cfg.o_groups * cfg.o_lora_rank, heads_per_group * hd, shard=(0, rank, world))
+        self.wo_b = p.normal(pre + "wo_b", (d, cfg.o_groups * cfg.o_lora_rank), 1.0 / math.sqrt(cfg.o_groups * cfg.o_lora_rank), shard=(1, rank, world))
+        self.attn_sink = p.normal(pre + "attn_sink", (cfg.n_heads,), 1.0, dtype=torch.float32, shard=(0, rank, world))
+        self.ratio = cfg.ratio(layer)
+        self.compressor = Compressor(cfg, layer, p, max_batch, max_context) if layer in cfg.kv_source_layers else None
+        self.indexer = Indexer(cfg, layer, p) if layer in cfg.index_source_layers else None
+        self.register_buffer("window_kv", torch.zeros(max_batch, cfg.window_size, hd, dtype=p.dtype, device=p.device), persistent=False)
+
+    def forward(self, h: Tensor, pos: Tensor, bidx: Tensor, rope: dict, shared: dict) -> Tensor:
+        cfg = self.cfg
+        t, ql, hd, w = h.shape[0], cfg.q_lora_rank, cfg.head_dim, cfg.window_size
+        cos, sin = rope["comp" if self.ratio else "main"]
+        x = fn.fp8_fake_quant(h) if cfg.fake_quant else h
+        qkv = F.linear(x, self.wqkv_a)
+        qr = fn.rms_norm(qkv[:, :ql], self.q_norm, cfg.norm_eps)
+        kv = fn.rms_norm(qkv[:, ql:], self.kv_norm, cfg.norm_eps)
+        xq = fn.fp8_fake_quant(qr) if cfg.fake_quant else qr
+        q = fn.apply_rope_tail(F.linear(xq, self.wq_b).view(t, self.n_local_heads, hd), cos, sin)
+        kv = fn.fp8_fake_quant(fn.apply_rope_tail(kv, cos, sin), cfg.fp8_block)
+        self.window_kv.index_put_((bidx, pos % w), kv)
+        window_idx = (pos.unsqueeze(-1) + 1 + torch.arange(w, device=pos.device)) % w
+        idx = torch.where(window_idx <= pos.unsqueeze(-1), window_idx, -1)
+        compressed = None
+        if self.ratio:
+            if self.compressor is not None:
+                self.compressor(h, pos, bidx, rope["comp_inv_freq"])
+                shared["compressor"] = self.compressor
+            comp = shared["compressor"]
+            compressed = comp.compress_kv[:t]
+            if self.indexer is not None:
+                n_c = (pos + 1).div(self.ratio, rounding_mode="floor")
+                shared["topk"] = self.indexer(qr, h, comp.index_k[:t], n_c, cos, sin, shared)
+            idx = torch.cat((idx, shared["topk"]), dim=-1)
+        o = sparse_attention(q, self.window_kv[:t], compressed, idx, self.attn_sink, hd**-0.5)
+        o = fn.apply_rope_tail(o, cos, sin, inverse=True)
+        g = self.n_local_groups
+        z = torch.einsum("tgd,grd->tgr", o.view(t, g, -1), self.wo_a.view(g, cfg.o_lora_rank, -1)).flatten(1)
+        xz = fn.fp8_fake_quant(z) if cfg.fake_quant else z
+        y = F.linear(xz, self.wo_b)
+        if self.world > 1:
+            y = _all_reduce(y.float()).to(h.dtype)
+        return y
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, p: _Params, tp: tuple[int, int], routed_experts: "MoE | None" = None):
+        super().__init__()
+        self.cfg = cfg
+        rank, world = tp
+        self.world = world
+        pre = f"layers.{layer}.ffn."
+        d, e, inter = cfg.dim, cfg.n_routed_experts, cfg.moe_inter_dim
+        self.gate = p.linear(pre + "gate.weight", e, d)
+        self.gate_bias = p.normal(pre + "gate.bias", (e,), 0.1, dtype=torch.float32)
+        self.n_local = e // world
+        self.expert_start = rank * self.n_local
+        if routed_experts is not None:  # benchmark memory saver: share expert weights, not the routing
+            self.w13, self.w2 = routed_experts.w13, routed_experts.w2
+        else:
+            self.w13 = nn.Parameter(_expert_stack(p, pre + "experts.w13", e, (2 * inter, d), d, rank, world), requires_grad=False)
+            self.w2 = nn.Parameter(_expert_stack(p, pre + "experts.w2", e, (d, inter), inter, rank, world), requires_grad=False)
+        self.shared_w13 = p.linear(pre + "shared_experts.w13", 2 * inter, d)
+        self.shared_w2 = p.linear(pre + "shared_experts.w2", d, inter)
+
+    def forward(self, h: Tensor) -> Tensor:
+        cfg = self.cfg
+        t, k, inter = h.shape[0], cfg.n_activated_experts, cfg.moe_inter_dim
+        weights, experts = fn.route(h, self.gate, self.gate_bias, k, cfg.route_scale, cfg.gate_temp)
+        x = fn.fp8_fake_quant(h) if cfg.fake_quant else h
+        flat_e, flat_w = experts.flatten(), weights.flatten()
+        if self.world > 1:  # pairs routed to other ranks run on local expert 0 with weight 0
+            local = (flat_e >= self.expert_start) & (flat_e < self.expert_start + self.n_local)
+            flat_e = torch.where(local, flat_e - self.expert_start, 0)
+            flat_w = torch.where(local, flat_w, 0.0)
+        order = torch.argsort(flat_e, stable=True)
+        token = order.div(k, rounding_mode="floor")
+        counts = torch.zeros(self.n_local, dtype=torch.int32, device=h.device).scatter_add_(0, flat_e, torch.ones_like(flat_e, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        gu = torch._grouped_mm(x[token], self.w13.transpose(1, 2), offs=offs)
+        a = fn.swiglu_clamped(gu[:, :inter], gu[:, inter:], cfg.swiglu_limit) * flat_w[order].unsqueeze(-1)
+        a = a.to(h.dtype)
+        a = fn.fp8_fake_quant(a) if cfg.fake_quant else a
+        out = torch._grouped_mm(a, self.w2.transpose(1, 2), offs=offs)
+        y = torch.zeros(t, cfg.dim, dtype=torch.float32, device=h.device).index_add_(0, token, out.float())
+        if self.world > 1:
+            y = _all_reduce(y)
+        return (y + self.shared_expert(h, x).float()).to(h.dtype)
+
+    def shared_expert(self, h: Tensor, x: Tensor) -> Tensor:
+        inter = self.cfg.moe_inter_dim
+        gu = F.linear(x, self.shared_w13)
+        a = fn.swiglu_clamped(gu[:, :inter], gu[:, inter:], self.cfg.swiglu_limit).to(h.dtype)
+        a = fn.fp8_fake_quant(a) if self.cfg.fake_quant else a
+        return F.linear(a, self.shared_w2)
+
+
+def _expert_stack(p: _Params, name: str, n_experts: int, shape, fan_in: int, rank: int, world: int) -> Tensor:
+    """[n_experts/world, *shape] weights of this rank's experts; expert e always draws the same values."""
+    per = n_experts // world
+    out = torch.empty((per, *shape), dtype=p.dtype, device=p.device)
+    for i in range(per):
+        e = rank * per + i
+        out[i] = torch.randn(shape, generator=p._gen(f"{name}.{e}"), device=p.device) * (1.0 / math.sqrt(fan_in))
+    return out
+
+
+class Block(nn.Module):
+    """One decoder layer with delayed-pre mHC (spec 2.1)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, p: _Params, max_batch, max_context, tp, routed_experts=None):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        pre = f"layers.{layer}."
+        d, hc = cfg.dim, cfg.hc_mult
+        n_mix = (2 + hc) * hc
+        self.attn = Attention(cfg, layer, p, max_batch, max_context, tp)
+        self.ffn = MoE(cfg, layer, p, tp, routed_experts)
+        self.attn_norm = p.norm(pre + "attn_norm.weight", d)
+        self.ffn_norm = p.norm(pre + "ffn_norm.weight", d)
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", p.normal(f"{pre}hc_{site}_fn", (n_mix, hc * d), 1.0 / math.sqrt(hc * d), dtype=torch.float32))
+            setattr(self, f"hc_{site}_base", p.normal(f"{pre}hc_{site}_base", (n_mix,), 0.5, dtype=torch.float32))
+            setattr(self, f"hc_{site}_scale", p.normal(f"{pre}hc_{site}_scale", (3,), 0.1, mean=1.0, dtype=torch.float32))
+
+    def _mixes(self, x: Tensor, site: str):
+        cfg = self.cfg
+        return fn.hc_mixes(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"), getattr(self, f"hc_{site}_scale"),
+                           cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+
+    def forward(self, x: Tensor, pre_mix: Tensor, pos: Tensor, bidx: Tensor, rope: dict, shared: dict):
+        eps = self.cfg.norm_eps
+        pre_a, post_a, comb_a = self._mixes(x, "attn")
+        h = fn.rms_norm(fn.hc_collapse(x, pre_mix), self.attn_norm, eps)
+        x = fn.hc_post(self.attn(h, pos, bidx, rope, shared), x, post_a, comb_a)
+        pre_f, post_f, comb_f = self._mixes(x, "ffn")
+        h = fn.rms_norm(fn.hc_collapse(x, pre_a), self.ffn_norm, eps)
+        x = fn.hc_post(self.ffn(h), x, post_f, comb_f)
+        return x, pre_f
+
+
+class DSV41Model(nn.Module):
+    """The decode step of DeepSeek-V4.1 over `layer_ids` (all layers by default).
+
+    forward(tokens [B] int64, positions [B] int64) -> logits [B, vocab] fp32, with 1 <= B <= max_batch and
+    positions < max_context; request b reads and writes cache row b.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_ids: Sequence[int] | None = None, *, max_batch: int = 8,
+                 max_context: int = 256, device="cpu", dtype=torch.bfloat16, seed: int = 0,
+                 share_routed_experts: bool = False):
+        super().__init__()
+        layer_ids = list(range(cfg.n_layers)) if layer_ids is None else sorted(layer_ids)
+        _check_layer_subset(cfg, layer_ids)
+        if max_context % 2 or max_context < cfg.window_size:
+            raise ValueError(f"max_context={max_context} must be even and >= window_size={cfg.window_size}")
+        self.cfg, self.layer_ids = cfg, layer_ids
+        self.max_batch, self.max_context = max_batch, max_context
+        tp = _tp()
+        self.tp_rank, self.tp_size = tp
+        if cfg.n_heads % tp[1] or cfg.o_groups % tp[1] or cfg.n_routed_experts % tp[1]:
+            raise ValueError(f"TP size {tp[1]} must divide n_heads, o_groups and n_routed_experts")
+        p = _Params(seed, device, dtype)
+        self.embed = p.normal("embed.weight", (cfg.vocab_size, cfg.dim), 1.0)
+        self.head = p.linear("head.weight", cfg.vocab_size, cfg.dim, dtype=torch.float32)
+        self.norm = p.norm("norm.weight", cfg.dim)
+        self.layers = nn.ModuleDict()
+        first = None
+        for layer in layer_ids:
+            block = Block(cfg, layer, p, max_batch, max_context, tp, first.ffn if (share_routed_experts and first) else None)
+            first = first or block
+            self.layers[str(layer)] = block
+        self.register_buffer("inv_freq_main", torch.tensor(yarn_inv_freq(cfg, False), dtype=torch.float32, device=p.device), persistent=False)
+        self.register_buffer("inv_freq_comp", torch.tensor(yarn_inv_freq(cfg, True), dtype=torch.float32, device=p.device), persistent=False)
+
+    def reset_caches(self):
+        for block in self.layers.values():
+            block.attn.window_kv.zero_()
+            if block.attn.compressor is not None:
+                block.attn.compressor.reset()
+
+    def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        cfg = self.cfg
+        t = tokens.shape[0]
+        x = F.embedding(tokens, self.embed).unsqueeze(1).expand(t, cfg.hc_mult, cfg.dim).contiguous()
+        pre_mix = F.one_hot(torch.zeros_like(tokens), cfg.hc_mult).float()
+        pos = positions
+        bidx = torch.arange(t, device=tokens.device)
+        rope = {"comp_inv_freq": self.inv_freq_comp}
+        for name, inv in (("main", self.inv_freq_main), ("comp", self.inv_freq_comp)):
+            angle = pos.float().unsqueeze(-1) * inv
+            rope[name] = (angle.cos(), angle.sin())
+        shared: dict = {}
+        for block in self.layers.values():
+            x, pre_mix = block(x, pre_mix, pos, bidx, rope, shared)
+        u = fn.rms_norm(fn.hc_collapse(x, pre_mix), self.norm, cfg.norm_eps)
+        return F.linear(u.float(), self.head)
+
+
+def _check_layer_subset(cfg: ModelConfig, layer_ids: list[int]) -> None:
+    if not layer_ids:
+        raise ValueError("layer_ids is empty")
+    for layer in layer_ids:
+        if not 0 <= layer < cfg.n_layers:
+            raise ValueError(f"layer_ids: layer {layer} is outside 0..{cfg.n_layers - 1}")
+        for what, src in (("kv source", cfg.kv_source(layer)), ("index source", cfg.index_source(layer))):
+            if src is not None and src not in layer_ids:
+                raise ValueError(f"layer_ids: layer {layer} reads the {what} layer {src}, which is not in {layer_ids}")
+        if cfg.is_reindex(layer) and cfg.candidate_source_layer not in layer_ids:
+            raise ValueError(f"layer_ids: re-index layer {layer} needs the candidate source layer {cfg.candidate_source_layer}")
