@@ -1,0 +1,24 @@
+"""The dsv41 FX passes: one file per fusion, the pass manager, normalisation, streams, defunctionalisation."""
+
+from __future__ import annotations
+
+import importlib
+
+# Fusion order, most specific first: allreduce_mhc claims the post+pre sites that sit behind an all-reduce.
+FUSION_ORDER = ("mhc_coeffs", "moe_finalize", "allreduce_mhc", "mhc_post_pre", "qkv_norm", "wo_a", "indexer_topk", "moe_route")
+
+
+def fusion_pass_class(name: str):
+    module = importlib.import_module(f"dsv41.passes.{name}")
+    return next(v for v in vars(module).values() if isinstance(v, type) and getattr(v, "name", None) == name)
+
+
+def build_passes(config) -> list:
+    """The passes in the order they run for `config` (disabled fusions are left out)."""
+    from dsv41.passes.defunctionalize import DefunctionalizePass
+    from dsv41.passes.manager import NormalizePass
+
+    passes = [NormalizePass(config)]
+    passes += [fusion_pass_class(name)(config) for name in FUSION_ORDER if name in config.fusions]
+    passes.append(DefunctionalizePass(config))
+    return passes

@@ -1,0 +1,81 @@
+"""The dsv41 torch.compile backend, read top to bottom:
+
+1. Dynamo hands over a Torch-IR graph.
+2. AOTAutograd turns it into a functionalised ATen inference graph with Inductor's decompositions (buffer
+   mutations such as cache writes stay in the graph as trailing `copy_`s).
+3. The dsv41 pass manager rewrites that graph (normalise, fuse, schedule streams, defunctionalise) and records a
+   `CompileReport` in `backend.reports`.
+4. Code generation: `inductor` compiles the rewritten graph with Inductor (the `dsv41::` ops stay opaque extern
+   calls); `fx` runs the rewritten graph as is.
+
+A graph the pipeline cannot handle is compiled by plain Inductor instead, with the reason logged and stored in
+`report.fallback`: never a wrong result.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch._inductor.decomposition import select_decomp_table
+
+from dsv41.config import Dsv41Config
+from dsv41.passes.manager import CompileReport, PassManager
+
+log = logging.getLogger("dsv41")
+
+# Inductor settings for the leftover graph. emulate_precision_casts keeps the bf16 rounding points of the
+# model (spec 2.9): fake quantisation and top-k are discontinuous, so a skipped rounding changes results.
+INDUCTOR_PATCHES = {"emulate_precision_casts": True}
+
+
+class Dsv41Backend:
+    """A torch.compile backend: `torch.compile(model, backend=Dsv41Backend(config))`."""
+
+    def __init__(self, config: Dsv41Config | None = None):
+        self.config = config or Dsv41Config()
+        self.pass_manager = PassManager(self.config)
+        self.reports: list[CompileReport] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        import dsv41.lowerings  # noqa: F401  (registers the dsv41:: ops)
+
+        report = CompileReport(graph_id=len(self.reports))
+        self.reports.append(report)
+        try:
+            return self._compile(gm, example_inputs, report)
+        except Exception as e:  # a graph we cannot handle: plain Inductor, with the reason on record
+            report.fallback = f"{type(e).__name__}: {e}"
+            log.warning("dsv41: graph %d falls back to plain Inductor: %s", report.graph_id, report.fallback)
+            from torch._inductor.compile_fx import compile_fx
+
+            with torch._inductor.config.patch(INDUCTOR_PATCHES):
+                return compile_fx(gm, example_inputs)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs, report: CompileReport):
+        def inference_compiler(aten_gm: fx.GraphModule, inputs):
+            self.pass_manager.run(aten_gm.graph, report)
+            aten_gm.recompile()
+            if self.config.mode == "fx":
+                return make_boxed_func(aten_gm.forward)
+            from torch._inductor.compile_fx import compile_fx_inner
+
+            with torch._inductor.config.patch(INDUCTOR_PATCHES):
+                return compile_fx_inner(aten_gm, inputs)
+
+        def no_training(aten_gm, inputs):
+            raise NotImplementedError("dsv41 compiles inference (decode) graphs only; run under torch.no_grad()")
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=no_training, inference_compiler=inference_compiler,
+                                     decompositions=select_decomp_table(), keep_inference_input_mutations=True)
+
+
+def make_backend(config: Dsv41Config | None = None, **overrides) -> Dsv41Backend:
+    """A backend from `config` (defaults if None) with keyword overrides, then the DSV41_* environment applied."""
+    config = (config or Dsv41Config()).replace(**overrides).with_env()
+    return Dsv41Backend(config)
+
+
+dsv41_backend = Dsv41Backend(Dsv41Config().with_env())

@@ -1,0 +1,67 @@
+"""`allreduce_mhc`: a TP all-reduce of a sublayer output followed by the mHC post + collapse + RMSNorm.
+
+    attention:  y = bf16(all_reduce(y_partial.float()))
+    MoE:        y = bf16(all_reduce(routed_fp32) + shared.float())
+    then as mhc_post_pre:  x_new = post(y, x); h = rms_norm(collapse(x_new, pre))
+  -> dsv41::allreduce_mhc(y_partial, shared?, x, post, comb, pre, w, eps, group_name)
+
+The all-reduce becomes part of the fused op; the group is read from the matched collective. Formulations:
+the two sites, each with the stream formulations of mhc_post_pre.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41.passes.fusion import FusionPass, Replacement
+from dsv41.passes.matcher import ANY_STR, Pattern
+from dsv41.passes.mhc_post_pre import D, T, example_stream_inputs, stream_formulations
+
+c10d = torch.ops._c10d_functional
+
+
+def _all_reduce(t):
+    return c10d.wait_tensor.default(c10d.all_reduce.default(t, "sum", ANY_STR))
+
+
+def _ffn_inputs():
+    y, *rest = example_stream_inputs()
+    return [torch.empty(T, D), y] + rest
+
+
+class AllReduceMhcPass(FusionPass):
+    name = "allreduce_mhc"
+
+    def patterns(self):
+        eps = self.config.norm_eps
+        pats = []
+        for suffix, post_fn, collapse_fn, norm_fn in stream_formulations():
+            def tail(y, x, post, comb, pre, w, post_fn=post_fn, collapse_fn=collapse_fn, norm_fn=norm_fn):
+                x_new = post_fn(y, x, post, comb)
+                return x_new, norm_fn(collapse_fn(x_new, pre), w, eps)
+
+            def attention(y, x, post, comb, pre, w, tail=tail):
+                return tail(_all_reduce(y.float()).to(y.dtype), x, post, comb, pre, w)
+
+            def ffn(y, shared, x, post, comb, pre, w, tail=tail):
+                return tail((_all_reduce(y) + shared.float()).to(shared.dtype), x, post, comb, pre, w)
+
+            pats.append(Pattern("attention" + suffix, attention, example_stream_inputs))
+            pats.append(Pattern("ffn" + suffix, ffn, _ffn_inputs))
+        return pats
+
+    def check(self, m):
+        x = m.inputs[-5].meta["val"]
+        if x.dtype != torch.bfloat16:
+            return f"dtype: x {x.dtype}; the op takes bf16"
+        return self.token_check(x.shape[0])
+
+    def replacement(self, m):
+        group = next(n for n in m.nodes if n.target is c10d.all_reduce.default).args[2]
+        if m.pattern.name.startswith("ffn"):
+            y, shared, *streams = m.inputs
+        else:
+            (y, *streams), shared = m.inputs, None
+        x, post, comb, pre, w = streams
+        args = (y, shared, x, post, comb, pre, w, self.config.norm_eps, group, self.config.kernel)
+        return Replacement(torch.ops.dsv41.allreduce_mhc.default, args, (0, 1))

@@ -1,0 +1,46 @@
+"""Defunctionalisation, the last pass: `auto_functionalized(op, **kw)` becomes the in-place call `op(**kw)`.
+
+Functionalisation wraps every mutating custom op in the `auto_functionalized` higher-order op, which clones the
+mutated inputs. In `fx` mode nothing else removes those clones, so this pass turns each wrapper back into the
+in-place call: `getitem(wrapper, 0)` (the op's own result) becomes the call, `getitem(wrapper, 1 + i)` (the new
+value of the i-th mutated argument) becomes that argument. The call has no users of its own when the op returns
+nothing, so no dead-code elimination may run after this pass. Inductor mode leaves the wrappers to Inductor's own
+`decompose_auto_functionalized`.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from dsv41.passes.fusion import GraphPass, PassResult
+
+
+class DefunctionalizePass(GraphPass):
+    name = "defunctionalize"
+
+    def config_key(self) -> dict:
+        return {"mode": self.config.mode}
+
+    def __call__(self, graph: fx.Graph) -> PassResult:
+        result = PassResult(self.name)
+        if self.config.mode != "fx":
+            return result
+        af = torch.ops.higher_order.auto_functionalized
+        for node in list(graph.find_nodes(op="call_function", target=af)):
+            op, kwargs = node.args[0], dict(node.kwargs)
+            mutated = [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+            with graph.inserting_before(node):
+                call = graph.call_function(op, (), kwargs)
+            call.meta = dict(node.meta)
+            has_result = len(op._schema.returns) > 0
+            for user in list(node.users):
+                assert user.target is operator.getitem, f"unexpected user {user} of {node}"
+                i = user.args[1]
+                user.replace_all_uses_with(call if (has_result and i == 0) else kwargs[mutated[i - has_result]])
+                graph.erase_node(user)
+            graph.erase_node(node)
+            result.matches += 1
+        return result

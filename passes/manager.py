@@ -1,0 +1,86 @@
+"""The dsv41 pass manager: normalisation, the fusions (most specific first), side-stream scheduling, and
+defunctionalisation last (nothing may remove "dead" nodes after it).
+
+It is an Inductor `CustomGraphPass`: `uuid()` hashes every pass's source and the config it depends on, so a
+cached graph is never stale. Snapshots of the graph before and after every pass are taken only when a recorder
+is attached (the graph-diff tool); in debug mode every pass is followed by invariant checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from dsv41.passes.fusion import GraphPass, PassResult, source_hash
+from dsv41.passes.normalize import normalize_graph
+
+
+@dataclass
+class CompileReport:
+    """One compiled graph: `matches[fusion]` = replacements made, `declined[fusion]` = reasons for the candidate
+    subgraphs that were not replaced, `passes` = per-pass results in order, `fallback` = why the backend handed
+    the graph to plain Inductor (None when it did not)."""
+
+    graph_id: int
+    matches: dict[str, int] = field(default_factory=dict)
+    declined: dict[str, list[str]] = field(default_factory=dict)
+    passes: list[PassResult] = field(default_factory=list)
+    fallback: str | None = None
+
+
+class NormalizePass(GraphPass):
+    name = "normalize"
+
+    def __call__(self, graph: fx.Graph) -> PassResult:
+        return PassResult(self.name, matches=normalize_graph(graph))
+
+
+class PassManager(CustomGraphPass):
+    def __init__(self, config):
+        from dsv41.passes import build_passes
+
+        self.config = config
+        self.passes: list[GraphPass] = build_passes(config)
+        self.recorder = None  # set by the graph-diff tool: recorder.snapshot(graph_id, index, pass, before, after, result)
+
+    def uuid(self) -> str:
+        h = hashlib.sha256(source_hash(PassManager).encode())
+        h.update(json.dumps([p.uuid() for p in self.passes]).encode())
+        return h.hexdigest()
+
+    def __call__(self, graph: fx.Graph) -> None:  # CustomGraphPass contract
+        self.run(graph, CompileReport(graph_id=-1))
+
+    def run(self, graph: fx.Graph, report: CompileReport) -> CompileReport:
+        for index, p in enumerate(self.passes):
+            before = self.recorder.capture(graph) if self.recorder is not None else None
+            result = p(graph)
+            report.passes.append(result)
+            if p.name in self.config.fusions:
+                report.matches[p.name] = result.matches
+                report.declined[p.name] = [f"{d.pattern} at %{d.anchor}: {d.kind}: {d.reason}" for d in result.declined]
+            if self.recorder is not None:
+                self.recorder.snapshot(report.graph_id, index, p, before, self.recorder.capture(graph), result)
+            if self.config.debug:
+                check_invariants(graph, p.name)
+        return report
+
+
+def check_invariants(graph: fx.Graph, after: str) -> None:
+    """graph.lint() plus: every call_function node carries meta['val']."""
+    try:
+        graph.lint()
+    except Exception as e:
+        raise RuntimeError(f"graph invalid after pass {after!r}: {e}") from e
+    missing = [n.name for n in graph.nodes if n.op == "call_function" and "val" not in n.meta and _returns_value(n)]
+    if missing:
+        raise RuntimeError(f"after pass {after!r}: nodes without meta['val']: {missing[:10]}")
+
+
+def _returns_value(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or len(schema.returns) > 0

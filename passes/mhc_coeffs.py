@@ -1,0 +1,65 @@
+"""`mhc_coeffs`: the mHC coefficients of a site (spec 2.2) -> one dsv41::mhc_coeffs call.
+
+    r = rsqrt(mean(x^2) + eps) over the 4 streams; m = (x @ fn^T) * r                   [T, 24]
+    pre = sigmoid(m[:, :4] s0 + b) + hc_eps; post = 2 sigmoid(m[:, 4:8] s1 + b)
+    comb = Sinkhorn(softmax(m[:, 8:].view(4, 4) s2 + b) + hc_eps), 20 column / 19 row normalisations
+
+Formulations: the model's (GEMM then scale by r; normalisations as `c / (c.sum() + eps)`), and a variant that
+normalises first (`(x * r) @ fn^T`, RMSNorm-without-weight then linear) with the normalisations written as
+multiplication by the reciprocal of the sum.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41.models import functional as fn
+from dsv41.passes.fusion import FusionPass, Replacement
+from dsv41.passes.matcher import Pattern
+
+T, HC, D = 3, 4, 32
+
+
+def _inputs():
+    n = (2 + HC) * HC
+    return [torch.empty(T, HC, D, dtype=torch.bfloat16), torch.empty(n, HC * D), torch.empty(n), torch.empty(3)]
+
+
+def hc_mixes_prenorm(x, fn_w, base, scale, norm_eps, hc_eps, iters):
+    t, hc, _ = x.shape
+    xf = x.flatten(1).float()
+    m = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm_eps)) @ fn_w.t()
+    pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2.0 * torch.sigmoid(m[:, hc: 2 * hc] * scale[1] + base[hc: 2 * hc])
+    c = torch.softmax(m[:, 2 * hc:].view(t, hc, hc) * scale[2] + base[2 * hc:].view(hc, hc), dim=-1) + hc_eps
+    c = c * (1.0 / (c.sum(dim=-2, keepdim=True) + hc_eps))
+    for _ in range(iters - 1):
+        c = c * (1.0 / (c.sum(dim=-1, keepdim=True) + hc_eps))
+        c = c * (1.0 / (c.sum(dim=-2, keepdim=True) + hc_eps))
+    return pre, post, c
+
+
+class MhcCoeffsPass(FusionPass):
+    name = "mhc_coeffs"
+
+    def patterns(self):
+        c = self.config
+        out = []
+        for name, mixes in (("hc_mixes", fn.hc_mixes), ("hc_mixes_prenorm", hc_mixes_prenorm)):
+            def search(x, fn_w, base, scale, mixes=mixes):
+                return mixes(x, fn_w, base, scale, c.norm_eps, c.hc_eps, c.sinkhorn_iters)
+
+            out.append(Pattern(name, search, _inputs))
+        return out
+
+    def check(self, m):
+        x = m.inputs[0].meta["val"]
+        if x.dtype != torch.bfloat16:
+            return f"dtype: x {x.dtype}; the op takes bf16"
+        return self.token_check(x.shape[0])
+
+    def replacement(self, m):
+        x, fn_w, base, scale = m.inputs
+        c = self.config
+        op = torch.ops.dsv41.mhc_coeffs.default
+        return Replacement(op, (x, fn_w, base, scale, c.norm_eps, c.hc_eps, c.sinkhorn_iters, c.kernel), (0, 1, 2))

@@ -1,0 +1,75 @@
+"""`mhc_post_pre`: the mHC post of a sublayer output + the collapse with the carried pre + the next RMSNorm.
+
+    x_new = bf16(post_k * y + sum_j comb[j, k] * x_j)      (hc_post)
+    h     = rms_norm(bf16(sum_j pre_j * x_new_j), w, eps)  (hc_collapse, rms_norm)
+  -> dsv41::mhc_post_pre(y, x, post, comb, pre, w, eps)
+
+Formulations: broadcast-multiply-sum mixing (the model's) or einsum mixing; RMSNorm written out
+(x * rsqrt(mean(x^2) + eps) * w) or as F.rms_norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsv41.models import functional as fn
+from dsv41.passes.fusion import FusionPass, Replacement
+from dsv41.passes.matcher import Pattern
+
+T, HC, D = 3, 4, 32
+
+
+def example_stream_inputs():
+    """y, x, post, comb, pre, w: small example tensors of a mHC site."""
+    bf = torch.bfloat16
+    return [torch.empty(T, D, dtype=bf), torch.empty(T, HC, D, dtype=bf), torch.empty(T, HC), torch.empty(T, HC, HC),
+            torch.empty(T, HC), torch.empty(D, dtype=bf)]
+
+
+def post_einsum(y, x, post, comb):
+    mixed = torch.einsum("tjk,tjd->tkd", comb, x.float())
+    return (post.unsqueeze(-1) * y.float().unsqueeze(1) + mixed).to(x.dtype)
+
+
+def collapse_einsum(x, pre):
+    return torch.einsum("tj,tjd->td", pre, x.float()).to(x.dtype)
+
+
+def rms_norm_functional(x, w, eps):
+    return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
+
+
+def stream_formulations():
+    """(name suffix, post, collapse, rms_norm) of each accepted formulation."""
+    return [
+        ("", fn.hc_post, fn.hc_collapse, fn.rms_norm),
+        ("_einsum", post_einsum, collapse_einsum, fn.rms_norm),
+        ("_F_rms_norm", fn.hc_post, fn.hc_collapse, rms_norm_functional),
+    ]
+
+
+class MhcPostPrePass(FusionPass):
+    name = "mhc_post_pre"
+
+    def patterns(self):
+        eps = self.config.norm_eps
+        out = []
+        for suffix, post_fn, collapse_fn, norm_fn in stream_formulations():
+            def search(y, x, post, comb, pre, w, post_fn=post_fn, collapse_fn=collapse_fn, norm_fn=norm_fn):
+                x_new = post_fn(y, x, post, comb)
+                return x_new, norm_fn(collapse_fn(x_new, pre), w, eps)
+
+            out.append(Pattern("post_pre" + suffix, search, example_stream_inputs))
+        return out
+
+    def check(self, m):
+        y, x = (v.meta["val"] for v in m.inputs[:2])
+        if y.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+            return f"dtype: y {y.dtype}, x {x.dtype}; the op takes bf16"
+        return self.token_check(x.shape[0])
+
+    def replacement(self, m):
+        y, x, post, comb, pre, w = m.inputs
+        op = torch.ops.dsv41.mhc_post_pre.default
+        return Replacement(op, (y, x, post, comb, pre, w, self.config.norm_eps, self.config.kernel), (0, 1))

@@ -1,0 +1,64 @@
+"""`moe_finalize`: the combine of the routed expert outputs + the shared-expert add + the cast.
+
+    y = zeros(T, D, fp32).index_add(0, token, expert_out.float());  out = bf16(y + shared.float())
+  -> dsv41::moe_finalize(expert_out, token, shared, T)
+
+Under TP an all-reduce sits between the combine and the shared add: then only the combine is replaced
+(`shared` None, fp32 out) and `allreduce_mhc` takes the rest. Formulations: index_add (the model's) or
+scatter_add over an expanded index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41.passes.fusion import FusionPass, Replacement
+from dsv41.passes.matcher import Pattern
+
+M, T, D = 6, 3, 32
+aten = torch.ops.aten
+
+
+def _inputs(with_shared):
+    def inputs():
+        base = [torch.empty(M, D, dtype=torch.bfloat16), torch.empty(M, dtype=torch.int64)]
+        return base + ([torch.empty(T, D, dtype=torch.bfloat16)] if with_shared else [])
+    return inputs
+
+
+def combine_index_add(out, token, num_tokens):
+    return torch.zeros(num_tokens, out.shape[1], dtype=torch.float32, device=out.device).index_add_(0, token, out.float())
+
+
+def combine_scatter_add(out, token, num_tokens):
+    index = token.unsqueeze(-1).expand(-1, out.shape[1])
+    return torch.zeros(num_tokens, out.shape[1], dtype=torch.float32, device=out.device).scatter_add_(0, index, out.float())
+
+
+class MoeFinalizePass(FusionPass):
+    name = "moe_finalize"
+
+    def patterns(self):
+        free, defaults = {"num_tokens": (aten.full.default, 0, (0, 0))}, {"num_tokens": T}
+        pats = []
+        for name, combine in (("index_add", combine_index_add), ("scatter_add", combine_scatter_add)):
+            def with_shared(out, token, shared, num_tokens, combine=combine):
+                return (combine(out, token, num_tokens) + shared.float()).to(shared.dtype)
+
+            def combine_only(out, token, num_tokens, combine=combine):
+                return combine(out, token, num_tokens)
+
+            pats.append(Pattern(f"{name}_shared", with_shared, _inputs(True), free, defaults))
+            pats.append(Pattern(f"{name}_only", combine_only, _inputs(False), free, defaults))
+        return pats
+
+    def check(self, m):
+        out = m.inputs[0].meta["val"]
+        if out.dtype != torch.bfloat16:
+            return f"dtype: expert_out {out.dtype}; the op takes bf16"
+        return self.token_check(m.free["num_tokens"])
+
+    def replacement(self, m):
+        out, token = m.inputs[:2]
+        shared = m.inputs[2] if m.pattern.name.endswith("_shared") else None
+        return Replacement(torch.ops.dsv41.moe_finalize.default, (out, token, shared, m.free["num_tokens"], self.config.kernel), (None,))

@@ -1,0 +1,62 @@
+"""`moe_route`: router GEMM (fp32) + sqrt-softplus + bias for selection + top-k + gather + normalise + scale.
+
+    scores = sqrt(softplus(h.float() @ W.float()^T / gate_temp));  experts = topk(scores + bias, k)
+    weights = scores[experts] / (sum + 1e-20) * route_scale
+  -> dsv41::moe_route(h, W, bias, k, route_scale, gate_temp)
+
+k is read from the graph; route_scale and gate_temp are checked against the config. Formulations: the model's,
+and one without the division by the temperature (a model that has none, valid when gate_temp == 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsv41.models import functional as fn
+from dsv41.passes.fusion import FusionPass, Replacement
+from dsv41.passes.matcher import Pattern
+
+T, D, E = 3, 32, 16
+aten = torch.ops.aten
+
+
+def _inputs():
+    return [torch.empty(T, D, dtype=torch.bfloat16), torch.empty(E, D, dtype=torch.bfloat16), torch.empty(E)]
+
+
+def route_no_temperature(h, gate_w, bias, topk, route_scale):
+    scores = torch.sqrt(F.softplus(torch.mm(h.float(), gate_w.float().t())))
+    experts = torch.topk(scores + bias, topk, dim=-1).indices
+    w = scores.gather(1, experts)
+    return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * route_scale, experts
+
+
+class MoeRoutePass(FusionPass):
+    name = "moe_route"
+
+    def patterns(self):
+        c = self.config
+        free, defaults = {"topk": (aten.topk.default, 0, 1)}, {"topk": 6}
+
+        def route(h, gate_w, bias, topk):
+            return fn.route(h, gate_w, bias, topk, c.route_scale, c.gate_temp)
+
+        def route_plain(h, gate_w, bias, topk):
+            return route_no_temperature(h, gate_w, bias, topk, c.route_scale)
+
+        pats = [Pattern("route", route, _inputs, free, defaults)]
+        if c.gate_temp == 1.0:
+            pats.append(Pattern("route_no_temperature", route_plain, _inputs, free, defaults))
+        return pats
+
+    def check(self, m):
+        h = m.inputs[0].meta["val"]
+        if h.dtype != torch.bfloat16:
+            return f"dtype: h {h.dtype}; the op takes bf16"
+        return self.token_check(h.shape[0])
+
+    def replacement(self, m):
+        h, gate_w, bias = m.inputs
+        c = self.config
+        return Replacement(torch.ops.dsv41.moe_route.default, (h, gate_w, bias, m.free["topk"], c.route_scale, c.gate_temp, c.kernel), (0, 1))

@@ -1,0 +1,58 @@
+"""`wo_a`: the inverse RoPE of the attention output + the grouped wo_a projection.
+
+    o = rope_tail(o, cos, sin, inverse);  z[t, g] = o.view(T, G, -1)[t, g] @ w.view(G, R, -1)[g]^T
+  -> dsv41::wo_a(o, cos, sin, w, G)                               [T, H, hd] -> [T, G*R] bf16
+
+G = H*hd / w.shape[1] follows from the shapes. Formulations: einsum (the model's) or bmm over transposed groups.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41.models import functional as fn
+from dsv41.passes.fusion import FusionPass, Replacement
+from dsv41.passes.matcher import Pattern
+
+T, H, HD, G, R, RD = 3, 4, 32, 2, 16, 16
+
+
+def _inputs():
+    bf = torch.bfloat16
+    return [torch.empty(T, H, HD, dtype=bf), torch.empty(T, RD // 2), torch.empty(T, RD // 2),
+            torch.empty(G * R, (H // G) * HD, dtype=bf)]
+
+
+def _groups(o, w):
+    return o.shape[1] * o.shape[2] // w.shape[1]
+
+
+def wo_a_einsum(o, cos, sin, w):
+    t, g = o.shape[0], _groups(o, w)
+    o = fn.apply_rope_tail(o, cos, sin, inverse=True)
+    return torch.einsum("tgd,grd->tgr", o.view(t, g, -1), w.view(g, w.shape[0] // g, -1)).flatten(1)
+
+
+def wo_a_bmm(o, cos, sin, w):
+    t, g = o.shape[0], _groups(o, w)
+    o = fn.apply_rope_tail(o, cos, sin, inverse=True)
+    z = torch.bmm(o.view(t, g, -1).transpose(0, 1), w.view(g, w.shape[0] // g, -1).transpose(1, 2))
+    return z.transpose(0, 1).flatten(1)
+
+
+class WoAPass(FusionPass):
+    name = "wo_a"
+
+    def patterns(self):
+        return [Pattern("wo_a_einsum", wo_a_einsum, _inputs), Pattern("wo_a_bmm", wo_a_bmm, _inputs)]
+
+    def check(self, m):
+        o, w = m.inputs[0].meta["val"], m.inputs[3].meta["val"]
+        if o.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+            return f"dtype: o {o.dtype}, weight {w.dtype}; the op takes bf16"
+        return self.token_check(o.shape[0])
+
+    def replacement(self, m):
+        o, cos, sin, w = m.inputs
+        groups = _groups(o.meta["val"], w.meta["val"])
+        return Replacement(torch.ops.dsv41.wo_a.default, (o, cos, sin, w, groups, self.config.kernel), (None,))

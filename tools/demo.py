@@ -1,0 +1,68 @@
+"""`dsv41 demo`: compile the tiny DeepSeek-V4.1 model with the dsv41 backend and show what it did.
+
+Prints the fusion counts per compiled graph, the decline reasons, the agreement with eager over three decode
+steps, and on a GPU the step times of eager, Inductor and dsv41 (each replayed in a CUDA graph).
+On a CPU the backend runs in `fx` mode (no Inductor compile), so the demo finishes in well under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+
+def _steps(model, tokens, start, n=3):
+    out = []
+    for i in range(n):
+        out.append(model(tokens, start + i))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dsv41 demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--mode", choices=("fx", "inductor"), default=None,
+                        help="backend code generation (default: inductor on a GPU, fx on a CPU)")
+    args = parser.parse_args(argv)
+    from dsv41.backend import make_backend
+    from dsv41.models import TINY, DSV41Model
+
+    device = torch.device(args.device)
+    mode = args.mode or ("inductor" if device.type == "cuda" else "fx")
+    torch.manual_seed(0)
+    print(f"dsv41 demo: tiny DeepSeek-V4.1 ({TINY.n_layers} layers, D={TINY.dim}) on {device}, batch {args.batch}, mode {mode}")
+    eager = DSV41Model(TINY, max_batch=args.batch, max_context=256, device=device)
+    fused = copy.deepcopy(eager)
+    backend = make_backend(mode=mode)
+    compiled = torch.compile(fused, backend=backend, fullgraph=True)
+    tokens = torch.randint(0, TINY.vocab_size, (args.batch,), device=device)
+    start = torch.arange(args.batch, device=device) * 7 + 20
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        got = _steps(compiled, tokens, start)
+        compile_s = time.perf_counter() - t0
+        want = _steps(eager, tokens, start)
+    report = backend.reports[-1]
+    print(f"\ncompiled in {compile_s:.1f} s; fusions replaced (graph {report.graph_id}):")
+    for name, n in report.matches.items():
+        print(f"  {name:14s} {n:3d}")
+    if report.fallback:
+        print(f"  fell back to plain Inductor: {report.fallback}")
+    for name, reasons in report.declined.items():
+        for r in reasons[:3]:
+            print(f"  declined {name}: {r}")
+    worst = max((a - b).abs().max().item() for a, b in zip(got, want))
+    same_top = all(bool((a.argmax(-1) == b.argmax(-1)).all()) for a, b in zip(got, want))
+    print(f"\nagreement with eager over 3 decode steps: max |logit diff| = {worst:.3g}, same argmax: {same_top}")
+    if device.type == "cuda":
+        from dsv41.tools.cuda_graphs import time_step
+
+        inductor = torch.compile(copy.deepcopy(eager), backend="inductor", fullgraph=True)
+        print("\nstep time (CUDA graph replay, median):")
+        for name, model in (("eager", eager), ("inductor", inductor), ("dsv41", compiled)):
+            print(f"  {name:9s} {time_step(model, tokens, start + 3):8.1f} us")
+    return 0 if worst < 5e-2 else 1
