@@ -6,7 +6,8 @@
 3. The dsv41 pass manager rewrites that graph (normalise, fuse, schedule streams, defunctionalise) and records a
    `CompileReport` in `backend.reports`.
 4. Code generation: `inductor` compiles the rewritten graph with Inductor (the `dsv41::` ops stay opaque extern
-   calls); `fx` runs the rewritten graph as is.
+   calls); `fx` runs the rewritten graph as is. A graph with a side-stream schedule is cut into stream segments,
+   each compiled that way, and run by `dsv41.stream_executor.StreamExecutor`.
 
 A graph the pipeline cannot handle is compiled by plain Inductor instead, with the reason logged and stored in
 `report.fallback`: never a wrong result.
@@ -23,6 +24,7 @@ from torch._inductor.decomposition import select_decomp_table
 
 from dsv41.config import Dsv41Config
 from dsv41.passes.manager import CompileReport, PassManager
+from dsv41.stream_executor import StreamExecutor, has_schedule
 
 log = logging.getLogger("dsv41")
 
@@ -38,6 +40,10 @@ class Dsv41Backend:
         self.config = config or Dsv41Config()
         self.pass_manager = PassManager(self.config)
         self.reports: list[CompileReport] = []
+        if self.config.dump_dir:  # graph-diff snapshots of every pass (`dsv41 graphdiff show DIR`)
+            from dsv41.tools.graphdiff import Recorder
+
+            self.pass_manager.recorder = Recorder(self.config.dump_dir)
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         import dsv41.lowerings  # noqa: F401  (registers the dsv41:: ops)
@@ -58,18 +64,25 @@ class Dsv41Backend:
         def inference_compiler(aten_gm: fx.GraphModule, inputs):
             self.pass_manager.run(aten_gm.graph, report)
             aten_gm.recompile()
-            if self.config.mode == "fx":
-                return make_boxed_func(aten_gm.forward)
-            from torch._inductor.compile_fx import compile_fx_inner
-
-            with torch._inductor.config.patch(INDUCTOR_PATCHES):
-                return compile_fx_inner(aten_gm, inputs)
+            if has_schedule(aten_gm.graph):
+                return StreamExecutor(aten_gm, self._compile_graph)
+            return self._compile_graph(aten_gm, inputs)
 
         def no_training(aten_gm, inputs):
             raise NotImplementedError("dsv41 compiles inference (decode) graphs only; run under torch.no_grad()")
 
         return aot_module_simplified(gm, example_inputs, fw_compiler=no_training, inference_compiler=inference_compiler,
                                      decompositions=select_decomp_table(), keep_inference_input_mutations=True)
+
+
+    def _compile_graph(self, gm: fx.GraphModule, inputs):
+        """A boxed callable for `gm`: Inductor's compiled code, or the GraphModule itself in fx mode."""
+        if self.config.mode == "fx":
+            return make_boxed_func(gm.forward)
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        with torch._inductor.config.patch(INDUCTOR_PATCHES):
+            return compile_fx_inner(gm, inputs)
 
 
 def make_backend(config: Dsv41Config | None = None, **overrides) -> Dsv41Backend:

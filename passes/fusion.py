@@ -105,24 +105,34 @@ class FusionPass(GraphPass):
             self._patterns = PatternSet(self.patterns())
         result = PassResult(self.name)
         erased: set[fx.Node] = set()
-        for anchor in self._patterns.anchors(graph):
+        failures: dict[fx.Node, MatchFailure] = {}
+        # Formulations in order over the whole graph: a wider pattern claims its nodes before a narrower one
+        # (e.g. combine + shared add before the combine alone).
+        for index in range(len(self._patterns.patterns)):
+            for anchor in self._patterns.anchors(graph, index):
+                if anchor in erased:
+                    continue
+                m = self._patterns.match_one(index, anchor)
+                if isinstance(m, MatchResult):
+                    reason = self.check(m)
+                    if reason is not None:
+                        kind = "token limit" if reason.startswith("token limit") else "check"
+                        m = MatchFailure(m.pattern.name, anchor.name, len(m.nodes), len(m.nodes), kind, reason)
+                if isinstance(m, MatchFailure):
+                    best = failures.get(anchor)
+                    if best is None or _rank(m) > _rank(best):
+                        failures[anchor] = m
+                    continue
+                result.replaced.append(self._replace(graph, m))
+                erased.update(m.nodes)
+                result.matches += 1
+        for anchor, f in failures.items():
             if anchor in erased:
                 continue
-            m = self._patterns.match(anchor)
-            if isinstance(m, MatchResult):
-                reason = self.check(m)
-                if reason is not None:
-                    kind = "token limit" if reason.startswith("token limit") else "check"
-                    m = MatchFailure(m.pattern.name, anchor.name, len(m.nodes), len(m.nodes), kind, reason)
-            if isinstance(m, MatchFailure):
-                if m.progress >= 2:
-                    result.attempts.append(m)
-                if m.kind in _REPORTED_KINDS or m.progress >= max(4, m.total // 3):
-                    result.declined.append(m)
-                continue
-            result.replaced.append(self._replace(graph, m))
-            erased.update(m.nodes)
-            result.matches += 1
+            if f.progress >= 2:
+                result.attempts.append(f)
+            if f.kind in _REPORTED_KINDS or f.progress >= max(4, f.total // 3):
+                result.declined.append(f)
         return result
 
     def _replace(self, graph: fx.Graph, m: MatchResult) -> dict:
@@ -162,6 +172,10 @@ class FusionPass(GraphPass):
             "stack_trace": anchor.meta.get("stack_trace"),
             "module": _module_path(anchor),
         }
+
+
+def _rank(f: MatchFailure) -> tuple:
+    return (f.kind in _REPORTED_KINDS, f.progress / max(f.total, 1))
 
 
 def _module_path(node: fx.Node) -> str | None:

@@ -18,6 +18,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from dsv41.passes.fusion import GraphPass, PassResult, source_hash
 from dsv41.passes.normalize import normalize_graph
 
+# Recorders of `dsv41.tools.graphdiff.record(...)`: while one is active, every PassManager reports to it too.
+ACTIVE_RECORDERS: list = []
+
 
 @dataclass
 class CompileReport:
@@ -45,7 +48,9 @@ class PassManager(CustomGraphPass):
 
         self.config = config
         self.passes: list[GraphPass] = build_passes(config)
-        self.recorder = None  # set by the graph-diff tool: recorder.snapshot(graph_id, index, pass, before, after, result)
+        # set by the graph-diff tool: recorder.begin_graph(graph_id, passes), then per pass
+        # recorder.snapshot(graph_id, index, pass, recorder.capture(graph) before, ... after, result)
+        self.recorder = None
 
     def uuid(self) -> str:
         h = hashlib.sha256(source_hash(PassManager).encode())
@@ -56,15 +61,19 @@ class PassManager(CustomGraphPass):
         self.run(graph, CompileReport(graph_id=-1))
 
     def run(self, graph: fx.Graph, report: CompileReport) -> CompileReport:
+        recorders = [r for r in (self.recorder, *ACTIVE_RECORDERS) if r is not None]  # [] when off: no snapshots
+        recorders = list(dict.fromkeys(recorders))
+        for r in recorders:
+            r.begin_graph(report.graph_id, self.passes)
         for index, p in enumerate(self.passes):
-            before = self.recorder.capture(graph) if self.recorder is not None else None
+            befores = [r.capture(graph) for r in recorders]
             result = p(graph)
             report.passes.append(result)
             if p.name in self.config.fusions:
                 report.matches[p.name] = result.matches
                 report.declined[p.name] = [f"{d.pattern} at %{d.anchor}: {d.kind}: {d.reason}" for d in result.declined]
-            if self.recorder is not None:
-                self.recorder.snapshot(report.graph_id, index, p, before, self.recorder.capture(graph), result)
+            for r, before in zip(recorders, befores):
+                r.snapshot(report.graph_id, index, p, before, r.capture(graph), result)
             if self.config.debug:
                 check_invariants(graph, p.name)
         return report

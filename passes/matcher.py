@@ -234,23 +234,14 @@ class PatternSet:
         self.patterns = list(patterns)
         self._structural = {p.name: p.trace(p.inputs()) for p in self.patterns}
 
-    def anchors(self, graph: fx.Graph) -> list[fx.Node]:
-        targets = set()
-        for gm in self._structural.values():
-            out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-            first = out[0] if isinstance(out, (tuple, list)) else out
-            targets.add(first.target)
-        return [n for n in graph.nodes if n.op == "call_function" and n.target in targets]
+    def anchors(self, graph: fx.Graph, index: int) -> list[fx.Node]:
+        """Graph nodes with the op of pattern `index`'s first output, in graph order."""
+        out = next(n for n in self._structural[self.patterns[index].name].graph.nodes if n.op == "output").args[0]
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        return list(graph.find_nodes(op="call_function", target=first.target))
 
-    def match(self, anchor: fx.Node) -> MatchResult | MatchFailure:
-        best: MatchFailure | None = None
-        for pat in self.patterns:
-            res = self._match_one(pat, anchor)
-            if isinstance(res, MatchResult):
-                return res
-            if best is None or (res.progress / res.total) > (best.progress / best.total):
-                best = res
-        return best
+    def match_one(self, index: int, anchor: fx.Node) -> MatchResult | MatchFailure:
+        return self._match_one(self.patterns[index], anchor)
 
     def _match_one(self, pat: Pattern, anchor: fx.Node) -> MatchResult | MatchFailure:
         structural = _Matcher(self._structural[pat.name], exact=False)

@@ -1,0 +1,72 @@
+"""Argument validation shared by the real and the fake implementation of every `dsv41::` op.
+
+Each check reads metadata only (dtype, sizes, device, layout), so it runs unchanged on fake tensors with
+symbolic sizes. Every error starts with the op's qualified name and names the offending argument:
+TypeError for a wrong dtype, ValueError for a wrong shape, device, layout or scalar value.
+
+Shapes are written as space-separated dim labels, unified across arguments through one `dims` dict per call:
+a label seen for the first time binds to the tensor's size, a label seen before must match, and a label that
+is a decimal number is a literal size. Derived sizes are bound by the caller under descriptive labels (e.g.
+`dims["hc*D"] = hc * d`) before the tensor that carries them is checked.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+IMPLS = ("auto", "cute", "reference")
+
+
+def check_impl(op: str, impl: str) -> None:
+    """impl must be one of IMPLS."""
+    if impl not in IMPLS:
+        raise ValueError(f"dsv41::{op}: argument 'impl' must be one of {IMPLS}, got {impl!r}")
+
+
+def check_devices(op: str, **tensors: Tensor | None) -> torch.device:
+    """All given tensors (None skipped) on one device, the first one's; returns that device."""
+    first = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if first is None:
+            first = (name, t.device)
+        elif t.device != first[1]:
+            raise ValueError(f"dsv41::{op}: argument '{name}' is on {t.device}, expected {first[1]} like '{first[0]}'")
+    return first[1]
+
+
+def check_tensor(op: str, name: str, t: Tensor | None, dtypes, shape: str, dims: dict) -> None:
+    """t (skipped if None) is a strided tensor of one of `dtypes` whose sizes match the labels of `shape`."""
+    if t is None:
+        return
+    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"dsv41::{op}: argument '{name}' must be {want}, got {t.dtype}")
+    if t.layout != torch.strided:
+        raise ValueError(f"dsv41::{op}: argument '{name}' must be a strided (dense) tensor, got {t.layout}")
+    labels = shape.split()
+    if t.dim() != len(labels):
+        raise ValueError(f"dsv41::{op}: argument '{name}' must be {len(labels)}-D [{', '.join(labels)}], "
+                         f"got shape {list(t.shape)}")
+    for label, size in zip(labels, t.shape):
+        want = int(label) if label.isdecimal() else dims.setdefault(label, size)
+        if size != want:
+            expected = [int(lb) if lb.isdecimal() else dims.get(lb, n) for lb, n in zip(labels, t.shape)]
+            raise ValueError(f"dsv41::{op}: argument '{name}' must have shape [{', '.join(labels)}] = {expected}, "
+                             f"got {list(t.shape)}")
+
+
+def check_scalar(op: str, name: str, value, ok: bool, requirement: str) -> None:
+    """A scalar argument meets `requirement` (a phrase such as 'must be >= 1'); `ok` is its truth."""
+    if not ok:
+        raise ValueError(f"dsv41::{op}: argument '{name}' {requirement}, got {value!r}")
+
+
+def check_rotary(op: str, half_rd, dim_label: str, dim) -> None:
+    """cos/sin with half_rd columns rotate rd = 2 * half_rd trailing dims, at most the `dim_label` = dim ones."""
+    if 2 * half_rd > dim:
+        raise ValueError(f"dsv41::{op}: arguments 'cos' and 'sin' have {half_rd} columns, so they rotate "
+                         f"rd = {2 * half_rd} dims, more than {dim_label} = {dim}")

@@ -1,0 +1,63 @@
+"""`dsv41::mhc_post_pre`: the mHC post of a sublayer output, then the pre (collapse + RMSNorm) of the next one."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dsv41.lowerings import _checks, _kernels
+from dsv41.models import functional
+
+NAME = "mhc_post_pre"
+
+
+def validate_streams(op, x, post, comb, pre, norm_weight, dims):
+    """The stream arguments shared with `dsv41::allreduce_mhc`; x binds T, hc, D in `dims`."""
+    _checks.check_tensor(op, "x", x, torch.bfloat16, "T hc D", dims)
+    _checks.check_tensor(op, "post", post, torch.float32, "T hc", dims)
+    _checks.check_tensor(op, "comb", comb, torch.float32, "T hc hc", dims)
+    _checks.check_tensor(op, "pre", pre, torch.float32, "T hc", dims)
+    _checks.check_tensor(op, "norm_weight", norm_weight, torch.bfloat16, "D", dims)
+
+
+def _validate(y, x, post, comb, pre, norm_weight, impl):
+    _checks.check_impl(NAME, impl)
+    device = _checks.check_devices(NAME, y=y, x=x, post=post, comb=comb, pre=pre, norm_weight=norm_weight)
+    dims = {}
+    validate_streams(NAME, x, post, comb, pre, norm_weight, dims)
+    _checks.check_tensor(NAME, "y", y, torch.bfloat16, "T D", dims)
+    return device, dims
+
+
+def reference(y, x, post, comb, pre, norm_weight, eps):
+    """Plain torch, the model's own functions in the model's order."""
+    x_new = functional.hc_post(y, x, post, comb)
+    return x_new, functional.rms_norm(functional.hc_collapse(x_new, pre), norm_weight, eps)
+
+
+def post_pre(op, impl, device, y, x, post, comb, pre, norm_weight, eps):
+    """The kernel of dsv41.kernels.mhc_post_pre or the reference, chosen for `op` by `impl`."""
+    args, kwargs = (y, x, post, comb, pre, norm_weight), dict(eps=eps)
+    kernel = _kernels.select(op, NAME, impl, device, args, kwargs) or reference
+    return kernel(*args, **kwargs)
+
+
+@torch.library.custom_op("dsv41::mhc_post_pre", mutates_args=())
+def mhc_post_pre(y: Tensor, x: Tensor, post: Tensor, comb: Tensor, pre: Tensor, norm_weight: Tensor, eps: float,
+                 impl: str = "auto") -> tuple[Tensor, Tensor]:
+    """Expand a sublayer output into the hc streams, then collapse and normalise the next sublayer's input.
+
+    y [T, D] bf16, x [T, hc, D] bf16, post [T, hc], comb [T, hc, hc], pre [T, hc] fp32, norm_weight [D] bf16:
+        x_new[t, k] = bf16(post[t, k] * y[t] + sum_j comb[t, j, k] * x[t, j])       [T, hc, D] bf16
+        u[t]        = bf16(sum_j pre[t, j] * x_new[t, j])                            [T, D]
+        h[t]        = bf16(norm_weight * u[t] * rsqrt(mean(u[t]^2) + eps))           [T, D] bf16
+    with fp32 arithmetic inside each bf16(...). impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
+    """
+    device, _ = _validate(y, x, post, comb, pre, norm_weight, impl)
+    return post_pre(NAME, impl, device, y, x, post, comb, pre, norm_weight, eps)
+
+
+@mhc_post_pre.register_fake
+def _(y, x, post, comb, pre, norm_weight, eps, impl="auto"):
+    _, dims = _validate(y, x, post, comb, pre, norm_weight, impl)
+    return x.new_empty(x.shape), x.new_empty((dims["T"], dims["D"]))

@@ -1,0 +1,70 @@
+"""`dsv41::qkv_norm`: the q and kv RMSNorms of the merged wq_a|wkv output, with the KV RoPE and FP8 fake-quant."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dsv41.lowerings import _checks, _kernels
+from dsv41.models import functional
+
+NAME = "qkv_norm"
+
+
+def _validate(qkv, q_weight, kv_weight, cos, sin, quant_block, impl):
+    _checks.check_impl(NAME, impl)
+    device = _checks.check_devices(NAME, qkv=qkv, q_weight=q_weight, kv_weight=kv_weight, cos=cos, sin=sin)
+    dims = {}
+    _checks.check_tensor(NAME, "q_weight", q_weight, torch.bfloat16, "q_dim", dims)
+    _checks.check_tensor(NAME, "kv_weight", kv_weight, torch.bfloat16, "kv_dim", dims)
+    dims["q_dim+kv_dim"] = dims["q_dim"] + dims["kv_dim"]
+    _checks.check_tensor(NAME, "qkv", qkv, torch.bfloat16, "T q_dim+kv_dim", dims)
+    if (cos is None) != (sin is None):
+        raise ValueError(f"dsv41::{NAME}: arguments 'cos' and 'sin' must both be tensors or both be None")
+    _checks.check_tensor(NAME, "cos", cos, torch.float32, "T rd/2", dims)
+    _checks.check_tensor(NAME, "sin", sin, torch.float32, "T rd/2", dims)
+    if cos is not None:
+        _checks.check_rotary(NAME, dims["rd/2"], "kv_dim", dims["kv_dim"])
+    _checks.check_scalar(NAME, "quant_block", quant_block, quant_block >= 0, "must be >= 0")
+    if quant_block > 0:
+        _checks.check_scalar(NAME, "quant_block", quant_block, dims["kv_dim"] % quant_block == 0,
+                             f"must divide kv_dim = {dims['kv_dim']}")
+    return device, dims
+
+
+def reference(qkv, q_weight, kv_weight, cos, sin, eps, quant_block):
+    """Plain torch, the model's own functions in the model's order."""
+    q_dim = q_weight.shape[0]
+    qr = functional.rms_norm(qkv[:, :q_dim], q_weight, eps)
+    kv = functional.rms_norm(qkv[:, q_dim:], kv_weight, eps)
+    if cos is not None:
+        kv = functional.apply_rope_tail(kv, cos, sin)
+    if quant_block > 0:
+        kv = functional.fp8_fake_quant(kv, quant_block)
+    return qr, kv
+
+
+@torch.library.custom_op("dsv41::qkv_norm", mutates_args=())
+def qkv_norm(qkv: Tensor, q_weight: Tensor, kv_weight: Tensor, cos: Tensor | None, sin: Tensor | None, eps: float,
+             quant_block: int, impl: str = "auto") -> tuple[Tensor, Tensor]:
+    """RMSNorm of the q and kv parts of qkv, then (optionally) RoPE and FP8 fake-quant of kv.
+
+    qkv [T, q_dim + kv_dim] bf16, q_weight [q_dim] bf16, kv_weight [kv_dim] bf16, cos/sin [T, rd/2] fp32 or both
+    None (rd <= kv_dim), quant_block >= 0 (0: no quantisation; else it divides kv_dim):
+        qr = rms_norm(qkv[:, :q_dim], q_weight, eps)                                  [T, q_dim] bf16
+        kv = rms_norm(qkv[:, q_dim:], kv_weight, eps)                                 [T, kv_dim] bf16
+        kv = apply_rope_tail(kv, cos, sin)        (interleaved RoPE on the last rd dims; if cos is given)
+        kv = fp8_fake_quant(kv, quant_block)      (ue8m0-scaled e4m3 round trip per block; if quant_block > 0)
+    rms_norm(v, w, eps) = bf16(w * v * rsqrt(mean(v^2) + eps)) in fp32.
+    impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
+    """
+    device, _ = _validate(qkv, q_weight, kv_weight, cos, sin, quant_block, impl)
+    args, kwargs = (qkv, q_weight, kv_weight, cos, sin), dict(eps=eps, quant_block=quant_block)
+    kernel = _kernels.select(NAME, NAME, impl, device, args, kwargs) or reference
+    return kernel(*args, **kwargs)
+
+
+@qkv_norm.register_fake
+def _(qkv, q_weight, kv_weight, cos, sin, eps, quant_block, impl="auto"):
+    _, dims = _validate(qkv, q_weight, kv_weight, cos, sin, quant_block, impl)
+    return qkv.new_empty((dims["T"], dims["q_dim"])), qkv.new_empty((dims["T"], dims["kv_dim"]))

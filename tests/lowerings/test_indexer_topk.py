@@ -1,0 +1,68 @@
+"""dsv41::indexer_topk: bit-exact with the tail of the model's Indexer.forward on CPU, for a plain index source,
+the candidate source (which also returns the candidate blocks) and a re-index layer; argument errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv41.lowerings import ALL_OPS
+from dsv41.models import functional as fn
+from dsv41.models.config import TINY
+from dsv41.models.model import Indexer, _Params
+
+op = ALL_OPS["indexer_topk"]
+
+
+def _indexer_inputs(ix, g, t, n_cap):
+    """The Indexer.forward arguments, and its q and w computed as Indexer.forward computes them."""
+    cfg = ix.cfg
+    qr = torch.randn(t, cfg.q_lora_rank, generator=g).bfloat16()
+    h = torch.randn(t, cfg.dim, generator=g).bfloat16()
+    keys = torch.randn(t, n_cap, cfg.index_head_dim, generator=g).bfloat16()
+    n_c = torch.randint(0, n_cap + 1, (t,), generator=g)
+    n_c[0] = n_cap
+    angle = torch.rand(t, cfg.rope_head_dim // 2, generator=g) * 6.3
+    cos, sin = angle.cos(), angle.sin()
+    q = F.linear(fn.fp8_fake_quant(qr), ix.wq_b).view(t, cfg.index_n_heads, cfg.index_head_dim)
+    q = fn.fp4_fake_quant(fn.apply_rope_tail(q, cos, sin), 32, e4m3_scale=False)
+    w = F.linear(h, ix.weights_proj).float() * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+    return (qr, h, keys, n_c, cos, sin), q, w
+
+
+@pytest.mark.parametrize("n_cap", [24, 6], ids=["topk<Ncap", "topk>Ncap"])
+@pytest.mark.parametrize("layer", [2, 4, 6], ids=["index-source", "candidate-source", "re-index"])
+def test_reference_matches_model(layer, n_cap):
+    cfg = TINY
+    ix = Indexer(cfg, layer, _Params(0, "cpu", torch.bfloat16))
+    g = torch.Generator().manual_seed(layer * 100 + n_cap)
+    args, q, w = _indexer_inputs(ix, g, 5, n_cap)
+    shared = {"candidates": torch.rand(5, n_cap, generator=g) < 0.5} if ix.is_reindex else {}
+    candidates = shared.get("candidates")
+    want = ix(*args, shared)
+    idx, cand = op(q, w, args[2], args[3], candidates, cfg.index_topk, cfg.window_size, cfg.candidate_block_size,
+                   cfg.candidate_topk_blocks if ix.is_candidate_source else 0, impl="reference")
+    assert torch.equal(idx, want)
+    if ix.is_candidate_source:
+        assert torch.equal(cand, shared["candidates"])
+    else:
+        assert cand.shape == (5, 0) and cand.dtype == torch.bool
+
+
+BAD = {
+    "w T": (lambda kw: dict(w=kw["w"][:-1]), r"'w' must have shape \[T, IH\] = \[3, 4\], got \[2, 4\]"),
+    "w IH": (lambda kw: dict(w=kw["w"][:, :-1]), r"'w' must have shape \[T, IH\] = \[3, 4\]"),
+    "keys ihd": (lambda kw: dict(keys=kw["keys"][..., :-1]), r"'keys' must have shape \[T, Ncap, ihd\] = \[3, 16, 32\]"),
+    "keys T": (lambda kw: dict(keys=kw["keys"][:-1]), r"'keys' must have shape \[T, Ncap, ihd\]"),
+    "n_c T": (lambda kw: dict(n_c=kw["n_c"][:-1]), r"'n_c' must have shape \[T\] = \[3\], got \[2\]"),
+    "candidates Ncap": (lambda kw: dict(candidates=kw["candidates"][:, :-1]), r"'candidates' must have shape \[T, Ncap\] = \[3, 16\]"),
+    "topk": (lambda kw: dict(topk=0), r"'topk' must be >= 1, got 0"),
+    "cand_topk_blocks": (lambda kw: dict(cand_topk_blocks=-1), r"'cand_topk_blocks' must be >= 0, got -1"),
+    "cand_block": (lambda kw: dict(cand_block=0), r"'cand_block' must be >= 1 when cand_topk_blocks > 0, got 0"),
+}
+
+
+@pytest.mark.parametrize("change", BAD.values(), ids=BAD.keys())
+def test_bad_inputs(samples, rejects, change):
+    kw = samples("indexer_topk", candidates=True, cand_topk_blocks=2)
+    changes, match = change
+    rejects(op, kw, ValueError, match, **changes(kw))

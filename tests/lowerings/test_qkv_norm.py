@@ -1,0 +1,45 @@
+"""dsv41::qkv_norm: bit-exact with the model's q_norm / kv_norm / KV RoPE / FP8 fake-quant chain on CPU, in every
+combination of the optional RoPE and quantisation; argument errors."""
+
+import pytest
+import torch
+
+from dsv41.lowerings import ALL_OPS
+from dsv41.models import functional as fn
+
+op = ALL_OPS["qkv_norm"]
+
+
+@pytest.mark.parametrize("rope", [True, False])
+@pytest.mark.parametrize("quant_block", [32, 0])
+@pytest.mark.parametrize("seed", range(2))
+def test_reference_matches_model(samples, rope, quant_block, seed):
+    kw = samples("qkv_norm", seed=seed, rope=rope, quant_block=quant_block)
+    qkv, ql, eps = kw["qkv"], kw["q_weight"].shape[0], kw["eps"]
+    want_q = fn.rms_norm(qkv[:, :ql], kw["q_weight"], eps)
+    want_kv = fn.rms_norm(qkv[:, ql:], kw["kv_weight"], eps)
+    if rope:
+        want_kv = fn.apply_rope_tail(want_kv, kw["cos"], kw["sin"])
+    if quant_block:
+        want_kv = fn.fp8_fake_quant(want_kv, quant_block)
+    qr, kv = op(**kw, impl="reference")
+    assert torch.equal(qr, want_q) and torch.equal(kv, want_kv)
+
+
+BAD = {
+    "qkv width": (lambda kw: dict(qkv=kw["qkv"][:, :-1]), r"'qkv' must have shape \[T, q_dim\+kv_dim\] = \[3, 96\], got \[3, 95\]"),
+    "cos T": (lambda kw: dict(cos=kw["cos"][:-1]), r"'cos' must have shape \[T, rd/2\] = \[3, 8\], got \[2, 8\]"),
+    "sin rd": (lambda kw: dict(sin=kw["sin"][:, :-1]), r"'sin' must have shape \[T, rd/2\] = \[3, 8\], got \[3, 7\]"),
+    "sin alone": (lambda kw: dict(cos=None), r"arguments 'cos' and 'sin' must both be tensors or both be None"),
+    "rd > kv_dim": (lambda kw: dict(cos=torch.ones(3, 40), sin=torch.ones(3, 40)),
+                    r"'cos' and 'sin' have 40 columns, so they rotate rd = 80 dims, more than kv_dim = 64"),
+    "quant_block negative": (lambda kw: dict(quant_block=-1), r"'quant_block' must be >= 0, got -1"),
+    "quant_block divides": (lambda kw: dict(quant_block=24), r"'quant_block' must divide kv_dim = 64, got 24"),
+}
+
+
+@pytest.mark.parametrize("change", BAD.values(), ids=BAD.keys())
+def test_bad_inputs(samples, rejects, change):
+    kw = samples("qkv_norm")
+    changes, match = change
+    rejects(op, kw, ValueError, match, **changes(kw))
