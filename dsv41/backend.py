@@ -76,13 +76,21 @@ class Dsv41Backend:
 
 
     def _compile_graph(self, gm: fx.GraphModule, inputs):
-        """A boxed callable for `gm`: Inductor's compiled code, or the GraphModule itself in fx mode."""
-        if self.config.mode == "fx":
+        """A boxed callable for `gm`: Inductor's compiled code, or the GraphModule itself in fx mode and for a
+        graph of nothing but dsv41 ops (a stream segment holding one fused op has nothing for Inductor)."""
+        if self.config.mode == "fx" or _only_dsv41_ops(gm.graph):
             return make_boxed_func(gm.forward)
         from torch._inductor.compile_fx import compile_fx_inner
 
         with torch._inductor.config.patch(INDUCTOR_PATCHES):
             return compile_fx_inner(gm, inputs)
+
+
+def _only_dsv41_ops(graph: fx.Graph) -> bool:
+    import operator
+
+    calls = [n for n in graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    return bool(calls) and all(getattr(n.target, "namespace", None) == "dsv41" for n in calls)
 
 
 def make_backend(config: Dsv41Config | None = None, **overrides) -> Dsv41Backend:

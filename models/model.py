@@ -397,7 +397,7 @@ class DSV41Model(nn.Module):
         cfg = self.cfg
         t = tokens.shape[0]
         x = F.embedding(tokens, self.embed).unsqueeze(1).expand(t, cfg.hc_mult, cfg.dim).contiguous()
-        pre_mix = F.one_hot(torch.zeros_like(tokens), cfg.hc_mult).float()
+        pre_mix = (torch.arange(cfg.hc_mult, device=tokens.device) == 0).float().expand(t, cfg.hc_mult)
         pos = positions
         bidx = torch.arange(t, device=tokens.device)
         rope = {"comp_inv_freq": self.inv_freq_comp}

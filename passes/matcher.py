@@ -227,12 +227,19 @@ def _fake_like(v):
     return val
 
 
+def _meta_key(a):
+    if isinstance(a, torch.Tensor):
+        return (tuple(a.shape), tuple(a.stride()), a.dtype)
+    return a
+
+
 class PatternSet:
     """The formulations of one fusion, traced once (structural phase) and re-traced per exact check."""
 
     def __init__(self, patterns: Sequence[Pattern]):
         self.patterns = list(patterns)
         self._structural = {p.name: p.trace(p.inputs()) for p in self.patterns}
+        self._exact: dict[tuple, fx.GraphModule] = {}  # (pattern, input metadata, free scalars) -> exact trace
 
     def anchors(self, graph: fx.Graph, index: int) -> list[fx.Node]:
         """Graph nodes with the op of pattern `index`'s first output, in graph order."""
@@ -261,10 +268,14 @@ class PatternSet:
             if not isinstance(value, int):
                 return MatchFailure(pat.name, anchor.name, total, total, "check", f"{name} is {value!r}, not a static int")
             free[name] = value
-        try:
-            exact_gm = pat.trace([_fake_like(b) for b in bound], free)
-        except Exception as e:  # the search function rejects these shapes: not this pattern
-            return MatchFailure(pat.name, anchor.name, total, total, "check", f"re-trace with the matched shapes failed: {e}")
+        args = [_fake_like(b) for b in bound]
+        key = (pat.name, tuple(_meta_key(a) for a in args), tuple(sorted(free.items())))
+        if key not in self._exact:
+            try:
+                self._exact[key] = pat.trace(args, free)
+            except Exception as e:  # the search function rejects these shapes: not this pattern
+                return MatchFailure(pat.name, anchor.name, total, total, "check", f"re-trace with the matched shapes failed: {e}")
+        exact_gm = self._exact[key]
         exact = _Matcher(exact_gm, exact=True)
         st2 = _State()
         try:

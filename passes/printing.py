@@ -1,6 +1,7 @@
 """Normalised graph code: one line per node, stable across identical runs and free of noise.
 
     %name: bf16[3, 4, 128] = aten.mul.Tensor(%a, 2.0)
+    %name: f32[3, 4] = dsv41.mhc_coeffs(...)  @stream2      (a node on a side stream)
 
 Node names are FX's own (deterministic for a given trace, and untouched by passes that do not touch the node,
 so diffs stay small); devices, file paths and object addresses are left out; shapes and dtypes come from
@@ -65,7 +66,8 @@ def node_line(node: fx.Node) -> str:
     if node.op == "output":
         return f"return {_arg(node.args[0])}"
     args = [_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items() if k not in ("device", "pin_memory", "layout")]
-    return f"{lhs} = {op_name(node.target)}({', '.join(args)})"
+    stream = node.meta.get("dsv41_stream", 0)
+    return f"{lhs} = {op_name(node.target)}({', '.join(args)})" + (f"  @stream{stream}" if stream else "")
 
 
 def graph_code(graph: fx.Graph) -> str:

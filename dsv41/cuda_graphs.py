@@ -1,0 +1,91 @@
+"""CUDA-graph capture of compiled decode steps: one graph per batch-size bucket.
+
+`DecodeGraphRunner(step, batch_sizes)` wraps `step(tokens [B], positions [B]) -> logits [B, V]` (eager, Inductor
+or dsv41-compiled). For each bucket it allocates static input buffers, warms the step up on a side stream,
+captures it with `torch.cuda.graph` into one memory pool shared by all buckets, and keeps the static output. A
+call copies its inputs into the smallest bucket that fits (padding rows decode token 0 at position 0 in cache
+rows B..bucket-1, which must not belong to live requests), replays, and returns the first B output rows.
+
+Side streams inside the step are captured correctly: the stream executor takes the capture stream as its main
+stream and joins every fork before the step returns. Do not also use Inductor's `reduce-overhead` mode.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+class DecodeGraphRunner:
+    def __init__(self, step: Callable, batch_sizes: Sequence[int], device: torch.device | str = "cuda", warmup: int = 3):
+        if not torch.cuda.is_available():
+            raise RuntimeError("DecodeGraphRunner needs CUDA")
+        if not batch_sizes or any(b < 1 for b in batch_sizes):
+            raise ValueError(f"batch_sizes must be positive, got {list(batch_sizes)}")
+        self.step, self.device, self.warmup = step, torch.device(device), warmup
+        self.buckets = sorted(set(batch_sizes))
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def capture(self, positions: torch.Tensor | None = None) -> None:
+        """Capture every bucket (largest first, so smaller graphs reuse the pool). `positions` [max bucket]
+        are the warm-up positions (default 0); warm-up runs the step, so it writes the caches of those rows."""
+        for b in reversed(self.buckets):
+            tokens = torch.zeros(b, dtype=torch.int64, device=self.device)
+            pos = torch.zeros(b, dtype=torch.int64, device=self.device) if positions is None else positions[:b].clone()
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side), torch.no_grad():
+                for _ in range(self.warmup):
+                    self.step(tokens, pos)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            gc_collect, gc.collect = gc.collect, (lambda *a, **k: 0)  # no gc pause per capture
+            try:
+                with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+                    out = self.step(tokens, pos)
+            finally:
+                gc.collect = gc_collect
+            self.graphs[b] = (graph, tokens, pos, out)
+
+    def bucket(self, batch: int) -> int:
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        raise ValueError(f"batch {batch} exceeds the largest captured batch size {self.buckets[-1]}")
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if tokens.shape != positions.shape or tokens.dim() != 1:
+            raise ValueError(f"tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} must be equal 1-D shapes")
+        batch = tokens.shape[0]
+        b = self.bucket(batch)
+        if b not in self.graphs:
+            raise RuntimeError(f"bucket {b} is not captured; call capture() first")
+        graph, static_tokens, static_pos, out = self.graphs[b]
+        static_tokens[:batch].copy_(tokens)
+        static_pos[:batch].copy_(positions)
+        if batch < b:
+            static_tokens[batch:].zero_()
+            static_pos[batch:].zero_()
+        graph.replay()
+        return out[:batch]
+
+
+def time_step(step: Callable, tokens: torch.Tensor, positions: torch.Tensor, replays: int = 50, warmup: int = 5) -> float:
+    """Median microseconds of one decode step replayed in a CUDA graph (inputs fixed)."""
+    runner = DecodeGraphRunner(step, [tokens.shape[0]], device=tokens.device)
+    runner.capture(positions)
+    graph = runner.graphs[tokens.shape[0]][0]
+    for _ in range(warmup):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    return sorted(times)[len(times) // 2]

@@ -1,0 +1,113 @@
+"""The side-stream schedule on synthetic graphs (CPU): invariants, golden, execution, uuid."""
+
+import torch
+import torch.fx as fx
+from expecttest import assert_expected_inline
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import dsv41.lowerings  # noqa: F401
+from dsv41.config import Dsv41Config
+from dsv41.passes.manager import PassManager
+from dsv41.passes.printing import graph_code
+from dsv41.passes.streams import STREAM, check_schedule, record_event, schedule_streams, wait_event
+from dsv41.stream_executor import StreamExecutor
+
+T, HC, D = 2, 4, 32
+ops = torch.ops.dsv41
+
+
+def layer(x, fn_w, base, scale, w1, w2, y):
+    """A sublayer: mHC coefficients, main work (two GEMMs), a shared-expert-like branch into moe_finalize."""
+    pre, post, comb = ops.mhc_coeffs(x, fn_w, base, scale, 1e-20, 1e-6, 20)
+    h = torch.mm(y, w1)
+    shared = torch.mm(torch.relu(torch.mm(y, w2)), w2.t()[:, :D].t())
+    routed = torch.mm(h, w1.t())
+    out = ops.moe_finalize(routed, torch.arange(T), shared, T)
+    x_new, h2 = ops.mhc_post_pre(out, x, post, comb, pre, torch.ones(D, dtype=torch.bfloat16), 1e-20)
+    return x_new, h2
+
+
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    bf = torch.bfloat16
+    return (torch.randn(T, HC, D, generator=g).to(bf), torch.randn(24, HC * D, generator=g) * 0.05, torch.randn(24, generator=g),
+            torch.randn(3, generator=g), (torch.randn(D, D, generator=g) * 0.1).to(bf), (torch.randn(D, D, generator=g) * 0.1).to(bf),
+            torch.randn(T, D, generator=g).to(bf))
+
+
+def traced() -> fx.GraphModule:
+    return make_fx(layer, tracing_mode="fake")(*inputs())
+
+
+def test_schedule_invariants_and_golden():
+    gm = traced()
+    result = schedule_streams(gm.graph, max_tokens=16)
+    assert result.matches == 2, [r["pattern"] for r in result.replaced]
+    assert sorted(r["pattern"] for r in result.replaced) == ["mhc_coeffs", "shared_expert"]
+    assert check_schedule(gm.graph) == []
+    gm.graph.lint()
+    code = "\n".join(line for line in graph_code(gm.graph).splitlines() if "stream" in line or "event" in line)
+    assert_expected_inline(code, """\
+%record_event_2 = record_event(2)
+%wait_event_2 = wait_event(2)  @stream1
+%mm_1: bf16[2, 32] = aten.mm(%y_1, %w2_1)  @stream1
+%relu: bf16[2, 32] = aten.relu(%mm_1)  @stream1
+%t: bf16[32, 32] = aten.t(%w2_1)  @stream1
+%alias: bf16[32, 32] = aten.alias(%t)  @stream1
+%t_1: bf16[32, 32] = aten.t(%alias)  @stream1
+%mm_2: bf16[2, 32] = aten.mm(%relu, %t_1)  @stream1
+%record_event_3 = record_event(3)  @stream1
+%record_event = record_event(0)
+%wait_event = wait_event(0)  @stream2
+%mhc_coeffs: (f32[2, 4], f32[2, 4], f32[2, 4, 4]) = dsv41.mhc_coeffs(%x_1, %fn_w_1, %base_1, %scale_1, 1e-20, 1e-06, 20)  @stream2
+%getitem: f32[2, 4] = getitem(%mhc_coeffs, 0)  @stream2
+%getitem_1: f32[2, 4] = getitem(%mhc_coeffs, 1)  @stream2
+%getitem_2: f32[2, 4, 4] = getitem(%mhc_coeffs, 2)  @stream2
+%record_event_1 = record_event(1)  @stream2
+%wait_event_3 = wait_event(3)
+%wait_event_1 = wait_event(1)""")
+
+
+def test_token_limit_declines():
+    gm = traced()
+    result = schedule_streams(gm.graph, max_tokens=1)
+    assert result.matches == 0
+    assert {d.kind for d in result.declined} == {"token limit"}
+    assert not any(n.target in (record_event, wait_event) for n in gm.graph.nodes)
+
+
+def test_check_schedule_finds_violations():
+    gm = traced()
+    schedule_streams(gm.graph, max_tokens=16)
+    join_wait = [n for n in gm.graph.nodes if n.target is wait_event and n.meta[STREAM] == 0][-1]
+    gm.graph.erase_node(join_wait)
+    problems = check_schedule(gm.graph)
+    assert any("never waited for" in p for p in problems), problems
+    assert any("has no record -> wait" in p for p in problems), problems
+
+
+def test_check_schedule_rejects_side_stream_collective():
+    gm = fx.symbolic_trace(lambda x: torch.ops._c10d_functional.all_reduce.default(x, "sum", "0"))
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    node.meta[STREAM] = 1
+    assert any("collective" in p for p in check_schedule(gm.graph))
+
+
+def test_executor_runs_the_schedule_like_the_plain_graph():
+    args = inputs()
+    want = traced()(*args)
+    gm = traced()
+    schedule_streams(gm.graph, max_tokens=16)
+    gm.recompile()
+    executor = StreamExecutor(gm, lambda sub, fake: (lambda a: sub(*a)))
+    assert [k for k, *_ in executor.plan].count("run") >= 5
+    got = executor(list(args))
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_uuid_depends_on_streams_and_threshold():
+    base = PassManager(Dsv41Config()).uuid()
+    assert PassManager(Dsv41Config()).uuid() == base
+    assert PassManager(Dsv41Config(streams=False)).uuid() != base
+    assert PassManager(Dsv41Config(stream_max_tokens=8)).uuid() != base
