@@ -231,11 +231,24 @@ def main(argv: list[str] | None = None) -> int:
         "dsv41-nostreams": lambda: torch.compile(model, backend=make_backend(streams=False), fullgraph=True),
     }
     rows, checks, floors, breakdown, overlap = [], [], {}, {}, {}
+    def save() -> dict:
+        """Write the JSON and plot so far (a long run that is cut short keeps what it measured)."""
+        result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": layers, "context": args.context,
+                  "config": args.config, "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "rows": rows, "checks": checks,
+                  "floors": {str(k): v for k, v in floors.items()}, "breakdown": {str(k): v for k, v in breakdown.items()},
+                  "stream_overlap": {str(k): v for k, v in overlap.items()}}
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        _plot(result, os.path.join(args.out, f"{args.tag}.png"))
+        return result
+
     for batch in batches:
         positions = torch.full((batch,), args.context, dtype=torch.int64, device=device)
         tokens_pool = [torch.randint(0, cfg.vocab_size, (batch,), generator=gen, device=device) for _ in range(8)]
         floor_bytes, parts = step_bytes(model, tokens_pool[0], positions)
         floor_us = floor_bytes / bandwidth * 1e6
+        floors[batch] = {"floor_us": round(floor_us, 2), **parts}
         with torch.no_grad():
             want = model(tokens_pool[0], positions).float()
         for name in variants:
@@ -264,15 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                 overlap[batch] = stream_overlap(trace)
                 _log(f"batch {batch}: dsv41 streams in the profile: {overlap[batch]}")
             del runner, step
-        floors[batch] = {"floor_us": round(floor_us, 2), **parts}
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": layers, "context": args.context,
-              "config": args.config, "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "rows": rows, "checks": checks, "floors": {str(k): v for k, v in floors.items()},
-              "breakdown": {str(k): v for k, v in breakdown.items()}, "stream_overlap": {str(k): v for k, v in overlap.items()}}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{args.tag}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    _plot(result, os.path.join(args.out, f"{args.tag}.png"))
+            save()
+    result = save()
     print_table(result)
     return 0 if all(c["ok"] for c in checks) else 1
 

@@ -55,14 +55,19 @@ def main(argv: list[str] | None = None) -> int:
     for name, reasons in report.declined.items():
         for r in reasons[:3]:
             print(f"  declined {name}: {r}")
+    from dsv41.tools.bench_decode import AGREE_REL_L2, AGREE_TOP1
+
     worst = max((a - b).abs().max().item() for a, b in zip(got, want))
-    same_top = all(bool((a.argmax(-1) == b.argmax(-1)).all()) for a, b in zip(got, want))
-    print(f"\nagreement with eager over 3 decode steps: max |logit diff| = {worst:.3g}, same argmax: {same_top}")
+    rel = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, want))
+    top1 = min((a.argmax(-1) == b.argmax(-1)).float().mean().item() for a, b in zip(got, want))
+    print(f"\nagreement with eager over 3 decode steps: max |logit diff| {worst:.3g}, relative L2 {rel:.3g}, "
+          f"top-1 agreement {top1:.2f}")
+    ok = rel < AGREE_REL_L2 and top1 >= AGREE_TOP1
     if device.type == "cuda":
-        from dsv41.tools.cuda_graphs import time_step
+        from dsv41.cuda_graphs import time_step
 
         inductor = torch.compile(copy.deepcopy(eager), backend="inductor", fullgraph=True)
         print("\nstep time (CUDA graph replay, median):")
         for name, model in (("eager", eager), ("inductor", inductor), ("dsv41", compiled)):
             print(f"  {name:9s} {time_step(model, tokens, start + 3):8.1f} us")
-    return 0 if worst < 5e-2 else 1
+    return 0 if ok else 1
