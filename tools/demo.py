@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import tempfile
 import time
 
 import torch
@@ -41,9 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     compiled = torch.compile(fused, backend=backend, fullgraph=True)
     tokens = torch.randint(0, TINY.vocab_size, (args.batch,), device=device)
     start = torch.arange(args.batch, device=device) * 7 + 20
+    from dsv41.tools.graphdiff import main as graphdiff_main, record
+
+    record_dir = tempfile.mkdtemp(prefix="dsv41_demo_graphdiff_")
     with torch.no_grad():
         t0 = time.perf_counter()
-        got = _steps(compiled, tokens, start)
+        with record(record_dir):
+            got = _steps(compiled, tokens, start)
         compile_s = time.perf_counter() - t0
         want = _steps(eager, tokens, start)
     report = backend.reports[-1]
@@ -55,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, reasons in report.declined.items():
         for r in reasons[:3]:
             print(f"  declined {name}: {r}")
+    print(f"\ngraph-diff summary (recorded in {record_dir}; `dsv41 graphdiff show {record_dir} --format html` for the report):")
+    graphdiff_main(["show", record_dir, "--color", "never"])
     from dsv41.tools.bench_decode import AGREE_REL_L2, AGREE_TOP1
 
     worst = max((a - b).abs().max().item() for a, b in zip(got, want))
