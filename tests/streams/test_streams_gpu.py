@@ -1,4 +1,9 @@
-"""Side streams under CUDA-graph capture on the GPU: bit-identical to the same backend with streams off."""
+"""Side streams under CUDA-graph capture on the GPU: bit-identical to the same backend with streams off.
+
+Bit-identity needs deterministic kernels on both sides: deterministic algorithms are switched on (index_add) and
+the fused ops run their references (`kernel="reference"`): the CuTe DSL `mhc_coeffs` kernel accumulates its
+split-K partial sums with fp32 atomics, whose order varies from run to run.
+"""
 
 import copy
 
@@ -16,12 +21,13 @@ REPLAYS = 10_000
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["fx", "inductor"])
 def test_streams_bit_identical_under_replay_stress(mode):
+    torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(0)
-    base = DSV41Model(TINY, max_batch=max(BUCKETS), max_context=256, device="cuda")
+    base = DSV41Model(TINY, [0, 2, 3, 4, 6], max_batch=max(BUCKETS), max_context=256, device="cuda")
     models, runners, backends = [], [], []
     for streams in (True, False):
         model = copy.deepcopy(base)
-        backend = make_backend(mode=mode, streams=streams, stream_max_tokens=max(BUCKETS))
+        backend = make_backend(mode=mode, streams=streams, stream_max_tokens=max(BUCKETS), kernel="reference")
         runner = DecodeGraphRunner(torch.compile(model, backend=backend, fullgraph=True), BUCKETS)
         runner.capture()
         models.append(model)
@@ -45,3 +51,4 @@ def test_streams_bit_identical_under_replay_stress(mode):
     assert mismatches.item() == 0, f"{mismatches.item()} of {REPLAYS} replays differ between streams on and off"
     for (n1, b1), (n2, b2) in zip(models[0].named_buffers(), models[1].named_buffers()):
         assert torch.equal(b1, b2), f"cache {n1} diverged"
+    torch.use_deterministic_algorithms(False)

@@ -1,0 +1,36 @@
+#!/bin/bash
+# The H200 run behind benchmarks/results/kernels.{json,png}: the kernels' GPU tests, compute-sanitizer memcheck and
+# racecheck on them (the three side by side: they barely load the GPU), then `dsv41 bench kernels` alone.
+# From the repository root, after `source .device/bootstrap.sh`:
+#   bash benchmarks/device_kernels.sh OUT_DIR [STAGES] [BENCH_ARGS...]
+# STAGES: comma-separated subset of tests,memcheck,racecheck,bench (default: all). Logs go to OUT_DIR.
+set -u
+out=${1:?usage: device_kernels.sh OUT_DIR [STAGES] [BENCH_ARGS...]}
+stages=${2:-tests,memcheck,racecheck,bench}
+shift $(( $# < 2 ? $# : 2 ))
+export DSV41_CACHE_DIR=${DSV41_CACHE_DIR:-/tmp/dsv41-kernels}
+start=$SECONDS
+has() { [[ ",$stages," == *",$1,"* ]]; }
+note() { echo "== $1 ($((SECONDS - start)) s)"; }
+gpu_pytest() { python3 -m pytest -m gpu tests/kernels -q -p no:cacheprovider "$@"; }
+sanitize() { compute-sanitizer --tool "$1" --target-processes all python3 -m pytest -m gpu tests/kernels -q \
+  -p no:cacheprovider -k "$2"; }
+
+note "checks"
+has tests && { timeout 240 bash -c "$(declare -f gpu_pytest); gpu_pytest" > "$out/gpu_tests.log" 2>&1;
+               echo "exit $?" >> "$out/gpu_tests.log"; } &
+has memcheck && { DSV41_TEST_TOKENS=1,31 timeout 240 bash -c "$(declare -f sanitize); sanitize memcheck \
+               'matches_reference or graph or pdl'" > "$out/memcheck.log" 2>&1; echo "exit $?" >> "$out/memcheck.log"; } &
+has racecheck && { DSV41_TEST_TOKENS=3,64 timeout 240 bash -c "$(declare -f sanitize); sanitize racecheck \
+               'matches_reference'" > "$out/racecheck.log" 2>&1; echo "exit $?" >> "$out/racecheck.log"; } &
+wait
+for log in gpu_tests memcheck racecheck; do
+  [ -f "$out/$log.log" ] && { echo "-- $log"; grep -E "SUMMARY|passed|failed|^FAILED|^exit" "$out/$log.log" | tail -8; }
+done
+if has bench; then
+  note "bench"
+  timeout 300 python3 -c "import sys; from dsv41.tools.bench_kernels import main; sys.exit(main(sys.argv[1:]))" \
+    --out "$out" "$@" > "$out/bench.log" 2>&1
+  echo "exit $?" >> "$out/bench.log"; tail -22 "$out/bench.log"
+fi
+note done

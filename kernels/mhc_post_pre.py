@@ -1,0 +1,177 @@
+"""mHC post of one sublayer fused with the collapse and RMSNorm of the next (spec sections 2.2, 3(d)).
+
+Per token t, with y [T, D], X [T, 4, D] bf16, post [T, 4], comb [T, 4, 4] (comb[j, k]: source j, target k),
+pre [T, 4] fp32 and the norm weight w [D] bf16:
+
+    X'[k]  = bf16( post[k] * y + sum_j comb[j, k] * X[j] )            (fp32 math)      -> x_new [T, 4, D]
+    u      = bf16( sum_k pre[k] * X'[k] )                              (from the stored bf16 X')
+    h      = bf16( (u * rsqrt(mean(u^2) + eps)) * w )                  (fp32 interior)  -> h [T, D]
+
+which is ``rms_norm(hc_collapse(hc_post(y, X, post, comb), pre), w, eps)`` of ``dsv41.models.functional``
+with the same rounding points.
+
+Layout: one token per cluster of ``cluster_n`` CTAs along grid y; each thread owns one ``vec``-wide column
+slice of y, of the four streams and of the outputs, so all loads are issued up front and every byte is read
+or written once. The sum of u^2 is reduced over the warps and then over the cluster through DSMEM.
+
+With ``pdl`` the kernel is a programmatic dependent launch: it lets the next kernel launch at once, loads its
+slice of the norm weight, and only then waits for the preceding kernel before reading anything else.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, const_expr
+
+from dsv41.kernels import cute_utils
+from dsv41.kernels.compile_cache import (cached_kernel, compile_tvm_ffi, env_stream, fake_tensor, hopper_reason,
+                                         shape_reason)
+
+HC = 4
+_MAX_CLUSTER = 8
+_MAX_WARPS = 4
+
+
+def _config(dim: int) -> tuple[int, int, int] | None:
+    """(vec, warps per CTA, cluster_n) for hidden size ``dim``, or None when unsupported.
+
+    16-byte vectors when dim % 256 == 0, else 8-byte ones (dim % 128 == 0); the row is split over the
+    smallest cluster that leaves at most 4 warps per CTA (D = 5120: 5 CTAs x 4 warps x 8 columns x 32 lanes).
+    """
+    for vec in (8, 4):
+        if dim % (32 * vec) == 0:
+            warps_total = dim // (32 * vec)
+            for cluster_n in range(1, _MAX_CLUSTER + 1):
+                if warps_total % cluster_n == 0 and warps_total // cluster_n <= _MAX_WARPS:
+                    return vec, warps_total // cluster_n, cluster_n
+            return None
+    return None
+
+
+class MhcPostPre:
+    """The fused kernel for a static hidden size; the token count is a runtime dimension."""
+
+    def __init__(self, dim: int, pdl: bool):
+        self.dim = dim
+        self.pdl = pdl
+        self.vec, self.num_warps, self.cluster_n = _config(dim)
+
+    @cute.jit
+    def __call__(self, mY: cute.Tensor, mX: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor,
+                 mPre: cute.Tensor, mW: cute.Tensor, mXo: cute.Tensor, mH: cute.Tensor, eps: Float32,
+                 stream):
+        self.kernel(mY, mX, mPost, mComb, mPre, mW, mXo, mH, eps).launch(
+            grid=[mY.shape[0], self.cluster_n, 1],
+            block=[self.num_warps * 32, 1, 1],
+            cluster=[1, self.cluster_n, 1] if const_expr(self.cluster_n > 1) else None,
+            stream=stream,
+            use_pdl=self.pdl,
+        )
+
+    @cute.kernel
+    def kernel(self, mY: cute.Tensor, mX: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor,
+               mPre: cute.Tensor, mW: cute.Tensor, mXo: cute.Tensor, mH: cute.Tensor, eps: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        t, rank, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        red_buf = smem.allocate_tensor(Float32, cute.make_layout(self.num_warps * self.cluster_n), byte_alignment=16)
+        mbar = (smem.allocate_array(cutlass.Int64, num_elems=1, byte_alignment=8)
+                if const_expr(self.cluster_n > 1) else None)
+        if const_expr(self.cluster_n > 1):
+            cute_utils.init_cluster_mbarrier(mbar)
+
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+        col = rank * (self.num_warps * 32) + tidx  # this thread's vector index along D
+        vec = (self.vec,)
+        w = cute_utils.load_vec(cute.tiled_divide(mW, vec)[None, col], Float32)  # a weight: before the wait
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+        y = cute_utils.load_vec(cute.tiled_divide(mY[t, None], vec)[None, col], Float32)
+        xs = [cute_utils.load_vec(cute.tiled_divide(mX[t, j, None], vec)[None, col], Float32) for j in range(HC)]
+        post = cute_utils.load_vec(mPost[t, None])
+        comb = cute_utils.load_vec(mComb[t, None, None])
+        pre = cute_utils.load_vec(mPre[t, None])
+
+        u = None
+        for k in cutlass.range_constexpr(HC):
+            mixed = comb[0, k] * xs[0]
+            for j in cutlass.range_constexpr(1, HC):
+                mixed = mixed + comb[j, k] * xs[j]
+            xk = (post[k] * y + mixed).to(BFloat16)
+            cute_utils.store_vec(xk, cute.tiled_divide(mXo[t, k, None], vec)[None, col])
+            term = pre[k] * xk.to(Float32)
+            u = term if const_expr(k == 0) else u + term
+        u = u.to(BFloat16).to(Float32)
+
+        ss = cute_utils.cta_or_cluster_sum((u * u).reduce(cute.ReductionOp.ADD, 0.0, 0), red_buf, mbar,
+                                           self.num_warps, self.cluster_n)
+        rstd = cute.math.rsqrt(ss * (1.0 / self.dim) + eps, fastmath=True)
+        cute_utils.store_vec((u * rstd) * w, cute.tiled_divide(mH[t, None], vec)[None, col])
+
+
+def supports(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
+             norm_weight: torch.Tensor, *, eps: float) -> str | None:
+    """None when the kernel computes the fused post + pre of these arguments, else the reason it cannot."""
+    if x.dim() != 3 or x.shape[1] != HC:
+        return f"x must be [T, {HC}, D], got {list(x.shape)}"
+    t, _, d = x.shape
+    for reason in (shape_reason("y", y, torch.bfloat16, (t, d)), shape_reason("x", x, torch.bfloat16, (t, HC, d)),
+                   shape_reason("post", post, torch.float32, (t, HC)),
+                   shape_reason("comb", comb, torch.float32, (t, HC, HC)),
+                   shape_reason("pre", pre, torch.float32, (t, HC)),
+                   shape_reason("norm_weight", norm_weight, torch.bfloat16, (d,))):
+        if reason is not None:
+            return reason
+    if _config(d) is None:
+        return f"D = {d} is not a multiple of 128 that splits into at most {_MAX_CLUSTER} CTAs of <= {_MAX_WARPS} warps"
+    if t * HC * d >= 2**31:
+        return f"T * 4 * D = {t * HC * d} overflows the kernel's 32-bit indexing"
+    return hopper_reason(y=y, x=x, post=post, comb=comb, pre=pre, norm_weight=norm_weight)
+
+
+@cached_kernel(__file__, cute_utils.__file__)
+def _compile_mhc_post_pre(dim: int, pdl: bool):
+    t = cute.sym_int()
+    bf16 = BFloat16
+    return compile_tvm_ffi(
+        MhcPostPre(dim, pdl),
+        fake_tensor(bf16, (t, dim)), fake_tensor(bf16, (t, HC, dim)), fake_tensor(Float32, (t, HC)),
+        fake_tensor(Float32, (t, HC, HC)), fake_tensor(Float32, (t, HC)), fake_tensor(bf16, (dim,)),
+        fake_tensor(bf16, (t, HC, dim)), fake_tensor(bf16, (t, dim)), Float32(0.0), env_stream(),
+    )
+
+
+def compile_for(dim: int, pdl: bool = True):
+    """The compiled kernel for hidden size ``dim`` with programmatic dependent launch on or off (memory, disk
+    or a fresh compile)."""
+    return _compile_mhc_post_pre(dim, pdl)
+
+
+def mhc_post_pre(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
+                 norm_weight: torch.Tensor, *, eps: float, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_new [T, 4, D] bf16, h [T, D] bf16) = the fused post + collapse + RMSNorm (module docstring).
+
+    y [T, D], x [T, 4, D], norm_weight [D] bf16; post [T, 4], comb [T, 4, 4], pre [T, 4] fp32; all
+    contiguous on one CUDA device. ``out`` optionally supplies the two output tensors. ``pdl``: launch as a
+    programmatic dependent of the preceding kernel (norm_weight, a weight, is read before waiting for it).
+    """
+    reason = supports(y, x, post, comb, pre, norm_weight, eps=eps)
+    if reason is not None:
+        raise ValueError(f"mhc_post_pre: {reason}")
+    t, _, d = x.shape
+    if out is None:
+        x_new, h = torch.empty_like(x), torch.empty_like(y)
+    else:
+        x_new, h = out
+        for name, o, ref in (("out[0]", x_new, x), ("out[1]", h, y)):
+            reason = shape_reason(name, o, torch.bfloat16, ref.shape) or hopper_reason(x=x, **{name: o})
+            if reason is not None:
+                raise ValueError(f"mhc_post_pre: {reason}")
+    if t > 0:
+        compile_for(d, pdl)(y, x, post, comb, pre, norm_weight, x_new, h, eps)
+    return x_new, h

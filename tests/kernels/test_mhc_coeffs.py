@@ -1,0 +1,122 @@
+"""The mHC coefficient kernel.
+
+CPU: it compiles for sm_90a (with and without programmatic dependent launch) at the Flash and tiny hidden sizes;
+`supports` and the entry explain what they reject.
+GPU (H200): on fresh random inputs it matches `functional.hc_mixes` (fp32) within atol 1e-5 on pre and post and
+1e-4 on comb, writes every element of NaN-poisoned outputs, leaves its workspace zeroed (so the next launch is
+right too), and replays correctly inside a CUDA graph. DSV41_TEST_TOKENS=1,31 narrows the token counts (sanitizers).
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass.cute")
+pytest.importorskip("tvm_ffi")
+
+from dsv41.kernels import mhc_coeffs as K  # noqa: E402
+from dsv41.models import functional  # noqa: E402
+
+TOKENS = [int(t) for t in os.environ.get("DSV41_TEST_TOKENS", "1,2,3,8,16,31,64").split(",")]
+DIMS = [5120, 128]
+ITERS, NORM_EPS, HC_EPS = 20, 1e-20, 1e-6
+ATOL = {"pre": 1e-5, "post": 1e-5, "comb": 1e-4}
+
+
+def _inputs(t, dim, seed, device="cuda"):
+    """Magnitudes of the model's initialisation (models/model.py): fn ~ N(0, 1/(4D)), base ~ N(0, 0.5^2),
+    scale ~ 1 + N(0, 0.1^2); X ~ 3 N(0, 1) so that the rsqrt normalisation matters."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = (3 * torch.randn(t, 4, dim, generator=g)).bfloat16()
+    fn = torch.randn(24, 4 * dim, generator=g) / math.sqrt(4 * dim)
+    base = 0.5 * torch.randn(24, generator=g)
+    scale = 1 + 0.1 * torch.randn(3, generator=g)
+    return [a.to(device) for a in (x, fn, base, scale)]
+
+
+def _poisoned(t, device="cuda"):
+    return tuple(torch.full(s, float("nan"), device=device) for s in ((t, 4), (t, 4), (t, 4, 4)))
+
+
+def _assert_matches(got, x, fn, base, scale):
+    want = functional.hc_mixes(x, fn, base, scale, NORM_EPS, HC_EPS, ITERS)
+    for name, g, w in zip(("pre", "post", "comb"), got, want, strict=True):
+        assert not g.isnan().any(), f"{name}: elements left unwritten"
+        torch.testing.assert_close(g, w, rtol=0, atol=ATOL[name], msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("dim", DIMS)
+def test_compiles_for_sm90a(dim, pdl, monkeypatch, tmp_path):
+    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path))  # a fresh cache: really run cute.compile
+    K._compile_mhc_coeffs.cache_clear()
+    assert callable(K.compile_for(dim, ITERS, pdl))
+    assert K._compile_mhc_coeffs.object_path(dim, ITERS, pdl).exists()
+    K._compile_mhc_coeffs.cache_clear()
+
+
+def test_supports_explains():
+    x, fn, base, scale = _inputs(2, 128, 0, device="cpu")
+    kw = dict(norm_eps=NORM_EPS, hc_eps=HC_EPS, iters=ITERS)
+    assert K.supports(x, fn, base, scale, **kw) == "x is not a CUDA tensor"
+    assert "fn must be torch.float32" in K.supports(x, fn.double(), base, scale, **kw)
+    assert "fn must have shape [24, 512]" in K.supports(x, fn[:, :-4], base, scale, **kw)
+    assert "multiple of 128" in K.supports(x[..., :100], fn[:, :400], base, scale, **kw)
+    assert "x must be [T, 4, D]" in K.supports(x[:, :3], fn, base, scale, **kw)
+    with pytest.raises(ValueError, match="mhc_coeffs: scale must have shape"):
+        K.mhc_coeffs(x, fn, base, scale[:2], **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("t", TOKENS, ids=lambda t: f"T{t}")
+def test_matches_reference(t, dim):
+    for seed in range(2):  # twice: the second launch relies on the first having re-zeroed the workspace
+        x, fn, base, scale = _inputs(t, dim, seed)
+        got = K.mhc_coeffs(x, fn, base, scale, norm_eps=NORM_EPS, hc_eps=HC_EPS, iters=ITERS, out=_poisoned(t))
+        _assert_matches(got, x, fn, base, scale)
+    ws, count = K._WORKSPACE.get(x.device, t)
+    torch.cuda.synchronize()
+    assert count.item() == 0 and not ws.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", DIMS)
+def test_many_tokens(dim):
+    """More tokens than one shared-memory block (64) and than the epilogue's threads (128)."""
+    x, fn, base, scale = _inputs(300, dim, 7)
+    _assert_matches(K.mhc_coeffs(x, fn, base, scale, norm_eps=NORM_EPS, hc_eps=HC_EPS, iters=ITERS), x, fn, base, scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", DIMS)
+def test_without_pdl(dim):
+    x, fn, base, scale = _inputs(8, dim, 5)
+    got = K.mhc_coeffs(x, fn, base, scale, norm_eps=NORM_EPS, hc_eps=HC_EPS, iters=ITERS, pdl=False)
+    _assert_matches(got, x, fn, base, scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", DIMS)
+def test_cuda_graph_replay(dim):
+    t = 16
+    static = _inputs(t, dim, 0)
+    kw = dict(norm_eps=NORM_EPS, hc_eps=HC_EPS, iters=ITERS)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        K.mhc_coeffs(*static, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = K.mhc_coeffs(*static, **kw)
+    for seed in range(1, 4):
+        for dst, src in zip(static, _inputs(t, dim, seed), strict=True):
+            dst.copy_(src)
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_matches(outs, *static)

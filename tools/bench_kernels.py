@@ -1,0 +1,253 @@
+"""`dsv41 bench kernels`: time each CuTe DSL kernel against its reference subgraph, eager and Inductor-compiled.
+
+For every op and token count T, each variant -- ``dsv41`` (the kernel), ``inductor`` (the reference functions of
+``dsv41.models.functional`` under ``torch.compile(mode="max-autotune-no-cudagraphs", fullgraph=True)``) and
+``eager`` (the same functions, uncompiled) -- is captured in one CUDA graph that calls it once per input set, round
+robin over enough sets that they exceed 2.5x the L2 cache (so every call reads its inputs, weights included, from
+HBM as in a decode step); the graph is replayed many times and the median replay time divided by the number of
+calls is reported. The memory floor is the op's compulsory bytes (inputs read once, outputs written once) over the
+device-to-device copy bandwidth measured in the same run.
+
+The kernels launch with programmatic dependent launch (PDL), so in this back-to-back chain each call's launch and
+weight loads overlap the previous call; the ``dsv41`` rows also carry ``us_no_pdl``, the same kernel launched
+plainly (what it costs after a predecessor that does not trigger PDL).
+
+Writes ``kernels.json`` ({"gpu", "torch", ..., "rows": [{"op", "tokens", "variant", "us", "floor_us", ...}]}) and
+``kernels.png`` under ``--out`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dsv41.models import FLASH, functional
+
+VARIANTS = ("dsv41", "eager", "inductor")  # measured in this order (Inductor last: its autotuning is slow)
+
+
+@dataclass
+class Op:
+    """One benchmarked op: its inputs for T tokens, compulsory bytes, reference subgraph and kernel (which takes
+    ``pdl``, programmatic dependent launch)."""
+
+    name: str
+    make_inputs: Callable[[int, torch.Generator], list[torch.Tensor]]
+    nbytes: Callable[[int], int]
+    reference: Callable
+    kernel: Callable
+
+
+def _coeffs_op(cfg) -> Op:
+    from dsv41.kernels.mhc_coeffs import mhc_coeffs
+
+    d, k = cfg.dim, cfg.hc_mult * cfg.dim
+    n_mix = (2 + cfg.hc_mult) * cfg.hc_mult
+    eps = dict(norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
+
+    def make_inputs(t, g):
+        x = (3 * torch.randn(t, cfg.hc_mult, d, generator=g)).bfloat16()
+        return [x, torch.randn(n_mix, k, generator=g) / k**0.5, 0.5 * torch.randn(n_mix, generator=g),
+                1 + 0.1 * torch.randn(3, generator=g)]
+
+    return Op(
+        name="mhc_coeffs",
+        make_inputs=make_inputs,
+        nbytes=lambda t: t * k * 2 + n_mix * k * 4 + (n_mix + 3) * 4 + t * n_mix * 4,
+        reference=lambda x, fn, base, scale: functional.hc_mixes(x, fn, base, scale, eps["norm_eps"], eps["hc_eps"],
+                                                                  eps["iters"]),
+        kernel=lambda x, fn, base, scale, pdl=True: mhc_coeffs(x, fn, base, scale, **eps, pdl=pdl),
+    )
+
+
+def _post_pre_op(cfg) -> Op:
+    from dsv41.kernels.mhc_post_pre import mhc_post_pre
+
+    d, hc = cfg.dim, cfg.hc_mult
+
+    def make_inputs(t, g):
+        return [torch.randn(t, d, generator=g).bfloat16(), (2 * torch.randn(t, hc, d, generator=g)).bfloat16(),
+                2 * torch.sigmoid(torch.randn(t, hc, generator=g)),
+                torch.softmax(torch.randn(t, hc, hc, generator=g), dim=-1),
+                torch.sigmoid(torch.randn(t, hc, generator=g)), (1 + 0.1 * torch.randn(d, generator=g)).bfloat16()]
+
+    def reference(y, x, post, comb, pre, w):
+        x_new = functional.hc_post(y, x, post, comb)
+        return x_new, functional.rms_norm(functional.hc_collapse(x_new, pre), w, cfg.norm_eps)
+
+    return Op(
+        name="mhc_post_pre",
+        make_inputs=make_inputs,
+        # read y, X, post/comb/pre, w; write X', h
+        nbytes=lambda t: t * d * 2 + t * hc * d * 2 + t * (2 * hc + hc * hc) * 4 + d * 2 + t * hc * d * 2 + t * d * 2,
+        reference=reference,
+        kernel=lambda y, x, post, comb, pre, w, pdl=True: mhc_post_pre(y, x, post, comb, pre, w, eps=cfg.norm_eps,
+                                                                       pdl=pdl),
+    )
+
+
+OPS = {"mhc_coeffs": _coeffs_op, "mhc_post_pre": _post_pre_op}
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of reps)."""
+    src = torch.empty(nbytes // 2, dtype=torch.int16, device="cuda").random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return 2 * nbytes / statistics.median(times)
+
+
+def time_in_graph(fn: Callable, input_sets: list[list[torch.Tensor]], replays: int) -> float:
+    """Median microseconds per call of ``fn`` over ``replays`` replays of one CUDA graph that calls it once per
+    input set."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture: compiles, autotunes, allocates workspaces
+        for inputs in input_sets[:2]:
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for inputs in input_sets:
+            fn(*inputs)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(input_sets))
+    del graph
+    return statistics.median(times)
+
+
+def _compiled(reference: Callable) -> Callable:
+    return torch.compile(reference, mode="max-autotune-no-cudagraphs", fullgraph=True, dynamic=False)
+
+
+def run(ops: list[str], tokens: list[int], variants: list[str], replays: int, budget_s: float | None,
+        out: Path) -> dict:
+    """Measure every (op, T, variant); the JSON under ``out`` is rewritten after each row, so a run cut short
+    keeps what it measured."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    props = torch.cuda.get_device_properties(0)
+    bandwidth = copy_bandwidth()
+    result = {"gpu": props.name, "torch": torch.__version__, "l2_bytes": props.L2_cache_size,
+              "copy_gbps": bandwidth / 1e9, "config": "flash", "rows": []}
+    started = time.monotonic()
+    for name in ops:
+        op = OPS[name](FLASH)
+        for t in tokens:
+            nbytes = op.nbytes(t)
+            n_sets = min(4096, max(8, math.ceil(2.5 * props.L2_cache_size / nbytes)))
+            g = torch.Generator().manual_seed(t)
+            input_sets = [[a.cuda() for a in op.make_inputs(t, g)] for _ in range(n_sets)]
+            for variant in variants:
+                if variant == "inductor" and budget_s is not None and time.monotonic() - started > budget_s:
+                    print(f"  {name} T={t} inductor: skipped (time budget of {budget_s:.0f} s spent)", flush=True)
+                    continue
+                fn = {"dsv41": op.kernel, "eager": op.reference, "inductor": _compiled(op.reference)}[variant]
+                row = {"op": name, "tokens": t, "variant": variant, "us": time_in_graph(fn, input_sets, replays),
+                       "floor_us": nbytes / bandwidth * 1e6, "bytes": nbytes, "calls_per_graph": n_sets}
+                if variant == "dsv41":  # the same kernel launched without programmatic dependent launch
+                    row["us_no_pdl"] = time_in_graph(functools.partial(op.kernel, pdl=False), input_sets, replays)
+                result["rows"].append(row)
+                print(f"  {name} T={t} {variant}: {row['us']:.2f} us", flush=True)
+                (out / "kernels.json").write_text(json.dumps(result, indent=1) + "\n")
+            del input_sets
+            torch.cuda.empty_cache()
+    return result
+
+
+def table(result: dict) -> str:
+    """One line per (op, T): each variant's time, the floor, and the kernel's speedups and distance to the floor."""
+    rows = {(r["op"], r["tokens"], r["variant"]): r for r in result["rows"]}
+    keys = sorted({(r["op"], r["tokens"]) for r in result["rows"]})
+    lines = [f"{result['gpu']}, torch {result['torch']}, copy {result['copy_gbps']:.0f} GB/s; "
+             "us per call under CUDA graphs",
+             f"{'op':<14}{'T':>4}{'dsv41':>9}{'no-pdl':>8}{'inductor':>10}{'eager':>9}{'floor':>8}{'x ind':>8}"
+             f"{'x eager':>9}{'/floor':>8}"]
+    for op, t in keys:
+        us = {v: rows[(op, t, v)]["us"] if (op, t, v) in rows else float("nan") for v in VARIANTS}
+        floor = next(rows[(op, t, v)]["floor_us"] for v in VARIANTS if (op, t, v) in rows)
+        no_pdl = rows[(op, t, "dsv41")].get("us_no_pdl", float("nan")) if (op, t, "dsv41") in rows else float("nan")
+        lines.append(f"{op:<14}{t:>4}{us['dsv41']:>9.2f}{no_pdl:>8.2f}{us['inductor']:>10.2f}{us['eager']:>9.2f}"
+                     f"{floor:>8.2f}{us['inductor'] / us['dsv41']:>8.1f}{us['eager'] / us['dsv41']:>9.1f}"
+                     f"{us['dsv41'] / floor:>8.1f}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> bool:
+    """A log-log plot of us vs T per op (one panel each); False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ops = sorted({r["op"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4.5), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        rows = [r for r in result["rows"] if r["op"] == op]
+        for variant in VARIANTS:
+            pts = sorted((r["tokens"], r["us"]) for r in rows if r["variant"] == variant)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=variant)
+        floor = sorted({(r["tokens"], r["floor_us"]) for r in rows})
+        ax.plot(*zip(*floor), "k--", label="memory floor")
+        ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="us per call (CUDA graph)", title=op)
+        ax.set_xticks([r for r, _ in floor], [str(r) for r, _ in floor])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{result['gpu']}: dsv41 kernels vs the reference subgraph (Flash dims)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dsv41 bench kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("--op", choices=sorted(OPS), help="one op (default: all)")
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,64", help="comma-separated token counts")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated subset of " + ",".join(VARIANTS))
+    parser.add_argument("--replays", type=int, default=20, help="graph replays per measurement (median)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="skip Inductor variants (slow to autotune) once this many seconds have passed")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("dsv41 bench kernels: needs a CUDA device")
+        return 1
+    variants = args.variants.split(",")
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}")
+    ops = [args.op] if args.op else sorted(OPS, reverse=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = run(ops, [int(t) for t in args.tokens.split(",")], variants, args.replays, args.budget_s, args.out)
+    plotted = plot(result, args.out / "kernels.png")
+    print(table(result))
+    print(f"wrote {args.out / 'kernels.json'}" + (f" and {args.out / 'kernels.png'}" if plotted else ""))
+    return 0
