@@ -1,0 +1,153 @@
+"""The whole tiny model through the backend: `torch.compile(model, backend=make_backend(mode=...), fullgraph=True)`
+for three successive decode steps in both codegen modes, against an eager copy.
+
+Set-up: the 8-layer TINY model, batch 3, max_context 256. The caches are first filled eagerly with 21 decode
+steps, then both copies (`copy.deepcopy` of the warmed model, before compiling) decode three steps at positions
+(6, 21, 63) + step: row 0 starts with N_c below index_topk=8 in every compressed layer (ratio 2: 3..4, ratio 1:
+7..9, exceeding k at its third step), rows 1 and 2 are above it (ratio-1 row 2: 64 rows in 16 candidate blocks of
+which 2 are kept); odd positions complete a ratio-2 entry (row 0 at its 2nd step, rows 1 and 2 at their 1st and
+3rd). Rows 1 and 2 have 21 steps of history before them (positions 0..20 and 42..62).
+
+Tolerance: fp32 logits within bf16 tolerance, atol = rtol = 1e-2. On this CPU both modes are bit-exact (the
+reference ops are the model's own functions; Inductor runs with emulate_precision_casts), which the test reports
+but does not require; the caches are required to be identical (a cache entry that diverged would be a real bug).
+
+Compiling: each mode is compiled once (module-scoped fixture): measured ~11 s (fx) and ~30 s (inductor, cold
+Inductor cache) on 2 cores.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dsv41
+from dsv41.backend import make_backend
+from dsv41.config import FUSIONS
+from dsv41.models import TINY, DSV41Model
+
+BATCH, MAX_CONTEXT = 3, 256
+START = torch.tensor([6, 21, 63])
+WARMUP, STEPS = 21, 3
+LOGIT_TOL = dict(atol=1e-2, rtol=1e-2)
+
+
+def expected_matches(cfg, layers) -> dict[str, int]:
+    """The issue's counts: two mHC sites per layer, one of each per-layer fusion, one indexer per index source."""
+    n = len(layers)
+    return {"mhc_coeffs": 2 * n, "mhc_post_pre": 2 * n, "qkv_norm": n, "wo_a": n, "moe_route": n, "moe_finalize": n,
+            "indexer_topk": sum(1 for layer in layers if layer in cfg.index_source_layers), "allreduce_mhc": 0}
+
+
+def caches(model) -> dict[str, torch.Tensor]:
+    return {name: buf for name, buf in model.named_buffers() if not name.startswith("inv_freq")}
+
+
+def step_inputs(step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, TINY.vocab_size, (BATCH,), generator=g), START + step
+
+
+@pytest.fixture(scope="module")
+def warmed_model():
+    """The TINY model after WARMUP eager steps (positions START - WARMUP + k, clamped at 0: row 0 re-decodes 0)."""
+    torch.manual_seed(0)
+    model = DSV41Model(TINY, max_batch=BATCH, max_context=MAX_CONTEXT)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for k in range(WARMUP):
+            model(torch.randint(0, TINY.vocab_size, (BATCH,), generator=g), (START - WARMUP + k).clamp_min(0))
+    return model
+
+
+class Run:
+    """Three decode steps of the compiled model and its eager copy, with every step's logits and caches."""
+
+    def __init__(self, warmed, mode):
+        eager, target = copy.deepcopy(warmed), copy.deepcopy(warmed)
+        torch._dynamo.reset()
+        self.backend = make_backend(mode=mode)
+        compiled = torch.compile(target, backend=self.backend, fullgraph=True)
+        self.logits, self.caches, self.diffs = [], [], []
+        with torch.no_grad():
+            for step in range(STEPS):
+                tokens, positions = step_inputs(step)
+                got = compiled(tokens, positions)
+                want = eager(tokens, positions)
+                self.logits.append((got, want))
+                self.caches.append(({k: v.clone() for k, v in caches(target).items()},
+                                    {k: v.clone() for k, v in caches(eager).items()}))
+                self.diffs.append((got - want).abs().max().item())
+        self.n_graphs = len(self.backend.reports)
+        torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module", params=["fx", "inductor"])
+def run(request, warmed_model):
+    return Run(warmed_model, request.param)
+
+
+def test_expected_counts_follow_the_config():
+    assert expected_matches(TINY, range(TINY.n_layers)) == {
+        "mhc_coeffs": 16, "mhc_post_pre": 16, "qkv_norm": 8, "wo_a": 8, "moe_route": 8, "moe_finalize": 8,
+        "indexer_topk": 3, "allreduce_mhc": 0}
+    assert set(expected_matches(TINY, [0])) == set(FUSIONS)
+
+
+def test_one_graph_no_fallback(run):
+    assert run.n_graphs == 1, "graph break or recompilation over the three steps"
+    report = run.backend.reports[-1]
+    assert report.fallback is None
+
+
+def test_fusion_counts_exact(run):
+    report = run.backend.reports[-1]
+    assert report.matches == expected_matches(TINY, range(TINY.n_layers))
+    assert all(not reasons for reasons in report.declined.values()), report.declined
+
+
+def test_logits_match_eager(run):
+    for step, (got, want) in enumerate(run.logits):
+        assert got.dtype == torch.float32 and got.shape == (BATCH, TINY.vocab_size)
+        torch.testing.assert_close(got, want, **LOGIT_TOL, msg=lambda m: f"step {step}: {m}")
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    print(f"max |logit diff| per step: {run.diffs}")
+
+
+def test_caches_advance_identically(run):
+    previous = None
+    for step, (got, want) in enumerate(run.caches):
+        assert got.keys() == want.keys() and {k.rsplit(".", 1)[-1] for k in got} == {
+            "window_kv", "compress_kv", "index_k", "kv_state", "score_state"}
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"step {step}: cache {name} diverged"
+        if previous is not None:  # every step writes the window caches of every layer
+            for layer in range(TINY.n_layers):
+                name = f"layers.{layer}.attn.window_kv"
+                assert not torch.equal(got[name], previous[name]), f"step {step}: {name} did not advance"
+        previous = got
+
+
+@torch.no_grad()
+def test_entry_point_backend_name():
+    """`backend="dsv41"` resolves through the torch_dynamo_backends entry point to the ready instance."""
+    assert "dsv41" in torch._dynamo.list_backends()
+    assert torch._dynamo.lookup_backend("dsv41") is dsv41.dsv41_backend
+
+    def moe_tail(out, token, shared):
+        y = torch.zeros(shared.shape, dtype=torch.float32).index_add_(0, token, out.float())
+        return (y + shared.float()).to(shared.dtype)
+
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(12, 16, generator=g).bfloat16(), torch.randperm(12, generator=g) // 6,
+            torch.randn(2, 16, generator=g).bfloat16())
+    torch._dynamo.reset()
+    before = len(dsv41.dsv41_backend.reports)
+    compiled = torch.compile(moe_tail, backend="dsv41", fullgraph=True)
+    assert torch.equal(compiled(*args), moe_tail(*args))
+    assert len(dsv41.dsv41_backend.reports) == before + 1
+    report = dsv41.dsv41_backend.reports[-1]
+    assert report.fallback is None and report.matches["moe_finalize"] == 1
+    torch._dynamo.reset()

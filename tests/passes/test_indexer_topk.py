@@ -1,0 +1,216 @@
+"""`indexer_topk`: index scores + candidate-block selection / restriction + top-k + window offset
+-> dsv41::indexer_topk.
+
+Every formulation the pass lists (the index-source, candidate-source and re-index layer kinds, each with
+`topk(sorted=False)` then an ascending sort (the model's) or a sorted `topk` then the sort) has a user-written
+function here; k, the offset and the candidate block size / count are read from the graph.
+
+Comparison: the selected indices are compared per row as index sets (valid entries, offset removed), with the
+tie rule: indices whose score equals the row's k-th largest score are interchangeable (any of them is a correct
+top-k), so the sets may differ only by such indices; everything scoring strictly above the k-th is in both. Rows
+with fewer than k visible rows give -1 for the rest, compared as a count. The candidate mask (a set of blocks) is
+compared exactly. (In practice the fused op runs the same torch.topk on the same scores and is bit-identical.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import expecttest
+import pytest
+import torch
+
+from dsv41.models.model import select_candidate_blocks
+
+from .harness import BF16, F16, compile_fx, declined, gen, graph_text, op_counts, pattern_names, rand, run_passes
+
+FUSION, OP = "indexer_topk", "dsv41.indexer_topk"
+T, IH, IHD, N = 4, 4, 32, 40
+TOPK, OFFSET, CAND_BLOCK, CAND_BLOCKS = 8, 8, 4, 3
+
+
+def inputs(seed, t=T, n=N, dtype=BF16, with_cand=False):
+    """q, w, keys, n_c (row 0 sees everything, row 1 fewer than k rows, row 2 none), [candidates]."""
+    g = gen(seed)
+    n_c = torch.randint(0, n + 1, (t,), generator=g)
+    n_c[0] = n
+    if t > 1:
+        n_c[1] = min(TOPK - 3, n)
+    if t > 2:
+        n_c[2] = 0
+    out = [rand(g, t, IH, IHD, dtype=dtype), torch.rand(t, IH, generator=g), rand(g, t, n, IHD, dtype=dtype), n_c]
+    return out + [torch.rand(t, n, generator=g) < 0.5] if with_cand else out
+
+
+# ---- the formulations --------------------------------------------------------------------------------------------
+def index_scores(q, w, keys, n_c, fill=-math.inf):
+    s = (torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu() * w.unsqueeze(-1)).sum(dim=1)
+    visible = torch.arange(keys.shape[1], device=s.device) < n_c.unsqueeze(-1)
+    return s.masked_fill(~visible, fill)
+
+
+def topk_then_sort(s, k=TOPK, offset=OFFSET):
+    sel = torch.sort(torch.topk(s, min(k, s.shape[1]), dim=-1, sorted=False).indices, dim=-1).values
+    return torch.where(s.gather(-1, sel) > -math.inf, sel + offset, -1)
+
+
+def sorted_topk(s, k=TOPK, offset=OFFSET):
+    sel = s.topk(min(k, s.shape[1]), dim=-1).indices.sort(dim=-1).values
+    return torch.where(s.gather(-1, sel) > -math.inf, sel + offset, -1)
+
+
+def index_source(select):
+    def f(q, w, keys, n_c):
+        return select(index_scores(q, w, keys, n_c))
+    return f
+
+
+def candidate_source(select):
+    def f(q, w, keys, n_c):
+        s = index_scores(q, w, keys, n_c)
+        return select(s), select_candidate_blocks(s, n_c, CAND_BLOCK, CAND_BLOCKS)
+    return f
+
+
+def reindex(select):
+    def f(q, w, keys, n_c, cand):
+        return select(index_scores(q, w, keys, n_c).masked_fill(~cand, -math.inf))
+    return f
+
+
+FORMULATIONS = {f"{kind}{tag}": (make(select), kind)
+                for tag, select in (("", topk_then_sort), ("_sorted", sorted_topk))
+                for kind, make in (("index_source", index_source), ("candidate_source", candidate_source),
+                                   ("reindex", reindex))}
+
+
+def scores_of(kind, q, w, keys, n_c, cand=None):
+    s = index_scores(q, w, keys, n_c)
+    return s.masked_fill(~cand, -math.inf) if kind == "reindex" else s
+
+
+def assert_same_selection(got, want, s, offset=OFFSET, k=TOPK):
+    """Per row: the same number of -1s, and the same index set up to ties at the k-th score (see the docstring)."""
+    assert got.shape == want.shape and got.dtype == want.dtype == torch.int64
+    for r in range(s.shape[0]):
+        g, w = got[r][got[r] >= 0] - offset, want[r][want[r] >= 0] - offset
+        assert len(g) == len(w), f"row {r}: {len(g)} valid indices, expected {len(w)}"
+        assert (got[r] == -1).sum() == (want[r] == -1).sum()
+        if len(w) == 0:
+            continue
+        assert torch.equal(g, g.sort().values), f"row {r}: indices not ascending"
+        kth = s[r].topk(min(k, s.shape[1])).values[len(w) - 1]
+        differ = set(g.tolist()) ^ set(w.tolist())
+        assert all(s[r, i] == kth for i in differ), f"row {r}: {sorted(differ)} differ and are not ties at {kth}"
+
+
+def check(kind, got, want, x):
+    if kind != "candidate_source":
+        got, want = (got,), (want,)
+    cand = x[4] if kind == "reindex" else None
+    s = scores_of(kind, *x[:4], cand)
+    assert_same_selection(got[0], want[0], s)
+    if kind == "candidate_source":
+        assert got[1].dtype == torch.bool and torch.equal(got[1], want[1])
+
+
+def test_every_formulation_has_a_test():
+    assert pattern_names(FUSION) == set(FORMULATIONS)
+
+
+@pytest.mark.parametrize("name", sorted(FORMULATIONS))
+def test_formulation_is_fused(name):
+    f, kind = FORMULATIONS[name]
+    gm, report = run_passes(f, inputs(0, with_cand=kind == "reindex"), FUSION)
+    assert report.matches == {FUSION: 1} and report.fallback is None
+    ops = op_counts(gm)
+    assert ops[OP] == 1
+    for gone in ("aten.topk", "aten.sort", "aten.bmm", "aten.relu", "aten.gather"):
+        assert ops[gone] == 0, f"{gone} left after the fusion: {ops}"
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and "indexer_topk" in str(n.target))
+    topk, offset, cand_block, cand_blocks = node.args[5:9]
+    assert (topk, offset) == (TOPK, OFFSET)
+    assert (cand_block, cand_blocks) == ((CAND_BLOCK, CAND_BLOCKS) if kind == "candidate_source" else (0, 0))
+    assert (node.args[4] is None) == (kind != "reindex")
+    x = inputs(1, with_cand=kind == "reindex")
+    check(kind, gm(*x), f(*x), x)
+
+
+@pytest.mark.parametrize("k, offset, n", [(5, 3, N), (8, 128, 6)])
+def test_k_and_offset_are_read_from_the_graph(k, offset, n):
+    """Another k and window offset; n < k clamps k to n (min(k, N) in the graph)."""
+    def f(q, w, keys, n_c):
+        return topk_then_sort(index_scores(q, w, keys, n_c), k, offset)
+
+    gm, report = run_passes(f, inputs(0, n=n), FUSION)
+    assert report.matches[FUSION] == 1
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and "indexer_topk" in str(n.target))
+    assert node.args[5:7] == (min(k, n), offset)
+    x = inputs(2, n=n)
+    assert_same_selection(gm(*x), f(*x), index_scores(*x), offset=offset, k=k)
+
+
+def three_layers(q, w, keys, n_c):
+    """The model's chain: a candidate source, then a re-index layer using its candidates, then an index source."""
+    i1, cand = candidate_source(topk_then_sort)(q, w, keys, n_c)
+    i2 = reindex(sorted_topk)(q, w * 2, keys, n_c, cand)
+    return i1, i2, index_source(topk_then_sort)(q, w * 3, keys, n_c)
+
+
+def test_three_sites_three_matches():
+    gm, report = run_passes(three_layers, inputs(0), FUSION)
+    assert report.matches[FUSION] == 3 and op_counts(gm)[OP] == 3 and op_counts(gm)["aten.topk"] == 0
+    x = inputs(3)
+    got, want = gm(*x), three_layers(*x)
+    _, cand = candidate_source(topk_then_sort)(*x)
+    assert_same_selection(got[0], want[0], index_scores(*x))
+    assert_same_selection(got[1], want[1], index_scores(x[0], x[1] * 2, x[2], x[3]).masked_fill(~cand, -math.inf))
+    assert_same_selection(got[2], want[2], index_scores(x[0], x[1] * 3, x[2], x[3]))
+
+
+@torch.no_grad()
+def test_model_indexer_through_the_backend():
+    compiled, backend = compile_fx(index_source(topk_then_sort))
+    for seed in (3, 4):
+        x = inputs(seed)
+        assert_same_selection(compiled(*x), index_source(topk_then_sort)(*x), index_scores(*x))
+    report = backend.reports[-1]
+    assert report.fallback is None and {k: v for k, v in report.matches.items() if v} == {FUSION: 1}
+
+
+def test_golden():
+    gm, _ = run_passes(FORMULATIONS["candidate_source"][0], inputs(0, t=2, n=8), FUSION)
+    expecttest.assert_expected_inline(graph_text(gm), """\
+%arg0_1: bf16[2, 4, 32] = input
+%arg1_1: f32[2, 4] = input
+%arg2_1: bf16[2, 8, 32] = input
+%arg3_1: i64[2] = input
+%indexer_topk_default: (i64[2, 8], b8[2, 8]) = dsv41.indexer_topk(%arg0_1, %arg1_1, %arg2_1, %arg3_1, None, 8, 8, 4, 2, 'auto')
+%getitem_7: b8[2, 8] = getitem(%indexer_topk_default, 1)
+%getitem_6: i64[2, 8] = getitem(%indexer_topk_default, 0)
+return [%getitem_6, %getitem_7]
+""")
+
+
+# ---- declines ---------------------------------------------------------------------------------------------------
+def test_decline_token_limit():
+    gm, report = run_passes(FORMULATIONS["reindex"][0], inputs(0, t=4, with_cand=True), FUSION, max_tokens=3)
+    assert report.matches[FUSION] == 0 and op_counts(gm)[OP] == 0
+    assert "token limit: T=4 > max_tokens=3" in declined(report, FUSION)
+
+
+def test_decline_fp16():
+    gm, report = run_passes(FORMULATIONS["index_source_sorted"][0], inputs(0, dtype=F16), FUSION)
+    assert report.matches[FUSION] == 0 and op_counts(gm)[OP] == 0
+    assert "dtype" in declined(report, FUSION) and "float16" in declined(report, FUSION)
+
+
+def test_decline_other_mask_value():
+    """Masking invisible rows with -1e30 instead of -inf is another computation (they would count as valid)."""
+    def f(q, w, keys, n_c):
+        return topk_then_sort(index_scores(q, w, keys, n_c, fill=-1e30))
+
+    gm, report = run_passes(f, inputs(0), FUSION)
+    assert report.matches[FUSION] == 0 and op_counts(gm)[OP] == 0
+    reasons = declined(report, FUSION)
+    assert "scalar" in reasons and "-inf" in reasons and "-1e+30" in reasons, reasons

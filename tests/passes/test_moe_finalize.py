@@ -1,0 +1,141 @@
+"""`moe_finalize`: the combine of the routed expert outputs + the shared-expert add + the cast
+-> dsv41::moe_finalize.
+
+Every formulation the pass lists (combine by index_add (the model's) or scatter_add over an expanded index; with
+the shared add, or the combine alone as under TP where an all-reduce sits between) has a user-written function
+here. The combine with the shared add is claimed before the combine alone. The op accumulates in the same
+row order as index_add_, so index_add formulations are bit-exact (atol=rtol=0); scatter_add sums the same rows
+in fp32, possibly in another order: fp32 tolerance (atol=rtol=1e-6) for the combine-only output, bf16 (atol=rtol=
+1.6e-2) after the cast.
+"""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+
+from .harness import BF16, F16, assert_close, compile_fx, declined, gen, graph_text, op_counts, pattern_names, rand, \
+    run_passes
+
+FUSION, OP = "moe_finalize", "dsv41.moe_finalize"
+T, D, K = 3, 32, 6
+
+
+def inputs(seed, t=T, dtype=BF16, shared=True):
+    """expert_out [T*K, D] (rows sorted by expert: tokens permuted), token [T*K], [shared [T, D]]."""
+    g = gen(seed)
+    out = [rand(g, t * K, D, dtype=dtype), torch.randperm(t * K, generator=g) // K]
+    return out + [rand(g, t, D, dtype=dtype)] if shared else out
+
+
+def combine_index_add(out, token, t):
+    return torch.zeros(t, out.shape[1], dtype=torch.float32, device=out.device).index_add_(0, token, out.float())
+
+
+def combine_scatter_add(out, token, t):
+    y = torch.zeros(t, out.shape[1], dtype=torch.float32, device=out.device)
+    return y.scatter_add_(0, token.unsqueeze(-1).expand(-1, out.shape[1]), out.float())
+
+
+def with_shared(combine):
+    def f(out, token, shared):
+        return (combine(out, token, shared.shape[0]) + shared.float()).to(shared.dtype)
+    return f
+
+
+def combine_only(combine):
+    def f(out, token):
+        return combine(out, token, T)
+    return f
+
+
+FORMULATIONS = {"index_add_shared": with_shared(combine_index_add), "index_add_only": combine_only(combine_index_add),
+                "scatter_add_shared": with_shared(combine_scatter_add),
+                "scatter_add_only": combine_only(combine_scatter_add)}
+
+
+def tolerance(name):
+    if name.startswith("index_add"):
+        return dict(atol=0, rtol=0)
+    return dict(atol=1e-6, rtol=1e-6) if name.endswith("_only") else dict(atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_every_formulation_has_a_test():
+    assert pattern_names(FUSION) == set(FORMULATIONS)
+
+
+@pytest.mark.parametrize("name", sorted(FORMULATIONS))
+def test_formulation_is_fused(name):
+    f = FORMULATIONS[name]
+    shared = name.endswith("_shared")
+    gm, report = run_passes(f, inputs(0, shared=shared), FUSION)
+    assert report.matches == {FUSION: 1} and report.fallback is None
+    assert report.passes[1].replaced[0]["pattern"] == name  # the wider formulation claims the shared add
+    ops = op_counts(gm)
+    assert ops[OP] == 1
+    for gone in ("aten.index_put", "aten.scatter_add", "aten.full", "aten.add.Tensor", "prims.convert_element_type"):
+        assert ops[gone] == 0, f"{gone} left after the fusion: {ops}"
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and "moe_finalize" in str(n.target))
+    assert node.args[3] == T and (node.args[2] is None) == (not shared)
+    x = inputs(1, shared=shared)
+    got, want = gm(*x), f(*x)
+    assert got.dtype == want.dtype == (BF16 if shared else torch.float32)
+    assert_close(got, want, **tolerance(name))
+
+
+def two_layers(out, token, shared):
+    y1 = FORMULATIONS["index_add_shared"](out, token, shared)
+    y2 = FORMULATIONS["scatter_add_only"](out * 2, token)
+    return y1, y2
+
+
+def test_two_sites_two_matches():
+    gm, report = run_passes(two_layers, inputs(0), FUSION)
+    assert report.matches[FUSION] == 2 and op_counts(gm)[OP] == 2
+    assert sorted(r["pattern"] for r in report.passes[1].replaced) == ["index_add_shared", "scatter_add_only"]
+    x = inputs(2)
+    got, want = gm(*x), two_layers(*x)
+    assert_close(got[0], want[0], atol=0, rtol=0)
+    assert_close(got[1], want[1], atol=1e-6, rtol=1e-6)
+
+
+@torch.no_grad()
+def test_model_moe_tail_through_the_backend():
+    """The end of MoE.forward: weighted expert rows in expert order, index_add_ combine, shared add, cast."""
+    def tail(out, token, shared):
+        t = shared.shape[0]
+        y = torch.zeros(t, shared.shape[1], dtype=torch.float32, device=out.device).index_add_(0, token, out.float())
+        return (y + shared.float()).to(shared.dtype)
+
+    compiled, backend = compile_fx(tail)
+    for seed in (3, 4):
+        x = inputs(seed)
+        assert_close(compiled(*x), tail(*x), atol=0, rtol=0)
+    report = backend.reports[-1]
+    assert report.fallback is None and {k: v for k, v in report.matches.items() if v} == {FUSION: 1}
+
+
+def test_golden():
+    gm, _ = run_passes(FORMULATIONS["index_add_shared"], inputs(0, t=2), FUSION)
+    expecttest.assert_expected_inline(graph_text(gm), """\
+%arg0_1: bf16[12, 32] = input
+%arg1_1: i64[12] = input
+%arg2_1: bf16[2, 32] = input
+%moe_finalize_default: bf16[2, 32] = dsv41.moe_finalize(%arg0_1, %arg1_1, %arg2_1, 2, 'auto')
+return %moe_finalize_default
+""")
+
+
+# ---- declines ---------------------------------------------------------------------------------------------------
+def test_decline_token_limit():
+    gm, report = run_passes(FORMULATIONS["scatter_add_shared"], inputs(0, t=3), FUSION, max_tokens=2)
+    assert report.matches[FUSION] == 0 and op_counts(gm)[OP] == 0
+    assert "token limit: T=3 > max_tokens=2" in declined(report, FUSION)
+
+
+@pytest.mark.parametrize("name", ["index_add_shared", "index_add_only"])
+def test_decline_fp16(name):
+    gm, report = run_passes(FORMULATIONS[name], inputs(0, dtype=F16, shared=name.endswith("_shared")), FUSION)
+    assert report.matches[FUSION] == 0 and op_counts(gm)[OP] == 0
+    assert "dtype" in declined(report, FUSION) and "float16" in declined(report, FUSION)

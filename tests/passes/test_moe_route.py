@@ -1,0 +1,175 @@
+"""`moe_route`: router GEMM (fp32) + sqrt-softplus + bias + top-k + gather + normalise + scale -> dsv41::moe_route.
+
+Both formulations the pass lists (the model's, dividing the logits by gate_temp; and one without the temperature,
+listed only when gate_temp == 1) have a user-written function here; k is read from the graph, route_scale and
+gate_temp are checked against the config.
+
+Comparison: the experts are compared per token as sets, each weight following its expert (rows sorted by expert
+id), with the tie rule: experts whose biased score equals the token's k-th largest are interchangeable. With
+continuous random inputs there are no such ties, so the sets must be equal and the weights (fp32) equal within
+atol=rtol=1e-6 (bit-exact in practice: the op's reference is the model's function).
+"""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv41.models import functional as fn
+
+from .harness import BF16, F16, assert_scalar_decline, compile_fx, declined, gen, graph_text, op_counts, \
+    pattern_names, rand, run_passes
+
+FUSION, OP = "moe_route", "dsv41.moe_route"
+T, D, E, K = 3, 32, 16, 6
+ROUTE_SCALE = 1.5
+
+
+def inputs(seed, t=T, dtype=BF16):
+    g = gen(seed)
+    return [rand(g, t, D, dtype=dtype), rand(g, E, D, dtype=dtype, scale=D ** -0.5), rand(g, E, dtype=torch.float32, scale=0.1)]
+
+
+def route_with_temperature(h, gate_w, bias, k=K, scale=ROUTE_SCALE, temp=1.0):
+    """The model's: logits / gate_temp."""
+    logits = torch.mm(h.float(), gate_w.float().t()) / temp
+    scores = F.softplus(logits).sqrt()
+    experts = (scores + bias).topk(k, dim=-1).indices
+    w = scores.gather(1, experts)
+    return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scale, experts
+
+
+def route_without_temperature(h, gate_w, bias, k=K, scale=ROUTE_SCALE):
+    """No temperature at all (a model without one): equal to the model's when gate_temp == 1."""
+    scores = torch.sqrt(F.softplus(h.float() @ gate_w.float().T))
+    experts = torch.topk(scores + bias, k, dim=-1).indices
+    w = torch.gather(scores, 1, experts)
+    return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scale, experts
+
+
+FORMULATIONS = {"route": route_with_temperature, "route_no_temperature": route_without_temperature}
+
+
+def assert_same_routing(got, want, h, gate_w, bias, k=K):
+    (gw, ge), (ww, we) = got, want
+    assert ge.dtype == we.dtype == torch.int64 and gw.dtype == ww.dtype == torch.float32 and ge.shape == we.shape
+    biased = torch.sqrt(F.softplus(h.float() @ gate_w.float().T)) + bias
+    for r in range(ge.shape[0]):
+        kth = biased[r].topk(k).values[-1]
+        differ = set(ge[r].tolist()) ^ set(we[r].tolist())
+        assert all(biased[r, e] == kth for e in differ), f"token {r}: experts {sorted(differ)} differ, not ties"
+        if not differ:
+            og, ow = ge[r].argsort(), we[r].argsort()
+            torch.testing.assert_close(gw[r][og], ww[r][ow], atol=1e-6, rtol=1e-6)
+
+
+def test_every_formulation_has_a_test():
+    assert pattern_names(FUSION) == set(FORMULATIONS)
+    assert pattern_names(FUSION, gate_temp=2.0) == {"route"}  # without a temperature only when it is 1
+
+
+@pytest.mark.parametrize("name", sorted(FORMULATIONS))
+def test_formulation_is_fused(name):
+    f = FORMULATIONS[name]
+    gm, report = run_passes(f, inputs(0), FUSION)
+    assert report.matches == {FUSION: 1} and report.fallback is None
+    ops = op_counts(gm)
+    assert ops[OP] == 1
+    for gone in ("aten.topk", "aten.mm", "aten.softplus", "aten.sqrt", "aten.gather"):
+        assert ops[gone] == 0, f"{gone} left after the fusion: {ops}"
+    x = inputs(1)
+    assert_same_routing(gm(*x), f(*x), *x)
+
+
+def test_k_is_read_from_the_graph():
+    def f(h, gate_w, bias):
+        return route_with_temperature(h, gate_w, bias, k=4)
+
+    gm, report = run_passes(f, inputs(0), FUSION)
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and "moe_route" in str(n.target))
+    assert report.matches[FUSION] == 1 and node.args[3] == 4
+    x = inputs(2)
+    assert_same_routing(gm(*x), f(*x), *x, k=4)
+
+
+def test_other_temperature_fuses_under_that_config():
+    def f(h, gate_w, bias):
+        return route_with_temperature(h, gate_w, bias, temp=2.0)
+
+    gm, report = run_passes(f, inputs(0), FUSION, gate_temp=2.0)
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and "moe_route" in str(n.target))
+    assert report.matches[FUSION] == 1 and node.args[5] == 2.0
+    x = inputs(3)
+    got, want = gm(*x), f(*x)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+def two_layers(h, gate_w, bias):
+    w1, e1 = route_with_temperature(h, gate_w, bias)
+    h2 = (h.float() * w1.sum(-1, keepdim=True)).to(h.dtype)
+    w2, e2 = route_without_temperature(h2, gate_w, bias)
+    return w1, e1, w2, e2
+
+
+def test_two_sites_two_matches():
+    gm, report = run_passes(two_layers, inputs(0), FUSION)
+    assert report.matches[FUSION] == 2 and op_counts(gm)[OP] == 2 and op_counts(gm)["aten.topk"] == 0
+    x = inputs(4)
+    got, want = gm(*x), two_layers(*x)
+    assert_same_routing(got[:2], want[:2], *x)
+    h2 = (x[0].float() * want[0].sum(-1, keepdim=True)).to(x[0].dtype)
+    assert_same_routing(got[2:], want[2:], h2, *x[1:])
+
+
+@torch.no_grad()
+def test_model_router_through_the_backend():
+    def router(h, gate_w, bias):
+        return fn.route(h, gate_w, bias, K, ROUTE_SCALE, 1.0)
+
+    compiled, backend = compile_fx(router)
+    for seed in (5, 6):
+        x = inputs(seed)
+        assert_same_routing(compiled(*x), router(*x), *x)
+    report = backend.reports[-1]
+    assert report.fallback is None and {k: v for k, v in report.matches.items() if v} == {FUSION: 1}
+
+
+def test_golden():
+    gm, _ = run_passes(route_with_temperature, inputs(0, t=2), FUSION)
+    expecttest.assert_expected_inline(graph_text(gm), """\
+%arg0_1: bf16[2, 32] = input
+%arg1_1: bf16[16, 32] = input
+%arg2_1: f32[16] = input
+%moe_route_default: (f32[2, 6], i64[2, 6]) = dsv41.moe_route(%arg0_1, %arg1_1, %arg2_1, 6, 1.5, 1.0, 'auto')
+%getitem_3: i64[2, 6] = getitem(%moe_route_default, 1)
+%getitem_2: f32[2, 6] = getitem(%moe_route_default, 0)
+return [%getitem_2, %getitem_3]
+""")
+
+
+# ---- declines ---------------------------------------------------------------------------------------------------
+def test_decline_token_limit():
+    gm, report = run_passes(route_with_temperature, inputs(0, t=3), FUSION, max_tokens=2)
+    assert report.matches[FUSION] == 0 and op_counts(gm)[OP] == 0
+    assert "token limit: T=3 > max_tokens=2" in declined(report, FUSION)
+
+
+def test_decline_fp16():
+    gm, report = run_passes(route_without_temperature, inputs(0, dtype=F16), FUSION)
+    assert report.matches[FUSION] == 0 and op_counts(gm)[OP] == 0
+    assert "dtype" in declined(report, FUSION) and "float16" in declined(report, FUSION)
+
+
+@pytest.mark.parametrize("name", sorted(FORMULATIONS))
+def test_decline_other_route_scale(name):
+    gm, report = run_passes(lambda h, g, b: FORMULATIONS[name](h, g, b, scale=2.5), inputs(0), FUSION)
+    assert report.matches[FUSION] == 0 and op_counts(gm)[OP] == 0
+    assert_scalar_decline(declined(report, FUSION), ROUTE_SCALE, 2.5)
+
+
+def test_decline_other_temperature():
+    gm, report = run_passes(lambda h, g, b: route_with_temperature(h, g, b, temp=2.0), inputs(0), FUSION)
+    assert report.matches[FUSION] == 0 and op_counts(gm)[OP] == 0
+    assert_scalar_decline(declined(report, FUSION), 1.0, 2.0)

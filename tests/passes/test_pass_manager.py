@@ -1,0 +1,389 @@
+"""The pass manager: order, uuid (Inductor's CustomGraphPass contract), the DSV41_DISABLE_PASSES override, debug
+invariant checks, before/after snapshots, normalisation, defunctionalisation, and the fallback to plain Inductor.
+"""
+
+from __future__ import annotations
+
+import re
+
+import expecttest
+import pytest
+import torch
+import torch.fx as fx
+from torch import Tensor
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from dsv41.backend import make_backend
+from dsv41.config import FUSIONS
+from dsv41.passes import FUSION_ORDER, fusion_pass_class
+from dsv41.passes.fusion import GraphPass, PassResult
+from dsv41.passes.manager import ACTIVE_RECORDERS, CompileReport, PassManager
+from dsv41.passes.printing import graph_code
+from dsv41.passes.wo_a import WoAPass
+
+from . import test_moe_route as route_case
+from . import test_wo_a as wo_a_case
+from .harness import assert_close, compile_fx, config, graph_text, op_counts, run_passes
+
+aten, prims = torch.ops.aten, torch.ops.prims
+
+
+# ---- order --------------------------------------------------------------------------------------------------------
+def test_pass_order():
+    names = [p.name for p in PassManager(config()).passes]
+    assert names[0] == "normalize" and names[-1] == "defunctionalize"  # nothing runs after defunctionalisation
+    assert names[1:1 + len(FUSIONS)] == list(FUSION_ORDER) and set(FUSION_ORDER) == set(FUSIONS)
+    assert FUSION_ORDER.index("allreduce_mhc") < FUSION_ORDER.index("mhc_post_pre")  # the specific one first
+    assert FUSION_ORDER.index("moe_finalize") < FUSION_ORDER.index("allreduce_mhc")  # combine-only before the TP tail
+    assert names.index("streams") == len(names) - 2  # scheduling after every fusion
+
+
+# ---- uuid ---------------------------------------------------------------------------------------------------------
+def uuids(**changes) -> dict[str, str]:
+    pm = PassManager(config(**changes))
+    return {"manager": pm.uuid(), **{p.name: p.uuid() for p in pm.passes}}
+
+
+def test_every_pass_has_a_name_and_uuid():
+    pm = PassManager(config())
+    assert isinstance(pm, CustomGraphPass)
+    names = [p.name for p in pm.passes]
+    assert all(names) and len(set(names)) == len(names)
+    for p in pm.passes:
+        assert isinstance(p, GraphPass) and re.fullmatch(r"[0-9a-f]{64}", p.uuid()), p.name
+    assert re.fullmatch(r"[0-9a-f]{64}", pm.uuid())
+    assert {name: fusion_pass_class(name).name for name in FUSIONS} == {name: name for name in FUSIONS}
+
+
+def test_same_config_same_uuid():
+    assert uuids() == uuids()
+    assert uuids(max_tokens=8) == uuids(max_tokens=8)
+
+
+@pytest.mark.parametrize("change, affected, unaffected", [
+    (dict(max_tokens=8), set(FUSIONS), {"normalize", "defunctionalize"}),
+    (dict(kernel="reference"), set(FUSIONS), {"normalize", "defunctionalize"}),
+    (dict(norm_eps=1e-6), {"mhc_post_pre", "qkv_norm", "mhc_coeffs", "allreduce_mhc"}, {"normalize", "defunctionalize"}),
+    (dict(sinkhorn_iters=10), {"mhc_coeffs"}, {"normalize", "defunctionalize"}),
+    (dict(route_scale=2.5), {"moe_route"}, {"normalize", "defunctionalize"}),
+    (dict(mode="inductor"), {"defunctionalize"}, set(FUSIONS) | {"normalize"}),
+])
+def test_config_change_changes_uuid(change, affected, unaffected):
+    base, changed = uuids(), uuids(**change)
+    assert changed["manager"] != base["manager"]
+    for name in affected:
+        assert changed[name] != base[name], f"{name}'s uuid ignores {change}"
+    for name in unaffected:
+        assert changed[name] == base[name], f"{name}'s uuid depends on {change}"
+
+
+def test_disabling_a_fusion_changes_uuid():
+    base = uuids()
+    fewer = uuids(fusions=frozenset(FUSIONS) - {"wo_a"})
+    assert "wo_a" not in fewer and fewer["manager"] != base["manager"]
+    assert {k: v for k, v in base.items() if k not in ("manager", "wo_a")} == {k: v for k, v in fewer.items() if k != "manager"}
+
+
+# ---- the environment override -------------------------------------------------------------------------------------
+def test_disable_passes_env_removes_the_pass(monkeypatch):
+    monkeypatch.setenv("DSV41_DISABLE_PASSES", "wo_a, qkv_norm")
+    backend = make_backend(mode="fx")
+    assert backend.config.fusions == frozenset(FUSIONS) - {"wo_a", "qkv_norm"}
+    names = [p.name for p in backend.pass_manager.passes]
+    assert "wo_a" not in names and "qkv_norm" not in names and "moe_route" in names
+
+    def f(o, cos, sin, w, h, gate_w, bias):
+        return wo_a_case.grouped_einsum(o, cos, sin, w), route_case.route_with_temperature(h, gate_w, bias)
+
+    gm, report = run_passes(f, wo_a_case.inputs(0) + route_case.inputs(0), fusions=backend.config.fusions)
+    assert "wo_a" not in report.matches and report.matches["moe_route"] == 1
+    assert op_counts(gm)["dsv41.wo_a"] == 0 and op_counts(gm)["aten.bmm"] == 1
+
+
+def test_disable_passes_env_unknown_name_raises(monkeypatch):
+    monkeypatch.setenv("DSV41_DISABLE_PASSES", "wo_a,no_such_pass")
+    with pytest.raises(ValueError, match="no_such_pass"):
+        make_backend(mode="fx")
+
+
+def test_disable_passes_env_streams(monkeypatch):
+    monkeypatch.setenv("DSV41_DISABLE_PASSES", "streams")
+    cfg = make_backend(mode="fx").config
+    assert cfg.streams is False and cfg.fusions == frozenset(FUSIONS)
+
+
+# ---- debug invariant checks ----------------------------------------------------------------------------------------
+class DropsMetaPass(GraphPass):
+    """Broken on purpose: inserts a node without meta['val']."""
+
+    name = "drops_meta"
+
+    def __call__(self, graph):
+        x = next(iter(graph.find_nodes(op="placeholder")))
+        with graph.inserting_after(x):
+            neg = graph.call_function(aten.neg.default, (x,))
+        x.replace_all_uses_with(neg, delete_user_cb=lambda user: user is not neg)
+        return PassResult(self.name, matches=1)
+
+
+class UseBeforeDefPass(GraphPass):
+    """Broken on purpose: moves the last compute node to the front, before its inputs."""
+
+    name = "use_before_def"
+
+    def __call__(self, graph):
+        last = [n for n in graph.nodes if n.op == "call_function"][-1]
+        first = next(n for n in graph.nodes if n.op == "call_function")
+        first.prepend(last)
+        return PassResult(self.name, matches=1)
+
+
+def small(x):
+    return (x * 2).sin() + 1
+
+
+@pytest.mark.parametrize("broken, message", [(DropsMetaPass, r"after pass 'drops_meta': nodes without meta\['val'\]"),
+                                             (UseBeforeDefPass, r"graph invalid after pass 'use_before_def'")])
+def test_debug_mode_names_the_pass_that_broke_the_graph(broken, message):
+    from .harness import aten_graph
+
+    pm = PassManager(config(debug=True))
+    pm.passes.insert(1, broken(pm.config))
+    with pytest.raises(RuntimeError, match=message):
+        pm.run(aten_graph(small, torch.randn(4)).graph, CompileReport(graph_id=0))
+
+
+def test_invariant_checks_are_off_without_debug():
+    from .harness import aten_graph
+
+    pm = PassManager(config(debug=False))
+    pm.passes.insert(1, DropsMetaPass(pm.config))
+    gm = aten_graph(small, torch.randn(4))
+    report = pm.run(gm.graph, CompileReport(graph_id=0))
+    assert report.passes[1].name == "drops_meta"
+    gm.recompile()
+    x = torch.randn(4)
+    torch.testing.assert_close(gm(x), small(-x))
+
+
+# ---- snapshots -------------------------------------------------------------------------------------------------------
+class Recorder:
+    def __init__(self):
+        self.graphs, self.snapshots = [], []
+
+    def begin_graph(self, graph_id, passes):
+        self.graphs.append((graph_id, [p.name for p in passes]))
+
+    def capture(self, graph):
+        return graph_code(graph)
+
+    def snapshot(self, graph_id, index, p, before, after, result):
+        self.snapshots.append((graph_id, index, p.name, before, after, result))
+
+
+def test_snapshots_before_and_after_every_pass():
+    pm = PassManager(config())
+    assert pm.recorder is None and not ACTIVE_RECORDERS  # off by default: nothing is captured
+    pm.recorder = rec = Recorder()
+    from .harness import aten_graph
+
+    gm = aten_graph(wo_a_case.grouped_einsum, *wo_a_case.inputs(0))
+    pm.run(gm.graph, CompileReport(graph_id=7))
+    assert rec.graphs == [(7, [p.name for p in pm.passes])]
+    assert [s[2] for s in rec.snapshots] == [p.name for p in pm.passes]
+    for (_, _, name, before, after, result), nxt in zip(rec.snapshots, rec.snapshots[1:] + [None]):
+        assert result.name == name
+        if nxt is not None:
+            assert after == nxt[3]  # one pass's after is the next one's before
+        assert (before != after) == (name == "wo_a"), name
+    assert rec.snapshots[-1][4] == graph_code(gm.graph)
+
+
+# ---- normalisation ---------------------------------------------------------------------------------------------------
+def normalisation_graph() -> fx.GraphModule:
+    """A graph with every no-op form normalisation removes, plus a reshape form and views that are not no-ops."""
+    g = fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    outs = [
+        g.call_function(aten.mul.Tensor, (g.call_function(aten.view.default, (x, [2, 4])), 2)),
+        g.call_function(aten.add.Tensor, (g.call_function(aten.expand.default, (x, [2, 4])), y)),
+        g.call_function(aten.sub.Tensor, (g.call_function(aten.slice.Tensor, (x, 1, 0, 9223372036854775807)), 1)),
+        g.call_function(aten.div.Tensor, (g.call_function(prims.convert_element_type.default, (x, torch.float32)), 2)),
+        g.call_function(aten.mul.Tensor, (g.call_function(aten.alias.default, (y,)), 3)),
+        g.call_function(aten.sum.dim_IntList, (g.call_function(aten._unsafe_view.default, (x, [4, 2])), [0])),
+        g.call_function(aten.neg.default, (g.call_function(aten.slice.Tensor, (x, 1, 1, 9223372036854775807)),)),
+        g.call_function(prims.convert_element_type.default, (y, torch.bfloat16)),
+    ]
+    g.output(tuple(outs))
+    gm = fx.GraphModule({}, g)
+    with FakeTensorMode() as mode:
+        FakeTensorProp(gm, mode).propagate(mode.from_tensor(torch.randn(2, 4)), mode.from_tensor(torch.randn(2, 4)))
+    return gm
+
+
+def test_normalisation_removes_no_op_views():
+    gm = normalisation_graph()
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    want = gm(x, y)
+    pm = PassManager(config(fusions=frozenset()))
+    report = pm.run(gm.graph, CompileReport(graph_id=0))
+    assert report.passes[0].name == "normalize" and report.passes[0].matches == 6  # 5 no-ops + 1 reshape form
+    gm.recompile()
+    assert_close(gm(x, y), want, atol=0, rtol=0)
+    expecttest.assert_expected_inline(graph_text(gm), """\
+%x: f32[2, 4] = input
+%y: f32[2, 4] = input
+%mul_tensor: f32[2, 4] = aten.mul.Tensor(%x, 2)
+%add_tensor: f32[2, 4] = aten.add.Tensor(%x, %y)
+%sub_tensor: f32[2, 4] = aten.sub.Tensor(%x, 1)
+%div_tensor: f32[2, 4] = aten.div.Tensor(%x, 2)
+%mul_tensor_1: f32[2, 4] = aten.mul.Tensor(%y, 3)
+%_unsafe_view_default: f32[4, 2] = aten.view(%x, [4, 2])
+%sum_dim_int_list: f32[2] = aten.sum.dim_IntList(%_unsafe_view_default, [0])
+%slice_tensor_1: f32[2, 3] = aten.slice.Tensor(%x, 1, 1, 9223372036854775807)
+%neg_default: f32[2, 3] = aten.neg(%slice_tensor_1)
+%convert_element_type_default_1: bf16[2, 4] = prims.convert_element_type(%y, bf16)
+return [%mul_tensor, %add_tensor, %sub_tensor, %div_tensor, %mul_tensor_1, %sum_dim_int_list, %neg_default, %convert_element_type_default_1]
+""")
+
+
+# ---- defunctionalisation -----------------------------------------------------------------------------------------
+@torch.library.custom_op("dsv41_test::accumulate_", mutates_args=("acc",))
+def accumulate_(acc: Tensor, x: Tensor, alpha: float) -> None:
+    """acc += alpha * x (returns nothing)."""
+    acc.add_(x, alpha=alpha)
+
+
+@accumulate_.register_fake
+def _(acc, x, alpha):
+    return None
+
+
+@torch.library.custom_op("dsv41_test::add_and_sum_", mutates_args=("acc",))
+def add_and_sum_(acc: Tensor, x: Tensor) -> Tensor:
+    """acc += x; returns x.sum()."""
+    acc.add_(x)
+    return x.sum()
+
+
+@add_and_sum_.register_fake
+def _(acc, x):
+    return x.new_empty(())
+
+
+def accumulate_twice(buf, x):
+    torch.ops.dsv41_test.accumulate_(buf, x * 2, 0.5)
+    torch.ops.dsv41_test.accumulate_(buf, x, 1.0)
+    return buf + 1
+
+
+def add_and_sum(buf, x):
+    s = torch.ops.dsv41_test.add_and_sum_(buf, x)
+    return buf + 1, s
+
+
+def compile_and_record(fn, v2: bool):
+    """Compile fn in fx mode (auto_functionalized v1 or v2 from AOT), run it once; (backend, recorder, outputs, buf)."""
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(enable_auto_functionalized_v2=v2):
+        compiled, backend = compile_fx(fn)
+        backend.pass_manager.recorder = rec = Recorder()
+        buf, x = torch.arange(4.0), torch.tensor([1.0, -2.0, 3.0, 0.5])
+        with torch.no_grad():
+            out = compiled(buf, x)
+    torch._dynamo.reset()
+    want_buf, xr = torch.arange(4.0), torch.tensor([1.0, -2.0, 3.0, 0.5])
+    want = fn(want_buf, xr)
+    return backend, rec, out, buf, want, want_buf
+
+
+def after(rec, name):
+    return next(s[4] for s in rec.snapshots if s[2] == name)
+
+
+def test_defunctionalize_v1_tensor_returning_op():
+    backend, rec, out, buf, want, want_buf = compile_and_record(add_and_sum, v2=False)
+    report = backend.reports[-1]
+    assert report.fallback is None and report.passes[-1].name == "defunctionalize" and report.passes[-1].matches == 1
+    code = after(rec, "defunctionalize")
+    assert "auto_functionalized" not in code and "dsv41_test.add_and_sum_(acc=%arg0_1" in code
+    assert torch.equal(buf, want_buf) and all(torch.equal(a, b) for a, b in zip(out, want))
+
+
+def test_defunctionalize_golden():
+    """The wrapper and its getitems become one in-place call; the mutated buffer's new value is the buffer itself
+    (the trailing copy_ into the input is then a self-copy). NB the call's type is the wrapper's tuple: see
+    test_defunctionalized_call_carries_its_own_value (xfail) — fixing that changes this golden's third line."""
+    backend, rec, *_ = compile_and_record(add_and_sum, v2=False)
+    expecttest.assert_expected_inline(after(rec, "defunctionalize"), """\
+%arg0_1: f32[4] = input
+%arg1_1: f32[4] = input
+%add_and_sum__default: (f32[], f32[4]) = dsv41_test.add_and_sum_(acc=%arg0_1, x=%arg1_1)
+%add: f32[4] = aten.add.Tensor(%arg0_1, 1)
+%copy_: f32[4] = aten.copy_(%arg0_1, %arg0_1)
+return [%add, %add_and_sum__default]
+""")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bug: passes/defunctionalize.py copies the wrapper's meta (meta['val'] = the auto_functionalized tuple "
+    "(f32[], f32[4])) onto the in-place call, whose value is the op's own result, f32[]"))
+def test_defunctionalized_call_carries_its_own_value():
+    backend, rec, *_ = compile_and_record(add_and_sum, v2=False)
+    assert "%add_and_sum__default: f32[] = dsv41_test.add_and_sum_(" in after(rec, "defunctionalize")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bug: passes/defunctionalize.py maps getitem(auto_functionalized, i) to mutated[i - has_result], but v1's "
+    "output is (op result or None, *mutated): for an op returning nothing getitem 1 is mutated[0], the pass "
+    "indexes mutated[1] -> IndexError -> the whole graph falls back to plain Inductor"))
+def test_defunctionalize_v1_op_returning_nothing():
+    backend, rec, out, buf, want, want_buf = compile_and_record(accumulate_twice, v2=False)
+    assert torch.equal(buf, want_buf) and torch.equal(out, want)  # right either way (the fallback is correct)
+    assert backend.reports[-1].fallback is None, backend.reports[-1].fallback
+    code = after(rec, "defunctionalize")
+    assert "auto_functionalized" not in code and code.count("dsv41_test.accumulate_(") == 2
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bug: torch 2.13's AOTAutograd emits auto_functionalized_v2 (inductor config enable_auto_functionalized_v2 "
+    "defaults to True); passes/defunctionalize.py only rewrites higher_order.auto_functionalized (v1), so in fx "
+    "mode mutating ops stay wrapped (a clone per call, then copy_ back)"))
+def test_defunctionalize_default_pipeline():
+    backend, rec, out, buf, want, want_buf = compile_and_record(accumulate_twice, v2=True)
+    assert torch.equal(buf, want_buf) and torch.equal(out, want)
+    assert backend.reports[-1].fallback is None
+    code = after(rec, "defunctionalize")
+    assert "auto_functionalized" not in code and code.count("dsv41_test.accumulate_(") == 2
+
+
+def test_inductor_mode_leaves_wrappers_to_inductor():
+    pm = PassManager(config(mode="inductor"))
+    defunc = pm.passes[-1]
+    g = fx.Graph()
+    g.output(())
+    assert defunc.name == "defunctionalize" and defunc(g).matches == 0
+
+
+# ---- fallback ------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def test_failing_pass_falls_back_to_plain_inductor(monkeypatch, caplog):
+    def broken(self, graph):
+        raise RuntimeError("injected wo_a failure")
+
+    monkeypatch.setattr(WoAPass, "__call__", broken)
+    torch._dynamo.reset()
+    f = wo_a_case.grouped_einsum
+    compiled, backend = compile_fx(f)
+    with caplog.at_level("WARNING", logger="dsv41"):
+        x = wo_a_case.inputs(3)
+        got = compiled(*x)
+    report = backend.reports[-1]
+    assert report.fallback == "RuntimeError: injected wo_a failure"
+    assert "falls back to plain Inductor" in caplog.text and "injected wo_a failure" in caplog.text
+    assert_close(got, f(*x), atol=1.6e-2, rtol=1.6e-2)  # plain Inductor: bf16 tolerance (bit-exact here)
+    x = wo_a_case.inputs(4)
+    assert_close(compiled(*x), f(*x), atol=1.6e-2, rtol=1.6e-2)
+    torch._dynamo.reset()
