@@ -71,8 +71,10 @@ class Dsv41Backend:
         def no_training(aten_gm, inputs):
             raise NotImplementedError("dsv41 compiles inference (decode) graphs only; run under torch.no_grad()")
 
-        return aot_module_simplified(gm, example_inputs, fw_compiler=no_training, inference_compiler=inference_compiler,
-                                     decompositions=select_decomp_table(), keep_inference_input_mutations=True)
+        # v1 wrappers of mutating custom ops: the form defunctionalisation rewrites (compile anchors, pitfall 10)
+        with torch._inductor.config.patch(enable_auto_functionalized_v2=False):
+            return aot_module_simplified(gm, example_inputs, fw_compiler=no_training, inference_compiler=inference_compiler,
+                                         decompositions=select_decomp_table(), keep_inference_input_mutations=True)
 
 
     def _compile_graph(self, gm: fx.GraphModule, inputs):

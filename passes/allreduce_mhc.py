@@ -15,7 +15,7 @@ import torch
 
 from dsv41.passes.fusion import FusionPass, Replacement
 from dsv41.passes.matcher import ANY_STR, Pattern
-from dsv41.passes.mhc_post_pre import D, T, example_stream_inputs, stream_formulations
+from dsv41.passes.mhc_post_pre import D, T, example_stream_inputs, one_token_variant, stream_formulations
 
 c10d = torch.ops._c10d_functional
 
@@ -24,9 +24,9 @@ def _all_reduce(t):
     return c10d.wait_tensor.default(c10d.all_reduce.default(t, "sum", ANY_STR))
 
 
-def _ffn_inputs():
-    y, *rest = example_stream_inputs()
-    return [torch.empty(T, D), y] + rest
+def _ffn_inputs(t: int = T):
+    y, *rest = example_stream_inputs(t)
+    return [torch.empty(t, D), y] + rest
 
 
 class AllReduceMhcPass(FusionPass):
@@ -46,8 +46,9 @@ class AllReduceMhcPass(FusionPass):
             def ffn(y, shared, x, post, comb, pre, w, tail=tail):
                 return tail((_all_reduce(y) + shared.float()).to(shared.dtype), x, post, comb, pre, w)
 
-            pats.append(Pattern("attention" + suffix, attention, example_stream_inputs))
-            pats.append(Pattern("ffn" + suffix, ffn, _ffn_inputs))
+            pats.append(Pattern("attention" + suffix, attention, example_stream_inputs,
+                                variants=one_token_variant(suffix, example_stream_inputs)))
+            pats.append(Pattern("ffn" + suffix, ffn, _ffn_inputs, variants=one_token_variant(suffix, _ffn_inputs)))
         return pats
 
     def check(self, m):

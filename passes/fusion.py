@@ -82,6 +82,10 @@ class FusionPass(GraphPass):
     def check(self, m: MatchResult) -> str | None:
         return None
 
+    def explain(self, failure: MatchFailure, graph: fx.Graph) -> MatchFailure:
+        """A fusion may restate a structural failure in its own terms (e.g. an iteration count)."""
+        return failure
+
     def replacement(self, m: MatchResult) -> Replacement:
         raise NotImplementedError
 
@@ -126,9 +130,11 @@ class FusionPass(GraphPass):
                 result.replaced.append(self._replace(graph, m))
                 erased.update(m.nodes)
                 result.matches += 1
+        names = {n.name: n for n in graph.nodes}
         for anchor, f in failures.items():
             if anchor in erased:
                 continue
+            f = self.explain(f, graph) if f.blocking in names else f
             if f.progress >= 2:
                 result.attempts.append(f)
             if f.kind in _REPORTED_KINDS or f.progress >= max(4, f.total // 3):

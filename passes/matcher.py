@@ -36,7 +36,7 @@ class Pattern:
     the structural trace. `free` names the scalars that are not fixed by the fusion but read from the matched
     graph (e.g. the top-k width): name -> (op, occurrence, argument path) of the pattern node that carries it,
     the path an index or a tuple of indices into the node's args; `free_defaults` are their values for the
-    structural trace.
+    structural trace. `variants` are further example-input builders, each traced as another structural form.
     """
 
     name: str
@@ -44,6 +44,7 @@ class Pattern:
     inputs: Callable[[], Sequence[torch.Tensor]]
     free: dict = field(default_factory=dict)
     free_defaults: dict = field(default_factory=dict)
+    variants: tuple = ()  # more example-input builders: shapes (e.g. a dim of 1) at which the ops decompose differently
 
     def trace(self, args: Sequence, free: dict | None = None) -> fx.GraphModule:
         kwargs = dict(self.free_defaults if free is None else free)
@@ -84,9 +85,9 @@ class MatchFailure:
 
 
 class _Fail(Exception):
-    def __init__(self, kind: str, reason: str, blocking: fx.Node | None = None):
+    def __init__(self, kind: str, reason: str, blocking: fx.Node | None = None, progress: int = 0):
         super().__init__(reason)
-        self.kind, self.reason, self.blocking = kind, reason, blocking
+        self.kind, self.reason, self.blocking, self.progress = kind, reason, blocking, progress
 
 
 @dataclass
@@ -191,7 +192,7 @@ class _Matcher:
         t_seed = st.p2t[seed]
         if not isinstance(t_seed, fx.Node):
             raise _Fail("argument", f"{_op_name(p.target)} consumes a constant input")
-        last: _Fail | None = None
+        deepest: _Fail | None = None
         for cand in t_seed.users:
             if cand.op != "call_function" or cand.target != p.target or cand in st.t2p:
                 continue
@@ -200,8 +201,12 @@ class _Matcher:
                 self._match_node(p, cand, trial)
                 return self._extend(trial)
             except _Fail as e:
-                last = e
-        raise last or _Fail("wrong op", f"no user of {_fmt(t_seed)} is {_op_name(p.target)}", t_seed)
+                e.progress = max(e.progress, self.progress(trial))
+                if deepest is None or e.progress > deepest.progress:
+                    deepest = e
+        if deepest is None:
+            raise _Fail("wrong op", f"no user of {_fmt(t_seed)} is {_op_name(p.target)}", t_seed, self.progress(st))
+        raise deepest
 
     def progress(self, st: _State) -> int:
         return sum(1 for n in self.call_nodes if n in st.p2t)
@@ -238,27 +243,45 @@ class PatternSet:
 
     def __init__(self, patterns: Sequence[Pattern]):
         self.patterns = list(patterns)
-        self._structural = {p.name: p.trace(p.inputs()) for p in self.patterns}
+        self._structural = {p.name: [p.trace(build()) for build in (p.inputs, *p.variants)] for p in self.patterns}
         self._exact: dict[tuple, fx.GraphModule] = {}  # (pattern, input metadata, free scalars) -> exact trace
 
     def anchors(self, graph: fx.Graph, index: int) -> list[fx.Node]:
         """Graph nodes with the op of pattern `index`'s first output, in graph order."""
-        out = next(n for n in self._structural[self.patterns[index].name].graph.nodes if n.op == "output").args[0]
-        first = out[0] if isinstance(out, (tuple, list)) else out
-        return list(graph.find_nodes(op="call_function", target=first.target))
+        targets = []
+        for gm in self._structural[self.patterns[index].name]:
+            out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            if first.target not in targets:
+                targets.append(first.target)
+        found = {n for t in targets for n in graph.find_nodes(op="call_function", target=t)}
+        return [n for n in graph.nodes if n in found]
 
     def match_one(self, index: int, anchor: fx.Node) -> MatchResult | MatchFailure:
         return self._match_one(self.patterns[index], anchor)
 
     def _match_one(self, pat: Pattern, anchor: fx.Node) -> MatchResult | MatchFailure:
-        structural = _Matcher(self._structural[pat.name], exact=False)
-        st = _State()
-        total = len(structural.call_nodes)
-        try:
-            st = structural.run(anchor, st)
-        except _Fail as e:
-            return MatchFailure(pat.name, anchor.name, structural.progress(st), total, e.kind, e.reason, e.blocking and e.blocking.name)
+        failure = None
+        for gm in self._structural[pat.name]:
+            structural = _Matcher(gm, exact=False)
+            st = _State()
+            total = len(structural.call_nodes)
+            try:
+                st = structural.run(anchor, st)
+                break
+            except _Fail as e:
+                progress = max(structural.progress(st), e.progress)
+                if failure is None or progress / total > failure.progress / failure.total:
+                    failure = MatchFailure(pat.name, anchor.name, progress, total, e.kind, e.reason, e.blocking and e.blocking.name)
+        else:
+            return failure
         bound = [st.p2t.get(p) for p in structural.placeholders]
+        symbolic = next((b for b in bound if isinstance(b, fx.Node) and isinstance(b.meta.get("val"), torch.Tensor)
+                         and not all(isinstance(d, int) for d in b.meta["val"].shape)), None)
+        if symbolic is not None:
+            return MatchFailure(pat.name, anchor.name, total, total, "check",
+                                f"input {_fmt(symbolic)} has a symbolic shape {list(symbolic.meta['val'].shape)}: decode "
+                                "fusions need static shapes (compile with dynamic=False)", symbolic.name)
         free = {}
         for name, (op, occurrence, path) in pat.free.items():
             carriers = [p for p in structural.call_nodes if p.target == op]

@@ -11,13 +11,17 @@ multiplication by the reciprocal of the sum.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.fx as fx
 
 from dsv41.models import functional as fn
 from dsv41.passes.fusion import FusionPass, Replacement
 from dsv41.passes.matcher import Pattern
 
 T, HC, D = 3, 4, 32
+aten = torch.ops.aten
 
 
 def _inputs():
@@ -51,6 +55,20 @@ class MhcCoeffsPass(FusionPass):
 
             out.append(Pattern(name, search, _inputs))
         return out
+
+    def explain(self, failure, graph):
+        """A Sinkhorn chain that ends early or late fails structurally at its last normalisation: count the
+        normalisations back to the softmax and report the iteration count as the scalar it is."""
+        node = next(n for n in graph.nodes if n.name == failure.blocking)
+        norms = 0
+        while node.op == "call_function" and node.target in (aten.div.Tensor, aten.mul.Tensor) and isinstance(node.args[0], fx.Node):
+            norms += 1
+            node = node.args[0]
+        found = (norms + 1) // 2
+        if norms < 2 or found == self.config.sinkhorn_iters or "sum" not in failure.reason:
+            return failure
+        return dataclasses.replace(failure, kind="scalar", reason=f"sinkhorn iterations: expected {self.config.sinkhorn_iters}, "
+                                   f"found {found} ({norms} normalisations ending at %{failure.blocking})")
 
     def check(self, m):
         x = m.inputs[0].meta["val"]

@@ -20,11 +20,16 @@ from dsv41.passes.matcher import Pattern
 T, HC, D = 3, 4, 32
 
 
-def example_stream_inputs():
-    """y, x, post, comb, pre, w: small example tensors of a mHC site."""
+def example_stream_inputs(t: int = T):
+    """y, x, post, comb, pre, w: small example tensors of a mHC site with t tokens."""
     bf = torch.bfloat16
-    return [torch.empty(T, D, dtype=bf), torch.empty(T, HC, D, dtype=bf), torch.empty(T, HC), torch.empty(T, HC, HC),
-            torch.empty(T, HC), torch.empty(D, dtype=bf)]
+    return [torch.empty(t, D, dtype=bf), torch.empty(t, HC, D, dtype=bf), torch.empty(t, HC), torch.empty(t, HC, HC),
+            torch.empty(t, HC), torch.empty(D, dtype=bf)]
+
+
+def one_token_variant(suffix: str, builder):
+    """einsum decomposes differently at one token: einsum formulations are also traced at T = 1."""
+    return (lambda: builder(1),) if "einsum" in suffix else ()
 
 
 def post_einsum(y, x, post, comb):
@@ -60,7 +65,8 @@ class MhcPostPrePass(FusionPass):
                 x_new = post_fn(y, x, post, comb)
                 return x_new, norm_fn(collapse_fn(x_new, pre), w, eps)
 
-            out.append(Pattern("post_pre" + suffix, search, example_stream_inputs))
+            out.append(Pattern("post_pre" + suffix, search, example_stream_inputs,
+                               variants=one_token_variant(suffix, example_stream_inputs)))
         return out
 
     def check(self, m):

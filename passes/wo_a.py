@@ -17,10 +17,14 @@ from dsv41.passes.matcher import Pattern
 T, H, HD, G, R, RD = 3, 4, 32, 2, 16, 16
 
 
-def _inputs():
-    bf = torch.bfloat16
-    return [torch.empty(T, H, HD, dtype=bf), torch.empty(T, RD // 2), torch.empty(T, RD // 2),
-            torch.empty(G * R, (H // G) * HD, dtype=bf)]
+def _inputs(t: int, g: int):
+    """Example inputs with t tokens and g groups: einsum and bmm decompose differently when a dim is 1, so
+    each formulation is traced at every combination of t and g in {1, more}."""
+    def inputs():
+        bf = torch.bfloat16
+        return [torch.empty(t, H, HD, dtype=bf), torch.empty(t, RD // 2), torch.empty(t, RD // 2),
+                torch.empty(g * R, (H // g) * HD, dtype=bf)]
+    return inputs
 
 
 def _groups(o, w):
@@ -44,7 +48,9 @@ class WoAPass(FusionPass):
     name = "wo_a"
 
     def patterns(self):
-        return [Pattern("wo_a_einsum", wo_a_einsum, _inputs), Pattern("wo_a_bmm", wo_a_bmm, _inputs)]
+        variants = (_inputs(1, G), _inputs(T, 1), _inputs(1, 1))
+        return [Pattern("wo_a_einsum", wo_a_einsum, _inputs(T, G), variants=variants),
+                Pattern("wo_a_bmm", wo_a_bmm, _inputs(T, G), variants=variants)]
 
     def check(self, m):
         o, w = m.inputs[0].meta["val"], m.inputs[3].meta["val"]

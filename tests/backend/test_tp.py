@@ -144,10 +144,6 @@ def test_allreduce_mhc_at_every_all_reduce(tp_run):
         assert r["matches"]["mhc_coeffs"] == 2 * n and r["matches"]["moe_finalize"] == n, (rank, r["matches"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: wo_a is not fused with one o-group per rank (TINY o_groups=2 at TP=2; FLASH o_groups=8 at TP=8): the "
-    "einsum decomposes differently when the group dim is 1 and passes/wo_a.py traces its patterns only at G=2 "
-    "(see tests/passes/test_wo_a.py::test_size_one_dims_are_fused); nothing is reported in report.declined"))
 def test_per_layer_fusion_counts(tp_run):
     n = len(LAYERS)
     for rank, r in enumerate(tp_run[0]):

@@ -162,10 +162,6 @@ def test_decline_other_eps(what, kwargs, expected, found):
     assert "scalar" in reasons and f"expected {expected}, found {found}" in reasons
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: another Sinkhorn iteration count is not reported in report.declined: the unrolled loop differs in "
-    "structure, the matcher fails with kind 'wrong op' at low reported progress (16/153, the state before "
-    "_extend's trials), so FusionPass drops it (passes/matcher.py _Matcher._extend, passes/mhc_coeffs.py)"))
 def test_decline_other_sinkhorn_iterations():
     def f(x, w, base, scale):
         return gemm_then_scale(x, w, base, scale, iters=10)
@@ -176,9 +172,6 @@ def test_decline_other_sinkhorn_iterations():
     assert "scalar" in reasons and "20" in reasons and "10" in reasons, report.passes[1].attempts
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: passes/normalize.py does not canonicalise reshape forms with an inferred size: x.reshape(t, -1) "
-    "stays view(x, [t, -1]) and fails the exact phase against the pattern's view(x, [t, 64]) as a 'scalar'"))
 def test_reshape_with_inferred_size_is_fused():
     """`x.reshape(t, -1)` is the same reshape as `x.flatten(1)` (a user's model may write either)."""
     def g(x, w, base, scale):

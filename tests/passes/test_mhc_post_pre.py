@@ -155,10 +155,6 @@ def test_decline_other_eps(name):
     assert_scalar_decline(declined(report, FUSION), 1e-20, 1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: passes/normalize.py does not canonicalise negative dims: y.unsqueeze(-2) (the model's hc_post) and "
-    "y.unsqueeze(1) (the einsum pattern's post_einsum) stay different, so einsum mixing written with the "
-    "model's unsqueeze(-2), or post[..., None], fails the exact phase as a 'scalar' (expected 1, found -2)"))
 def test_einsum_mixing_with_negative_unsqueeze_dims():
     def f(y, x, post, comb, pre, w):
         x_new = (post[..., None] * y.float().unsqueeze(-2) + torch.einsum("bjk,bjd->bkd", comb, x.float())).to(x.dtype)
@@ -170,10 +166,6 @@ def test_einsum_mixing_with_negative_unsqueeze_dims():
     assert_close(gm(*x), f(*x), **BF16_TOL)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: passes/mhc_post_pre.py traces its structural patterns at T=3 only; at T=1 (batch-1 decode) einsum "
-    "decomposes to other permutes/bmm and the einsum formulation fails as 'wrong op' (the model's broadcast-sum "
-    "and F.rms_norm formulations do fuse at T=1; same root cause as test_wo_a::test_size_one_dims_are_fused)"))
 def test_einsum_formulation_at_batch_one():
     gm, report = run_passes(einsum_mixing, inputs(0, t=1), FUSION)
     assert report.matches[FUSION] == 1, report.declined[FUSION]

@@ -197,7 +197,7 @@ def test_snapshots_before_and_after_every_pass():
         assert result.name == name
         if nxt is not None:
             assert after == nxt[3]  # one pass's after is the next one's before
-        assert (before != after) == (name == "wo_a"), name
+        assert (before != after) == (name in ("normalize", "wo_a")), name  # normalize canonicalises negative dims
     assert rec.snapshots[-1][4] == graph_code(gm.graph)
 
 
@@ -315,30 +315,23 @@ def test_defunctionalize_v1_tensor_returning_op():
 def test_defunctionalize_golden():
     """The wrapper and its getitems become one in-place call; the mutated buffer's new value is the buffer itself
     (the trailing copy_ into the input is then a self-copy). NB the call's type is the wrapper's tuple: see
-    test_defunctionalized_call_carries_its_own_value (xfail) — fixing that changes this golden's third line."""
+    test_defunctionalized_call_carries_its_own_value checks the call's own value (third line)."""
     backend, rec, *_ = compile_and_record(add_and_sum, v2=False)
     expecttest.assert_expected_inline(after(rec, "defunctionalize"), """\
 %arg0_1: f32[4] = input
 %arg1_1: f32[4] = input
-%add_and_sum__default: (f32[], f32[4]) = dsv41_test.add_and_sum_(acc=%arg0_1, x=%arg1_1)
+%add_and_sum__default: f32[] = dsv41_test.add_and_sum_(acc=%arg0_1, x=%arg1_1)
 %add: f32[4] = aten.add.Tensor(%arg0_1, 1)
 %copy_: f32[4] = aten.copy_(%arg0_1, %arg0_1)
 return [%add, %add_and_sum__default]
 """)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: passes/defunctionalize.py copies the wrapper's meta (meta['val'] = the auto_functionalized tuple "
-    "(f32[], f32[4])) onto the in-place call, whose value is the op's own result, f32[]"))
 def test_defunctionalized_call_carries_its_own_value():
     backend, rec, *_ = compile_and_record(add_and_sum, v2=False)
     assert "%add_and_sum__default: f32[] = dsv41_test.add_and_sum_(" in after(rec, "defunctionalize")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: passes/defunctionalize.py maps getitem(auto_functionalized, i) to mutated[i - has_result], but v1's "
-    "output is (op result or None, *mutated): for an op returning nothing getitem 1 is mutated[0], the pass "
-    "indexes mutated[1] -> IndexError -> the whole graph falls back to plain Inductor"))
 def test_defunctionalize_v1_op_returning_nothing():
     backend, rec, out, buf, want, want_buf = compile_and_record(accumulate_twice, v2=False)
     assert torch.equal(buf, want_buf) and torch.equal(out, want)  # right either way (the fallback is correct)
@@ -347,10 +340,6 @@ def test_defunctionalize_v1_op_returning_nothing():
     assert "auto_functionalized" not in code and code.count("dsv41_test.accumulate_(") == 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: torch 2.13's AOTAutograd emits auto_functionalized_v2 (inductor config enable_auto_functionalized_v2 "
-    "defaults to True); passes/defunctionalize.py only rewrites higher_order.auto_functionalized (v1), so in fx "
-    "mode mutating ops stay wrapped (a clone per call, then copy_ back)"))
 def test_defunctionalize_default_pipeline():
     backend, rec, out, buf, want, want_buf = compile_and_record(accumulate_twice, v2=True)
     assert torch.equal(buf, want_buf) and torch.equal(out, want)

@@ -108,10 +108,6 @@ return %wo_a_default
 """)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: passes/wo_a.py traces its structural patterns at T=3, G=2 only; einsum (and the bmm form) decompose "
-    "differently when T or G is 1 (other permutes, no clone), so batch-1 decode and one o-group per TP rank are "
-    "never fused, and nothing is reported in report.declined (the tiny model at batch 1: wo_a 0 of 8)"))
 @pytest.mark.parametrize("name", sorted(FORMULATIONS))
 def test_size_one_dims_are_fused(name):
     """Batch-1 decode (T=1) and one o-group per TP rank (G=1: TINY at TP=2, FLASH at TP=8)."""
