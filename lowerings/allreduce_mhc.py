@@ -7,6 +7,7 @@ from torch import Tensor
 
 from dsv41.lowerings import _checks
 from dsv41.lowerings.mhc_post_pre import post_pre, validate_streams
+from dsv41.lowerings.mhc_post_pre import reference as post_pre_reference
 
 NAME = "allreduce_mhc"
 
@@ -38,6 +39,11 @@ def reduce(y, y_add, group_name):
     c10d = torch.ops._c10d_functional
     r = c10d.wait_tensor(c10d.all_reduce(y.float(), "sum", group_name))
     return (r if y_add is None else r + y_add.float()).to(torch.bfloat16)
+
+
+def reference(y, y_add, x, post, comb, pre, norm_weight, eps, group_name):
+    """Plain torch: the all-reduce tail, then the mhc_post_pre reference."""
+    return post_pre_reference(reduce(y, y_add, group_name), x, post, comb, pre, norm_weight, eps)
 
 
 @torch.library.custom_op("dsv41::allreduce_mhc", mutates_args=())

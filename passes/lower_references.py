@@ -1,0 +1,105 @@
+"""Lowering of fused ops without a kernel: in `inductor` mode on CUDA, a `dsv41::` op whose CuTe DSL kernel is not
+available is replaced by its reference decomposition (the op's `reference`, traced to ATen in the graph's fake
+mode), so Inductor compiles that math fused instead of calling the op as an extern of eager kernels. Ops with a
+kernel stay single extern calls. The fusion passes have already counted the match; this pass chooses the
+implementation (vLLM's IR lowering idea). It runs after stream scheduling: inlined nodes keep the op's stream.
+"""
+
+from __future__ import annotations
+
+import importlib
+import operator
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch._inductor.decomposition import select_decomp_table
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from dsv41.passes.fusion import GraphPass, PassResult
+from dsv41.passes.streams import STREAM
+
+# op -> the dsv41.kernels module that implements it on CUDA
+KERNEL_OF = {"mhc_coeffs": "mhc_coeffs", "mhc_post_pre": "mhc_post_pre", "allreduce_mhc": "mhc_post_pre"}
+
+
+def kernel_available(op_name: str) -> bool:
+    from dsv41.lowerings import _kernels
+
+    kernel = KERNEL_OF.get(op_name)
+    return kernel is not None and _kernels.load(kernel)[0] is not None
+
+
+def _reference(op_name: str):
+    module = importlib.import_module(f"dsv41.lowerings.{op_name}")
+    return module.reference
+
+
+class LowerReferencesPass(GraphPass):
+    name = "lower_references"
+
+    def config_key(self) -> dict:
+        return {"mode": self.config.mode, "kernel": self.config.kernel, "kernels": sorted(k for k in KERNEL_OF if kernel_available(k))}
+
+    def __call__(self, graph: fx.Graph) -> PassResult:
+        result = PassResult(self.name)
+        if self.config.mode != "inductor":
+            return result
+        vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+        if not any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in vals):
+            return result  # no kernels off CUDA: the ops stay single calls (CPU is not a performance target)
+        keep = set() if self.config.kernel == "reference" else {k for k in KERNEL_OF if kernel_available(k)}
+        return lower_references(graph, keep, result)
+
+
+def lower_references(graph: fx.Graph, keep: set[str], result: PassResult | None = None) -> PassResult:
+    """Inline the reference of every dsv41 op whose name is not in `keep`."""
+    result = result or PassResult(LowerReferencesPass.name)
+    for node in list(graph.nodes):
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace != "dsv41":
+            continue
+        op_name = target._schema.name.split("::")[-1]
+        if op_name in keep:
+            continue
+        args = list(node.args[:-1]) if target._schema.arguments[-1].name == "impl" and len(node.args) == len(target._schema.arguments) else list(node.args)
+        tensor_pos = [i for i, a in enumerate(args) if isinstance(a, fx.Node)]
+        fake = [args[i].meta["val"] for i in tensor_pos]
+        reference = _reference(op_name)
+
+        def call(*tensors, args=args, tensor_pos=tensor_pos, reference=reference):
+            full = list(args)
+            for i, t in zip(tensor_pos, tensors):
+                full[i] = t
+            return reference(*full)
+
+        with detect_fake_mode(fake):
+            sub = make_fx(torch.func.functionalize(call, remove="mutations"), decomposition_table=select_decomp_table(),
+                          tracing_mode="real")(*fake)
+        stream = node.meta.get(STREAM)
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        env = {p: args[i] for p, i in zip(placeholders, tensor_pos)}
+        with graph.inserting_before(node):
+            out = graph.graph_copy(sub.graph, env)
+        for new in env.values():
+            if isinstance(new, fx.Node) and new not in args and stream is not None:
+                new.meta[STREAM] = stream
+        copied = [env[n] for n in sub.graph.nodes if n.op == "call_function"]
+        for new in copied:
+            if stream is not None:
+                new.meta[STREAM] = stream
+            for key in ("stack_trace", "nn_module_stack"):
+                if key in node.meta:
+                    new.meta.setdefault(key, node.meta[key])
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if len(outs) == 1 and not any(u.target is operator.getitem for u in node.users):
+            node.replace_all_uses_with(outs[0])
+        else:
+            for user in list(node.users):
+                user.replace_all_uses_with(outs[user.args[1]])
+                graph.erase_node(user)
+        graph.erase_node(node)
+        result.matches += 1
+        result.replaced.append({"pattern": op_name, "erased": [node.name], "created": [n.name for n in copied],
+                                "stack_trace": node.meta.get("stack_trace"), "module": None})
+    return result
