@@ -13,6 +13,7 @@ stream and joins every fork before the step returns. Do not also use Inductor's 
 from __future__ import annotations
 
 import gc
+import statistics
 from collections.abc import Callable, Sequence
 
 import torch
@@ -73,19 +74,43 @@ class DecodeGraphRunner:
         return out[:batch]
 
 
-def time_step(step: Callable, tokens: torch.Tensor, positions: torch.Tensor, replays: int = 50, warmup: int = 5) -> float:
-    """Median microseconds of one decode step replayed in a CUDA graph (inputs fixed)."""
-    runner = DecodeGraphRunner(step, [tokens.shape[0]], device=tokens.device)
-    runner.capture(positions)
-    graph = runner.graphs[tokens.shape[0]][0]
-    for _ in range(warmup):
-        graph.replay()
+def replay_us(graph: torch.cuda.CUDAGraph, replays: int, before: Callable[[int], None] | None = None) -> list[float]:
+    """Microseconds of each of `replays` replays of `graph`, timed with CUDA events; `before(i)` runs ahead of
+    replay i, outside the timed region (e.g. to rotate inputs)."""
     times = []
-    for _ in range(replays):
+    for i in range(replays):
+        if before is not None:
+            before(i)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000.0)
-    return sorted(times)[len(times) // 2]
+    return times
+
+
+def copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of reps)."""
+    src = torch.empty(nbytes // 2, dtype=torch.int16, device=device).random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return 2 * nbytes / statistics.median(times)
+
+
+def time_step(step: Callable, tokens: torch.Tensor, positions: torch.Tensor, replays: int = 50, warmup: int = 5) -> float:
+    """Median microseconds of one decode step replayed in a CUDA graph (inputs fixed)."""
+    runner = DecodeGraphRunner(step, [tokens.shape[0]], device=tokens.device)
+    runner.capture(positions)
+    graph = runner.graphs[tokens.shape[0]][0]
+    replay_us(graph, warmup)
+    return statistics.median(replay_us(graph, replays))

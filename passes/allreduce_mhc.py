@@ -33,13 +33,8 @@ class AllReduceMhcPass(FusionPass):
     name = "allreduce_mhc"
 
     def patterns(self):
-        eps = self.config.norm_eps
         pats = []
-        for suffix, post_fn, collapse_fn, norm_fn in stream_formulations():
-            def tail(y, x, post, comb, pre, w, post_fn=post_fn, collapse_fn=collapse_fn, norm_fn=norm_fn):
-                x_new = post_fn(y, x, post, comb)
-                return x_new, norm_fn(collapse_fn(x_new, pre), w, eps)
-
+        for suffix, tail in stream_formulations(self.config.norm_eps):
             def attention(y, x, post, comb, pre, w, tail=tail):
                 return tail(_all_reduce(y.float()).to(y.dtype), x, post, comb, pre, w)
 

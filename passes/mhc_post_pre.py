@@ -45,12 +45,18 @@ def rms_norm_functional(x, w, eps):
     return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
 
 
-def stream_formulations():
-    """(name suffix, post, collapse, rms_norm) of each accepted formulation."""
+def stream_formulations(eps: float):
+    """(name suffix, search(y, x, post, comb, pre, w) -> (x_new, h)) of each accepted formulation."""
+    def post_pre(post_fn, collapse_fn, norm_fn):
+        def search(y, x, post, comb, pre, w):
+            x_new = post_fn(y, x, post, comb)
+            return x_new, norm_fn(collapse_fn(x_new, pre), w, eps)
+        return search
+
     return [
-        ("", fn.hc_post, fn.hc_collapse, fn.rms_norm),
-        ("_einsum", post_einsum, collapse_einsum, fn.rms_norm),
-        ("_F_rms_norm", fn.hc_post, fn.hc_collapse, rms_norm_functional),
+        ("", post_pre(fn.hc_post, fn.hc_collapse, fn.rms_norm)),
+        ("_einsum", post_pre(post_einsum, collapse_einsum, fn.rms_norm)),
+        ("_F_rms_norm", post_pre(fn.hc_post, fn.hc_collapse, rms_norm_functional)),
     ]
 
 
@@ -58,16 +64,8 @@ class MhcPostPrePass(FusionPass):
     name = "mhc_post_pre"
 
     def patterns(self):
-        eps = self.config.norm_eps
-        out = []
-        for suffix, post_fn, collapse_fn, norm_fn in stream_formulations():
-            def search(y, x, post, comb, pre, w, post_fn=post_fn, collapse_fn=collapse_fn, norm_fn=norm_fn):
-                x_new = post_fn(y, x, post, comb)
-                return x_new, norm_fn(collapse_fn(x_new, pre), w, eps)
-
-            out.append(Pattern("post_pre" + suffix, search, example_stream_inputs,
-                               variants=one_token_variant(suffix, example_stream_inputs)))
-        return out
+        return [Pattern("post_pre" + suffix, search, example_stream_inputs, variants=one_token_variant(suffix, example_stream_inputs))
+                for suffix, search in stream_formulations(self.config.norm_eps)]
 
     def check(self, m):
         y, x = (v.meta["val"] for v in m.inputs[:2])

@@ -34,23 +34,6 @@ def _log(msg: str) -> None:
     print(f"[bench decode {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def copy_bandwidth(device, nbytes=1 << 30, reps=20) -> float:
-    """Bytes/s of a device-to-device copy (read + write counted)."""
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1000)
-    return 2 * a.numel() * a.element_size() / statistics.median(times)
-
-
 def fill_caches(model, context: int, gen: torch.Generator) -> None:
     """Caches as if `context` tokens had been decoded: random values of the model's scales in every slot."""
     for name, buf in model.named_buffers():
@@ -105,19 +88,13 @@ def step_bytes(model, tokens, positions) -> tuple[int, dict]:
 
 
 def timed_replays(runner, batch, tokens_pool, positions, replays) -> float:
+    """Median step microseconds over `replays` replays (after 5 warm-up ones), the tokens rotated between them."""
+    from dsv41.cuda_graphs import replay_us
+
     graph, static_tokens, static_pos, _ = runner.graphs[batch]
     static_pos.copy_(positions)
-    times = []
-    for i in range(replays + 5):
-        static_tokens.copy_(tokens_pool[i % len(tokens_pool)])
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        if i >= 5:
-            times.append(s.elapsed_time(e) * 1000.0)
-    return statistics.median(times)
+    times = replay_us(graph, replays + 5, before=lambda i: static_tokens.copy_(tokens_pool[i % len(tokens_pool)]))
+    return statistics.median(times[5:])
 
 
 def module_groups(model) -> dict[tuple, str]:
@@ -210,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.replays < 50:
         parser.error("--replays must be at least 50")
     from dsv41.backend import make_backend
-    from dsv41.cuda_graphs import DecodeGraphRunner
+    from dsv41.cuda_graphs import DecodeGraphRunner, copy_bandwidth
     from dsv41.models import DSV41Model, get_config
 
     cfg = get_config(args.config)

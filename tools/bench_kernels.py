@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from dsv41.cuda_graphs import copy_bandwidth, replay_us
 from dsv41.models import FLASH, functional
 
 VARIANTS = ("dsv41", "eager", "inductor")  # measured in this order (Inductor last: its autotuning is slow)
@@ -98,23 +99,6 @@ def _post_pre_op(cfg) -> Op:
 OPS = {"mhc_coeffs": _coeffs_op, "mhc_post_pre": _post_pre_op}
 
 
-def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of reps)."""
-    src = torch.empty(nbytes // 2, dtype=torch.int16, device="cuda").random_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return 2 * nbytes / statistics.median(times)
-
-
 def time_in_graph(fn: Callable, input_sets: list[list[torch.Tensor]], replays: int) -> float:
     """Median microseconds per call of ``fn`` over ``replays`` replays of one CUDA graph that calls it once per
     input set."""
@@ -129,14 +113,7 @@ def time_in_graph(fn: Callable, input_sets: list[list[torch.Tensor]], replays: i
         for inputs in input_sets:
             fn(*inputs)
     graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(input_sets))
+    times = [us / len(input_sets) for us in replay_us(graph, replays)]
     del graph
     return statistics.median(times)
 
