@@ -24,10 +24,15 @@ import torch
 
 # Agreement with eager. The model fake-quantises to FP8/FP4 and selects top-k, both discontinuous: a 1-ulp bf16
 # difference (another GEMM or reduction order) flips a quantisation bucket or a selection, and random weights
-# amplify that through the layers (measured on CPU: TP=2 vs one process differs by 0.1-0.25 relative L2).
-# A wrong fusion gives O(1) differences and random top-1 tokens.
-AGREE_REL_L2 = 0.3
-AGREE_TOP1 = 0.75
+# amplify that through the layers. Measured: TP=2 vs one process on CPU, 0.1-0.25 relative L2; on the H200 at
+# layers 2,3,20,24 plain Inductor vs eager 0.09 (batch 1) and 0.26 (batch 8), with top-1 agreement down to 0.38,
+# and the same dsv41 graph 0.09 and 0.24 in two runs (atomics in a kernel). So the yardstick is the plain Inductor
+# compile of the same step, measured in the same run: a dsv41 variant must be within AGREE_VS_INDUCTOR times its
+# relative L2 distance from eager (and at most AGREE_FLOOR in any case counts as agreement); top-1 agreement is
+# recorded, not judged. A wrong fusion gives O(1) differences.
+AGREE_REL_L2 = 0.5  # the most any compiled variant may differ from eager, Inductor included
+AGREE_VS_INDUCTOR = 3.0
+AGREE_FLOOR = 0.1
 
 
 def _log(msg: str) -> None:
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "dsv41": lambda: torch.compile(model, backend=make_backend(), fullgraph=True),
         "dsv41-nostreams": lambda: torch.compile(model, backend=make_backend(streams=False), fullgraph=True),
     }
-    rows, checks, floors, breakdown, overlap = [], [], {}, {}, {}
+    rows, checks, floors, breakdown, overlap, inductor_rel = [], [], {}, {}, {}, {}
     def save() -> dict:
         """Write the JSON and plot so far (a long run that is cut short keeps what it measured)."""
         result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": layers, "context": args.context,
@@ -241,8 +246,13 @@ def main(argv: list[str] | None = None) -> int:
             got = runner(tokens_pool[0], positions).float()
             rel = ((got - want).norm() / want.norm()).item()
             top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-            ok = math.isfinite(rel) and rel < AGREE_REL_L2 and top1 >= AGREE_TOP1
-            checks.append({"batch": batch, "variant": name, "rel_l2_diff": rel, "top1_agreement": top1, "ok": ok})
+            if name == "inductor":
+                inductor_rel[batch] = rel
+            limit = AGREE_REL_L2
+            if name.startswith("dsv41") and batch in inductor_rel:
+                limit = min(AGREE_REL_L2, max(AGREE_FLOOR, AGREE_VS_INDUCTOR * inductor_rel[batch]))
+            ok = math.isfinite(rel) and rel <= limit
+            checks.append({"batch": batch, "variant": name, "rel_l2_diff": rel, "limit": limit, "top1_agreement": top1, "ok": ok})
             if not ok:
                 _log(f"batch {batch}: {name}: DISAGREES with eager (rel L2 {rel:.3g}, top-1 {top1:.2f}); not timed")
                 continue
