@@ -119,6 +119,13 @@ class FusionPass(GraphPass):
                 m = self._patterns.match_one(index, anchor)
                 if isinstance(m, MatchResult):
                     reason = self.check(m)
+                    rep = None
+                    if reason is None:
+                        rep = self.replacement(m)
+                        try:  # the op's own validation (dtypes, shapes) on the matched values
+                            value = _fake_output(rep)
+                        except (TypeError, ValueError, RuntimeError) as e:
+                            reason = f"the op rejects the matched inputs: {e}"
                     if reason is not None:
                         kind = "token limit" if reason.startswith("token limit") else "check"
                         m = MatchFailure(m.pattern.name, anchor.name, len(m.nodes), len(m.nodes), kind, reason)
@@ -127,7 +134,7 @@ class FusionPass(GraphPass):
                     if best is None or _rank(m) > _rank(best):
                         failures[anchor] = m
                     continue
-                result.replaced.append(self._replace(graph, m))
+                result.replaced.append(self._replace(graph, m, rep, value))
                 erased.update(m.nodes)
                 result.matches += 1
         names = {n.name: n for n in graph.nodes}
@@ -141,8 +148,9 @@ class FusionPass(GraphPass):
                 result.declined.append(f)
         return result
 
-    def _replace(self, graph: fx.Graph, m: MatchResult) -> dict:
-        rep = self.replacement(m)
+    def _replace(self, graph: fx.Graph, m: MatchResult, rep: Replacement, value) -> dict:
+        from torch._inductor.pattern_matcher import stable_topological_sort
+
         position = {n: i for i, n in enumerate(graph.nodes)}
         arg_nodes: list[fx.Node] = []
         fx.node.map_arg(rep.args, arg_nodes.append)
@@ -150,9 +158,7 @@ class FusionPass(GraphPass):
         anchor = m.outputs[0]
         with graph.inserting_after(last_input):
             fused = graph.call_function(rep.op, rep.args)
-        fake_args = fx.node.map_arg(rep.args, lambda n: n.meta["val"])
-        with detect_fake_mode([n.meta["val"] for n in arg_nodes]):
-            fused.meta["val"] = rep.op(*fake_args)
+        fused.meta["val"] = value
         for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
             if key in anchor.meta:
                 fused.meta[key] = anchor.meta[key]
@@ -170,7 +176,7 @@ class FusionPass(GraphPass):
             pat_out.replace_all_uses_with(new)
         for n in reversed(m.nodes):
             graph.erase_node(n)
-        _stable_topological_sort(graph)
+        stable_topological_sort(graph)  # users of an output that preceded the last input move after the op
         return {
             "pattern": m.pattern.name,
             "erased": [n.name for n in m.nodes],
@@ -178,6 +184,14 @@ class FusionPass(GraphPass):
             "stack_trace": anchor.meta.get("stack_trace"),
             "module": _module_path(anchor),
         }
+
+
+def _fake_output(rep: Replacement):
+    """The op's output on the fake values of its arguments (runs the op's validation)."""
+    arg_nodes: list[fx.Node] = []
+    fx.node.map_arg(rep.args, arg_nodes.append)
+    with detect_fake_mode([n.meta["val"] for n in arg_nodes]):
+        return rep.op(*fx.node.map_arg(rep.args, lambda n: n.meta["val"]))
 
 
 def _rank(f: MatchFailure) -> tuple:
@@ -191,8 +205,3 @@ def _module_path(node: fx.Node) -> str | None:
     path = list(stack.values())[-1][0]
     return path.replace("L['self'].", "").replace("L['self']", "") or None
 
-
-def _stable_topological_sort(graph: fx.Graph) -> None:
-    from torch._inductor.pattern_matcher import stable_topological_sort
-
-    stable_topological_sort(graph)

@@ -145,6 +145,18 @@ def test_decline_fp16_activations():
     assert "dtype" in declined(report, FUSION) and "float16" in declined(report, FUSION)
 
 
+def test_decline_what_the_op_rejects():
+    """fp64 mixing coefficients: the subgraph has the same structure and passes the pass's own checks; the op's
+    validation names the argument and the site is declined, not fused into an op that would raise at run time."""
+    args = list(inputs(0))
+    for i in (2, 3, 4):
+        args[i] = args[i].double()
+    gm, report = run_passes(model_site, tuple(args), FUSION)
+    assert report.matches[FUSION] == 0 and op_counts(gm)[OP] == 0
+    reasons = declined(report, FUSION)
+    assert "the op rejects the matched inputs" in reasons and "'post'" in reasons, reasons
+
+
 @pytest.mark.parametrize("name", sorted(FORMULATIONS))
 def test_decline_other_eps(name):
     def f(*args):
