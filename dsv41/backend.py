@@ -63,6 +63,9 @@ class Dsv41Backend:
     def _compile(self, gm: fx.GraphModule, example_inputs, report: CompileReport):
         def inference_compiler(aten_gm: fx.GraphModule, inputs):
             self.pass_manager.run(aten_gm.graph, report)
+            if any("symbolic shape" in r for reasons in report.declined.values() for r in reasons):
+                log.warning("dsv41: graph %d has a symbolic token count, so the decode fusions declined; compile "
+                            "with torch.compile(..., dynamic=False) (one graph per batch size)", report.graph_id)
             aten_gm.recompile()
             if has_schedule(aten_gm.graph):
                 return StreamExecutor(aten_gm, self._compile_graph)

@@ -23,7 +23,7 @@ REPLAYS = 10_000
 def test_streams_bit_identical_under_replay_stress(mode):
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(0)
-    base = DSV41Model(TINY, [0, 2, 3, 4, 6], max_batch=max(BUCKETS), max_context=256, device="cuda")
+    base = DSV41Model(TINY, [0, 2, 3], max_batch=max(BUCKETS), max_context=256, device="cuda")
     models, runners, backends = [], [], []
     for streams in (True, False):
         model = copy.deepcopy(base)
