@@ -136,6 +136,7 @@ def stream_overlap(trace_path: str) -> dict:
 def profile_breakdown(step, tokens, positions, model, top=8, trace_path=None) -> list[dict]:
     """Self CUDA time of the dsv41 step's ops, grouped by model module (dsv41 ops by fusion name, GEMMs by the
     weight they read, Inductor kernels as glue). Optionally exports the chrome trace."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     shapes = module_groups(model)
@@ -155,6 +156,10 @@ def profile_breakdown(step, tokens, positions, model, top=8, trace_path=None) ->
         if cuda_us <= 0:
             continue
         key = ev.key
+        if key.startswith("##"):  # a record_function range (e.g. "## Call CompiledFxGraph ... ##"), not a kernel
+            continue
+        if ev.device_type == DeviceType.CUDA and "triton" not in key:
+            continue  # a kernel launched by an op: counted in that op's self device time (Triton kernels have no op)
         if key.startswith("dsv41::"):
             group = key
         elif key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear"):
