@@ -1,8 +1,10 @@
 """The base of every fusion pass: find anchors, match the fusion's patterns, check, replace, count, explain.
 
 A fusion subclass gives its `name` (a key of `report.matches`), `patterns()` (the formulations it accepts,
-built from the backend config), `check(match)` (dtype/shape/token-limit guards; a string is a decline reason) and
-`replacement(match)` (the `dsv41::` op, its arguments, and which op output replaces which pattern output).
+built from the backend config) and `replacement(match)` (the `dsv41::` op, its arguments, and which op output
+replaces which pattern output); `tokens(match)` when the token count is not the first input's leading dim.
+A match is declined above the token limit, or when the op's own validation rejects the matched values (its
+fake implementation runs on them): the error, which names the argument, is the reason.
 """
 
 from __future__ import annotations
@@ -79,8 +81,13 @@ class FusionPass(GraphPass):
     def patterns(self) -> list:
         raise NotImplementedError
 
+    def tokens(self, m: MatchResult):
+        """The match's token count (the first input's leading dim unless a fusion says otherwise)."""
+        return m.inputs[0].meta["val"].shape[0]
+
     def check(self, m: MatchResult) -> str | None:
-        return None
+        """The token limit; dtypes and shapes are checked by the op's own validation on the matched values."""
+        return self.token_check(self.tokens(m))
 
     def explain(self, failure: MatchFailure, graph: fx.Graph) -> MatchFailure:
         """A fusion may restate a structural failure in its own terms (e.g. an iteration count)."""
@@ -124,7 +131,9 @@ class FusionPass(GraphPass):
                         rep = self.replacement(m)
                         try:  # the op's own validation (dtypes, shapes) on the matched values
                             value = _fake_output(rep)
-                        except (TypeError, ValueError, RuntimeError) as e:
+                        except TypeError as e:
+                            reason = f"dtype: {e}"
+                        except (ValueError, RuntimeError) as e:
                             reason = f"the op rejects the matched inputs: {e}"
                     if reason is not None:
                         kind = "token limit" if reason.startswith("token limit") else "check"

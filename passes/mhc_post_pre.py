@@ -67,12 +67,6 @@ class MhcPostPrePass(FusionPass):
         return [Pattern("post_pre" + suffix, search, example_stream_inputs, variants=one_token_variant(suffix, example_stream_inputs))
                 for suffix, search in stream_formulations(self.config.norm_eps)]
 
-    def check(self, m):
-        y, x = (v.meta["val"] for v in m.inputs[:2])
-        if y.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
-            return f"dtype: y {y.dtype}, x {x.dtype}; the op takes bf16"
-        return self.token_check(x.shape[0])
-
     def replacement(self, m):
         y, x, post, comb, pre, w = m.inputs
         op = torch.ops.dsv41.mhc_post_pre.default

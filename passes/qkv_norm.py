@@ -51,12 +51,6 @@ class QkvNormPass(FusionPass):
                     Pattern(f"q_kv_norm_none{norm_name}", bare, lambda: _inputs()[:3])]
         return out
 
-    def check(self, m):
-        qkv = m.inputs[0].meta["val"]
-        if qkv.dtype != torch.bfloat16:
-            return f"dtype: qkv {qkv.dtype}; the op takes bf16"
-        return self.token_check(qkv.shape[0])
-
     def replacement(self, m):
         tail = m.pattern.name.split("q_kv_norm_")[1].removesuffix("_F_rms_norm")
         qkv, q_w, kv_w = m.inputs[:3]

@@ -52,12 +52,6 @@ class WoAPass(FusionPass):
         return [Pattern("wo_a_einsum", wo_a_einsum, _inputs(T, G), variants=variants),
                 Pattern("wo_a_bmm", wo_a_bmm, _inputs(T, G), variants=variants)]
 
-    def check(self, m):
-        o, w = m.inputs[0].meta["val"], m.inputs[3].meta["val"]
-        if o.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-            return f"dtype: o {o.dtype}, weight {w.dtype}; the op takes bf16"
-        return self.token_check(o.shape[0])
-
     def replacement(self, m):
         o, cos, sin, w = m.inputs
         groups = _groups(o.meta["val"], w.meta["val"])
