@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from dsv41.passes.matcher import MatchFailure, MatchResult, PatternSet
+from dsv41.passes.printing import module_path
 
 # A failed candidate is a decline worth reporting when it got past the first few ops, matched the whole structure
 # and failed on a scalar or an extra user, or failed a check.
@@ -191,7 +192,7 @@ class FusionPass(GraphPass):
             "erased": [n.name for n in m.nodes],
             "created": [n.name for n in created],
             "stack_trace": anchor.meta.get("stack_trace"),
-            "module": _module_path(anchor),
+            "module": module_path(anchor.meta.get("nn_module_stack")),
         }
 
 

@@ -10,6 +10,9 @@ so diffs stay small); devices, file paths and object addresses are left out; sha
 
 from __future__ import annotations
 
+import functools
+import re
+
 import torch
 import torch.fx as fx
 
@@ -72,3 +75,21 @@ def node_line(node: fx.Node) -> str:
 
 def graph_code(graph: fx.Graph) -> str:
     return "\n".join(node_line(n) for n in graph.nodes) + "\n"
+
+
+def module_path(nn_module_stack) -> str | None:
+    """The innermost module of node.meta['nn_module_stack'] as a dotted path (`layers.3.attn`)."""
+    if not nn_module_stack:
+        return None
+    try:
+        path = list(nn_module_stack.values())[-1][0]
+    except (AttributeError, IndexError, TypeError):
+        return None
+    return _clean_module_path(str(path))
+
+
+@functools.lru_cache(maxsize=4096)
+def _clean_module_path(path: str) -> str | None:
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)  # layers['3'] / layers[3] -> layers.3
+    return path.strip(".") or None

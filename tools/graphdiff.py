@@ -46,6 +46,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from dsv41.passes.printing import module_path
+
 FORMAT = "dsv41-graphdiff/1"
 STREAM_KEY = "dsv41_stream"
 log = logging.getLogger("dsv41.graphdiff")
@@ -96,24 +98,6 @@ def parse_stack_trace(stack_trace: str | None) -> tuple[dict, ...]:
         code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME_RE.match(lines[i + 1]) else ""
         frames.append({"file": rel_path(m["file"]), "line": int(m["line"]), "func": m["func"], "code": code})
     return tuple(frames)
-
-
-def module_path(nn_module_stack) -> str | None:
-    """The innermost module of node.meta['nn_module_stack'] as a dotted path (`layers.3.attn`)."""
-    if not nn_module_stack:
-        return None
-    try:
-        path = list(nn_module_stack.values())[-1][0]
-    except (AttributeError, IndexError, TypeError):
-        return None
-    return _clean_module_path(str(path))
-
-
-@functools.lru_cache(maxsize=4096)
-def _clean_module_path(path: str) -> str | None:
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)  # layers['3'] / layers[3] -> layers.3
-    return path.strip(".") or None
 
 
 def layer_of(module: str | None) -> int | None:
@@ -366,7 +350,7 @@ def build_pass_record(graph_seq: int, index: int, name: str, before: Snapshot, a
         g_created = [n for n in rep.get("created", []) if n in after_set]
         g_moved = [n for n in rep.get("moved", []) if n in after_set]
         frames = parse_stack_trace(rep.get("stack_trace"))
-        module = _clean_module_path(rep["module"]) if rep.get("module") else None
+        module = rep.get("module")
         if module is None:  # take it from the pattern's last node
             probe = [after.node(n) for n in reversed(g_moved + g_created)] + [before.node(n) for n in reversed(g_erased)]
             module = next((r["module"] for r in probe if r["module"]), None)
