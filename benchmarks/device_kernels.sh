@@ -1,12 +1,13 @@
 #!/bin/bash
-# The H200 run behind benchmarks/results/kernels.{json,png}: the kernels' GPU tests, compute-sanitizer memcheck and
-# racecheck on them (the three side by side: they barely load the GPU), then `dsv41 bench kernels` alone.
+# The H200 run behind benchmarks/results/kernels.{json,png} and post_pre_layouts.json: mhc_post_pre's launch layouts
+# timed (alone), the kernels' GPU tests with compute-sanitizer memcheck and racecheck on them (the three side by
+# side: they barely load the GPU), then `dsv41 bench kernels` alone.
 # From the repository root, after `source .device/bootstrap.sh`:
 #   bash benchmarks/device_kernels.sh OUT_DIR [STAGES] [BENCH_ARGS...]
-# STAGES: comma-separated subset of tests,memcheck,racecheck,bench (default: all). Logs go to OUT_DIR.
+# STAGES: comma-separated subset of layouts,tests,memcheck,racecheck,bench (default: all). Logs go to OUT_DIR.
 set -u
 out=${1:?usage: device_kernels.sh OUT_DIR [STAGES] [BENCH_ARGS...]}
-stages=${2:-tests,memcheck,racecheck,bench}
+stages=${2:-layouts,tests,memcheck,racecheck,bench}
 shift $(( $# < 2 ? $# : 2 ))
 export DSV41_CACHE_DIR=${DSV41_CACHE_DIR:-/tmp/dsv41-kernels}
 start=$SECONDS
@@ -16,6 +17,13 @@ gpu_pytest() { python3 -m pytest -m gpu tests/kernels -q -p no:cacheprovider "$@
 sanitize() { compute-sanitizer --tool "$1" --target-processes all python3 -m pytest -m gpu tests/kernels -q \
   -p no:cacheprovider -k "$2"; }
 
+bench() { timeout "$1" python3 -c "import sys; from dsv41.tools.bench_kernels import main; sys.exit(main(sys.argv[1:]))" \
+  --out "$out" "${@:2}"; }
+
+if has layouts; then
+  note "layouts"
+  bench 120 --post-pre-layouts > "$out/layouts.log" 2>&1; echo "exit $?" >> "$out/layouts.log"; tail -10 "$out/layouts.log"
+fi
 note "checks"
 has tests && { timeout 240 bash -c "$(declare -f gpu_pytest); gpu_pytest" > "$out/gpu_tests.log" 2>&1;
                echo "exit $?" >> "$out/gpu_tests.log"; } &
@@ -29,8 +37,7 @@ for log in gpu_tests memcheck racecheck; do
 done
 if has bench; then
   note "bench"
-  timeout 300 python3 -c "import sys; from dsv41.tools.bench_kernels import main; sys.exit(main(sys.argv[1:]))" \
-    --out "$out" "$@" > "$out/bench.log" 2>&1
+  bench 330 "$@" > "$out/bench.log" 2>&1
   echo "exit $?" >> "$out/bench.log"; tail -22 "$out/bench.log"
 fi
 note done

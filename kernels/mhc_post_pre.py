@@ -10,9 +10,10 @@ pre [T, 4] fp32 and the norm weight w [D] bf16:
 which is ``rms_norm(hc_collapse(hc_post(y, X, post, comb), pre), w, eps)`` of ``dsv41.models.functional``
 with the same rounding points.
 
-Layout: one token per cluster of ``cluster_n`` CTAs along grid y; each thread owns one ``vec``-wide column
-slice of y, of the four streams and of the outputs, so all loads are issued up front and every byte is read
-or written once. The sum of u^2 is reduced over the warps and then over the cluster through DSMEM.
+Layout: one token per ``cluster_n`` CTAs along grid y (a cluster when ``cluster_n > 1``); each thread owns one
+``vec``-wide column slice of y, of the four streams and of the outputs, so all loads are issued up front and every
+byte is read or written once. The sum of u^2 is reduced over the warps and, in a cluster, over its CTAs through
+DSMEM. ``cluster_for`` picks the layout from the token count (measured).
 
 With ``pdl`` the kernel is a programmatic dependent launch: it lets the next kernel launch at once, loads its
 slice of the norm weight, and only then waits for the preceding kernel before reading anything else.
@@ -31,32 +32,59 @@ from dsv41.kernels.compile_cache import (cached_kernel, compile_tvm_ffi, env_str
 
 HC = 4
 _MAX_CLUSTER = 8
-_MAX_WARPS = 4
+_MAX_WARPS = 4  # per CTA in the default cluster layout
+_MAX_CTA_WARPS = 32  # a CTA of at most 1024 threads in any layout
+LARGE_TOKENS = 64  # from this many tokens on, 2 CTAs per token (``cluster_for``)
 
 
-def _config(dim: int) -> tuple[int, int, int] | None:
+def _vec(dim: int) -> int | None:
+    """16-byte vectors when dim % 256 == 0, else 8-byte ones (dim % 128 == 0), else None."""
+    return next((vec for vec in (8, 4) if dim % (32 * vec) == 0), None)
+
+
+def _config(dim: int, cluster_n: int | None = None) -> tuple[int, int, int] | None:
     """(vec, warps per CTA, cluster_n) for hidden size ``dim``, or None when unsupported.
 
-    16-byte vectors when dim % 256 == 0, else 8-byte ones (dim % 128 == 0); the row is split over the
-    smallest cluster that leaves at most 4 warps per CTA (D = 5120: 5 CTAs x 4 warps x 8 columns x 32 lanes).
+    Each thread owns one ``vec``-wide column slice. ``cluster_n=None`` gives the cluster layout: the row is split
+    over the smallest cluster that leaves at most 4 warps per CTA (D = 5120: 5 CTAs x 4 warps x 8 columns x 32
+    lanes), which spreads a token's bytes over several SMs. Any other ``cluster_n`` that divides the row's warps
+    into CTAs of at most 32 warps is accepted too (``cluster_n=1``: one CTA per token, no cluster launch).
     """
-    for vec in (8, 4):
-        if dim % (32 * vec) == 0:
-            warps_total = dim // (32 * vec)
-            for cluster_n in range(1, _MAX_CLUSTER + 1):
-                if warps_total % cluster_n == 0 and warps_total // cluster_n <= _MAX_WARPS:
-                    return vec, warps_total // cluster_n, cluster_n
+    vec = _vec(dim)
+    if vec is None:
+        return None
+    warps_total = dim // (32 * vec)
+    if cluster_n is None:
+        cluster_n = next((c for c in range(1, _MAX_CLUSTER + 1)
+                          if warps_total % c == 0 and warps_total // c <= _MAX_WARPS), None)
+        if cluster_n is None:
             return None
-    return None
+    if not 1 <= cluster_n <= _MAX_CLUSTER or warps_total % cluster_n or warps_total // cluster_n > _MAX_CTA_WARPS:
+        return None
+    return vec, warps_total // cluster_n, cluster_n
+
+
+def cluster_for(dim: int, tokens: int) -> int:
+    """The CTAs per token the entry point launches with: the cluster layout of ``_config`` below ``LARGE_TOKENS``
+    tokens, 2 CTAs per token from there on (when the row splits so).
+
+    Measured on the H200 at D = 5120 (benchmarks/results/post_pre_layouts.json, us per call with PDL, CTAs per token
+    1 / 2 / 4 / 5): T = 1: 3.29 / 2.75 / 2.42 / 2.33; T = 16: 3.56 / 3.33 / 2.95 / 2.80; T = 32: 3.80 / 3.53 / 3.45 /
+    3.30; T = 64: 4.11 / 3.84 / 4.11 / 4.08. Few tokens are latency-bound and gain from spreading a token's 50 KB
+    over more SMs; at 64 tokens 2 CTAs of 10 warps (128 CTAs, one wave) beat 320 CTAs of 4 warps.
+    """
+    if tokens >= LARGE_TOKENS and _config(dim, 2) is not None:
+        return 2
+    return _config(dim)[2]
 
 
 class MhcPostPre:
     """The fused kernel for a static hidden size; the token count is a runtime dimension."""
 
-    def __init__(self, dim: int, pdl: bool):
+    def __init__(self, dim: int, pdl: bool, cluster_n: int):
         self.dim = dim
         self.pdl = pdl
-        self.vec, self.num_warps, self.cluster_n = _config(dim)
+        self.vec, self.num_warps, self.cluster_n = _config(dim, cluster_n)
 
     @cute.jit
     def __call__(self, mY: cute.Tensor, mX: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor,
@@ -134,31 +162,34 @@ def supports(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.T
 
 
 @cached_kernel(__file__, cute_utils.__file__)
-def _compile_mhc_post_pre(dim: int, pdl: bool):
+def _compile_mhc_post_pre(dim: int, pdl: bool, cluster_n: int):
     t = cute.sym_int()
     bf16 = BFloat16
     return compile_tvm_ffi(
-        MhcPostPre(dim, pdl),
+        MhcPostPre(dim, pdl, cluster_n),
         fake_tensor(bf16, (t, dim)), fake_tensor(bf16, (t, HC, dim)), fake_tensor(Float32, (t, HC)),
         fake_tensor(Float32, (t, HC, HC)), fake_tensor(Float32, (t, HC)), fake_tensor(bf16, (dim,)),
         fake_tensor(bf16, (t, HC, dim)), fake_tensor(bf16, (t, dim)), Float32(0.0), env_stream(),
     )
 
 
-def compile_for(dim: int, pdl: bool = True):
-    """The compiled kernel for hidden size ``dim`` with programmatic dependent launch on or off (memory, disk
-    or a fresh compile)."""
-    return _compile_mhc_post_pre(dim, pdl)
+def compile_for(dim: int, pdl: bool = True, cluster_n: int | None = None):
+    """The compiled kernel for hidden size ``dim`` with programmatic dependent launch on or off and ``cluster_n``
+    CTAs per token (default: the cluster layout of ``_config``), from memory, disk or a fresh compile."""
+    if _config(dim, cluster_n) is None:
+        raise ValueError(f"mhc_post_pre: no launch layout for D = {dim} with cluster_n = {cluster_n}")
+    return _compile_mhc_post_pre(dim, pdl, _config(dim, cluster_n)[2])
 
 
 def mhc_post_pre(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
                  norm_weight: torch.Tensor, *, eps: float, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                 pdl: bool = True, cluster_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_new [T, 4, D] bf16, h [T, D] bf16) = the fused post + collapse + RMSNorm (module docstring).
 
     y [T, D], x [T, 4, D], norm_weight [D] bf16; post [T, 4], comb [T, 4, 4], pre [T, 4] fp32; all
     contiguous on one CUDA device. ``out`` optionally supplies the two output tensors. ``pdl``: launch as a
     programmatic dependent of the preceding kernel (norm_weight, a weight, is read before waiting for it).
+    ``cluster_n``: CTAs per token; default ``cluster_for(D, T)``.
     """
     reason = supports(y, x, post, comb, pre, norm_weight, eps=eps)
     if reason is not None:
@@ -173,5 +204,6 @@ def mhc_post_pre(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: tor
             if reason is not None:
                 raise ValueError(f"mhc_post_pre: {reason}")
     if t > 0:
-        compile_for(d, pdl)(y, x, post, comb, pre, norm_weight, x_new, h, eps)
+        compile_for(d, pdl, cluster_for(d, t) if cluster_n is None else cluster_n)(
+            y, x, post, comb, pre, norm_weight, x_new, h, eps)
     return x_new, h

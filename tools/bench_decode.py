@@ -133,9 +133,25 @@ def stream_overlap(trace_path: str) -> dict:
             "side_kernel_us_overlapping_main": round(overlap, 2)}
 
 
-def profile_breakdown(step, tokens, positions, model, top=8, trace_path=None) -> list[dict]:
+def replay_trace(graph, trace_path: str, replays: int = 5) -> None:
+    """A chrome trace of ``replays`` replays of a captured decode step: the kernels as the graph runs them, on the
+    streams they were captured on (a profile of direct calls is bound by Python launch overhead and shows side
+    streams finishing long before the main stream's next launch)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(trace_path)
+
+
+def profile_breakdown(step, tokens, positions, model, top=8) -> list[dict]:
     """Self CUDA time of the dsv41 step's ops, grouped by model module (dsv41 ops by fusion name, GEMMs by the
-    weight they read, Inductor kernels as glue). Optionally exports the chrome trace."""
+    weight they read, Inductor kernels as glue), from direct calls (which keep the op that launched each
+    kernel)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -148,8 +164,6 @@ def profile_breakdown(step, tokens, positions, model, top=8, trace_path=None) ->
             for _ in range(5):
                 step(tokens, positions)
             torch.cuda.synchronize()
-    if trace_path:
-        prof.export_chrome_trace(trace_path)
     totals: dict[str, float] = defaultdict(float)
     for ev in prof.key_averages(group_by_input_shape=True):
         cuda_us = getattr(ev, "self_device_time_total", 0.0) or getattr(ev, "self_cuda_time_total", 0.0)
@@ -190,7 +204,17 @@ def main(argv: list[str] | None = None) -> int:
                              "_grouped_mm feeds random group offsets and trips a device assert; use 'default' there)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="decode")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="instead: merge result files of one run split over several GPUs (disjoint batch sizes) "
+                             "into <out>/<tag>.json and .png, and print the table")
     args = parser.parse_args(argv)
+    if args.merge:
+        result = merge([json.load(open(path)) for path in args.merge])
+        with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        _plot(result, os.path.join(args.out, f"{args.tag}.png"))
+        print_table(result)
+        return 0
     if not torch.cuda.is_available():
         print("dsv41 bench decode needs a CUDA device", flush=True)
         return 2
@@ -216,9 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     steps = {
         "eager": lambda: model,
-        "inductor": lambda: torch.compile(model, mode=None if args.inductor_mode == "default" else args.inductor_mode, fullgraph=True),
-        "dsv41": lambda: torch.compile(model, backend=make_backend(), fullgraph=True),
-        "dsv41-nostreams": lambda: torch.compile(model, backend=make_backend(streams=False), fullgraph=True),
+        "inductor": lambda: torch.compile(model, mode=None if args.inductor_mode == "default" else args.inductor_mode, fullgraph=True, dynamic=False),
+        "dsv41": lambda: torch.compile(model, backend=make_backend(), fullgraph=True, dynamic=False),
+        "dsv41-nostreams": lambda: torch.compile(model, backend=make_backend(streams=False), fullgraph=True,
+                                                 dynamic=False),
     }
     rows, checks, floors, breakdown, overlap, inductor_rel = [], [], {}, {}, {}, {}
     def save() -> dict:
@@ -265,17 +290,42 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"batch": batch, "variant": name, "step_us": round(us, 2), "floor_us": round(floor_us, 2),
                          "floor_bytes": floor_bytes, "rel_l2_diff": rel, "top1_agreement": top1})
             _log(f"batch {batch}: {name}: {us:.1f} us (floor {floor_us:.1f} us), rel L2 {rel:.2g}, setup {time.time() - t0:.0f} s")
-            if name == "dsv41" and batch in (1, 8):
-                trace = os.path.join(args.out, f"{args.tag}_trace_b{batch}.json")
-                os.makedirs(args.out, exist_ok=True)
-                breakdown[batch] = profile_breakdown(step, tokens_pool[0], positions, model, trace_path=trace)
-                overlap[batch] = stream_overlap(trace)
-                _log(f"batch {batch}: dsv41 streams in the profile: {overlap[batch]}")
+            if name == "dsv41":
+                breakdown[batch] = profile_breakdown(step, tokens_pool[0], positions, model)
+                if batch in (1, 8):
+                    trace = os.path.join(args.out, f"{args.tag}_trace_b{batch}.json")
+                    os.makedirs(args.out, exist_ok=True)
+                    replay_trace(runner.graphs[batch][0], trace)
+                    overlap[batch] = stream_overlap(trace)
+                    _log(f"batch {batch}: dsv41 streams in the replayed graph: {overlap[batch]}")
             del runner, step
             save()
     result = save()
     print_table(result)
     return 0 if all(c["ok"] for c in checks) else 1
+
+
+def merge(parts: list[dict]) -> dict:
+    """One result from the files of processes that each ran some batch sizes of the same benchmark at the same
+    time (one per GPU of a machine): rows, checks and per-batch entries are concatenated; each batch keeps the copy
+    bandwidth its own process measured (``copy_bandwidth_GBps_by_batch``), since its floor was computed from it."""
+    same = ("gpu", "torch", "layers", "context", "config", "inductor_mode")
+    for part in parts[1:]:
+        diff = [k for k in same if part[k] != parts[0][k]]
+        if diff:
+            raise ValueError(f"cannot merge results that differ in {diff}")
+    batches = [sorted({r["batch"] for r in p["checks"]}) for p in parts]
+    if len({b for bs in batches for b in bs}) != sum(len(bs) for bs in batches):
+        raise ValueError(f"merged results must cover disjoint batch sizes, got {batches}")
+    result = {k: parts[0][k] for k in same}
+    result["copy_bandwidth_GBps"] = min(p["copy_bandwidth_GBps"] for p in parts)
+    result["copy_bandwidth_GBps_by_batch"] = {str(b): p["copy_bandwidth_GBps"] for p, bs in zip(parts, batches)
+                                              for b in bs}
+    for key in ("rows", "checks"):
+        result[key] = sorted((r for p in parts for r in p[key]), key=lambda r: r["batch"])
+    for key in ("floors", "breakdown", "stream_overlap"):
+        result[key] = {b: v for p in parts for b, v in p[key].items()}
+    return result
 
 
 def print_table(result: dict) -> None:

@@ -91,8 +91,8 @@ def _post_pre_op(cfg) -> Op:
         # read y, X, post/comb/pre, w; write X', h
         nbytes=lambda t: t * d * 2 + t * hc * d * 2 + t * (2 * hc + hc * hc) * 4 + d * 2 + t * hc * d * 2 + t * d * 2,
         reference=reference,
-        kernel=lambda y, x, post, comb, pre, w, pdl=True: mhc_post_pre(y, x, post, comb, pre, w, eps=cfg.norm_eps,
-                                                                       pdl=pdl),
+        kernel=lambda y, x, post, comb, pre, w, pdl=True, cluster_n=None: mhc_post_pre(
+            y, x, post, comb, pre, w, eps=cfg.norm_eps, pdl=pdl, cluster_n=cluster_n),
     )
 
 
@@ -156,6 +156,51 @@ def run(ops: list[str], tokens: list[int], variants: list[str], replays: int, bu
     return result
 
 
+def post_pre_layouts(tokens: list[int], replays: int, out: Path) -> dict:
+    """Time ``mhc_post_pre`` at Flash dimensions in every launch layout (CTAs per token) the kernel accepts, at each
+    T, with PDL as the entry point launches it; writes ``post_pre_layouts.json``. This is the measurement behind
+    ``mhc_post_pre.cluster_for``."""
+    from dsv41.kernels import mhc_post_pre as kernel
+
+    op = _post_pre_op(FLASH)
+    props = torch.cuda.get_device_properties(0)
+    layouts = [n for n in range(1, 9) if kernel._config(FLASH.dim, n) is not None]
+    result = {"gpu": props.name, "torch": torch.__version__, "dim": FLASH.dim, "chosen": {}, "rows": []}
+    for t in tokens:
+        n_sets = min(4096, max(8, math.ceil(2.5 * props.L2_cache_size / op.nbytes(t))))
+        g = torch.Generator().manual_seed(t)
+        input_sets = [[a.cuda() for a in op.make_inputs(t, g)] for _ in range(n_sets)]
+        for n in layouts:
+            us = time_in_graph(functools.partial(op.kernel, cluster_n=n), input_sets, replays)
+            result["rows"].append({"tokens": t, "cluster_n": n, "warps_per_cta": kernel._config(FLASH.dim, n)[1],
+                                   "us": us})
+            print(f"  mhc_post_pre T={t} {n} CTA/token: {us:.2f} us", flush=True)
+        result["chosen"][str(t)] = kernel.cluster_for(FLASH.dim, t)
+        del input_sets
+    (out / "post_pre_layouts.json").write_text(json.dumps(result, indent=1) + "\n")
+    by = {(r["tokens"], r["cluster_n"]): r["us"] for r in result["rows"]}
+    print("mhc_post_pre, us per call by CTAs per token (* = cluster_for's choice)")
+    print(f"{'T':>4}" + "".join(f"{n:>9}" for n in layouts))
+    for t in tokens:
+        print(f"{t:>4}" + "".join(f"{by[(t, n)]:>8.2f}{'*' if result['chosen'][str(t)] == n else ' '}"
+                                  for n in layouts))
+    return result
+
+
+def merge(parts: list[dict]) -> dict:
+    """One result from the kernels.json files of processes that timed different ops at the same time, one per GPU
+    of a machine; each row keeps the floor its own process computed, and ``copy_gbps_by_op`` the bandwidth."""
+    for part in parts[1:]:
+        if (part["gpu"], part["torch"]) != (parts[0]["gpu"], parts[0]["torch"]):
+            raise ValueError("cannot merge results from different GPUs or torch versions")
+    ops = [{r["op"] for r in p["rows"]} for p in parts]
+    if len(set().union(*ops)) != sum(map(len, ops)):
+        raise ValueError(f"merged results must cover disjoint ops, got {[sorted(o) for o in ops]}")
+    return {**parts[0], "copy_gbps": min(p["copy_gbps"] for p in parts),
+            "copy_gbps_by_op": {op: p["copy_gbps"] for p, names in zip(parts, ops) for op in sorted(names)},
+            "rows": [r for p in parts for r in p["rows"]]}
+
+
 def table(result: dict) -> str:
     """One line per (op, T): each variant's time, the floor, and the kernel's speedups and distance to the floor."""
     rows = {(r["op"], r["tokens"], r["variant"]): r for r in result["rows"]}
@@ -213,7 +258,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="skip Inductor variants (slow to autotune) once this many seconds have passed")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                        help="instead: merge kernels.json files of one run split over GPUs (disjoint ops) into --out")
+    parser.add_argument("--post-pre-layouts", action="store_true",
+                        help="instead: time mhc_post_pre in each launch layout (CTAs per token) at each T")
     args = parser.parse_args(argv)
+    if args.merge:
+        result = merge([json.loads(path.read_text()) for path in args.merge])
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "kernels.json").write_text(json.dumps(result, indent=1) + "\n")
+        plot(result, args.out / "kernels.png")
+        print(table(result))
+        return 0
     if not torch.cuda.is_available():
         print("dsv41 bench kernels: needs a CUDA device")
         return 1
@@ -221,8 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}")
-    ops = [args.op] if args.op else sorted(OPS, reverse=True)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.post_pre_layouts:
+        post_pre_layouts([int(t) for t in args.tokens.split(",")], args.replays, args.out)
+        return 0
+    ops = [args.op] if args.op else sorted(OPS, reverse=True)
     result = run(ops, [int(t) for t in args.tokens.split(",")], variants, args.replays, args.budget_s, args.out)
     plotted = plot(result, args.out / "kernels.png")
     print(table(result))

@@ -21,7 +21,8 @@ def kernels_for(cfg) -> list[tuple[str, object]]:
     return [
         (f"mhc_coeffs(D={cfg.dim}, iters={cfg.hc_sinkhorn_iters})",
          lambda: mhc_coeffs.compile_for(cfg.dim, cfg.hc_sinkhorn_iters)),
-        (f"mhc_post_pre(D={cfg.dim})", lambda: mhc_post_pre.compile_for(cfg.dim)),
+        *[(f"mhc_post_pre(D={cfg.dim}, {n} CTA per token)", lambda n=n: mhc_post_pre.compile_for(cfg.dim, cluster_n=n))
+          for n in sorted({mhc_post_pre.cluster_for(cfg.dim, t) for t in (1, mhc_post_pre.LARGE_TOKENS)})],
     ]
 
 

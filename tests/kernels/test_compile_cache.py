@@ -82,10 +82,10 @@ def test_memory_hit_and_corrupt_object(monkeypatch, tmp_path):
     get = mhc_post_pre._compile_mhc_post_pre
     get.cache_clear()
     compile_cache.STATS.reset()
-    path = get.object_path(128, True)
+    path = get.object_path(128, True, 1)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not an object file")
-    fn = get(128, True)
+    fn = get(128, True, 1)
     assert compile_cache.STATS.compiles == 1 and path.stat().st_size > 1000
-    assert get(128, True) is fn and compile_cache.STATS.memory_hits == 1
+    assert get(128, True, 1) is fn and compile_cache.STATS.memory_hits == 1
     get.cache_clear()

@@ -66,20 +66,29 @@ def _assert_matches(got, args, eps=EPS):
 
 
 @pytest.mark.parametrize("pdl", [True, False])
-@pytest.mark.parametrize("dim", DIMS + [4096])
-def test_compiles_for_sm90a(dim, pdl, monkeypatch, tmp_path):
+@pytest.mark.parametrize(("dim", "cluster_n"), [(5120, 5), (5120, 1), (128, 1), (4096, 4)])
+def test_compiles_for_sm90a(dim, cluster_n, pdl, monkeypatch, tmp_path):
     monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path))  # a fresh cache: really run cute.compile
     K._compile_mhc_post_pre.cache_clear()
-    assert callable(K.compile_for(dim, pdl))
-    assert K._compile_mhc_post_pre.object_path(dim, pdl).exists()
+    assert callable(K.compile_for(dim, pdl, cluster_n))
+    assert K._compile_mhc_post_pre.object_path(dim, pdl, cluster_n).exists()
     K._compile_mhc_post_pre.cache_clear()
 
 
 def test_config():
     assert K._config(5120) == (8, 4, 5)
+    assert K._config(5120, 1) == (8, 20, 1)
+    assert K._config(5120, 2) == (8, 10, 2)
+    assert K._config(5120, 3) is None  # 20 warps do not split into 3 CTAs
     assert K._config(4096) == (8, 4, 4)
     assert K._config(128) == (4, 1, 1)
     assert K._config(100) is None
+    assert K._config(8192, 1) == (8, 32, 1)
+    assert K._config(16384, 1) is None  # 64 warps: more than one CTA holds
+    assert [K.cluster_for(5120, t) for t in (1, K.LARGE_TOKENS - 1, K.LARGE_TOKENS)] == [5, 5, 2]
+    assert K.cluster_for(128, 64) == 1  # one warp: no 2-CTA split
+    with pytest.raises(ValueError, match="no launch layout for D = 5120 with cluster_n = 3"):
+        K.compile_for(5120, cluster_n=3)
 
 
 def test_supports_explains():
@@ -101,6 +110,17 @@ def test_matches_reference(t, dim):
         args = _inputs(t, dim, seed)
         out = (torch.full_like(args[1], float("nan")), torch.full_like(args[0], float("nan")))
         _assert_matches(K.mhc_post_pre(*args, eps=EPS, out=out), args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster_n", [1, 2, 5])
+@pytest.mark.parametrize("t", TOKENS, ids=lambda t: f"T{t}")
+def test_every_layout_matches_reference(t, cluster_n):
+    """The layouts the entry point picks from (5 and 2 CTAs per token) and one CTA per token, at every token count,
+    not only where ``cluster_for`` uses them."""
+    args = _inputs(t, 5120, 7)
+    out = (torch.full_like(args[1], float("nan")), torch.full_like(args[0], float("nan")))
+    _assert_matches(K.mhc_post_pre(*args, eps=EPS, out=out, cluster_n=cluster_n), args)
 
 
 @pytest.mark.gpu

@@ -28,7 +28,7 @@ def test_streams_bit_identical_under_replay_stress(mode):
     for streams in (True, False):
         model = copy.deepcopy(base)
         backend = make_backend(mode=mode, streams=streams, stream_max_tokens=max(BUCKETS), kernel="reference")
-        runner = DecodeGraphRunner(torch.compile(model, backend=backend, fullgraph=True), BUCKETS)
+        runner = DecodeGraphRunner(torch.compile(model, backend=backend, fullgraph=True, dynamic=False), BUCKETS)
         runner.capture()
         models.append(model)
         runners.append(runner)

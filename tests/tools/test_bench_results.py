@@ -1,0 +1,65 @@
+"""The benchmarks' bookkeeping, on hand-made inputs (the timing itself needs the H200): stream overlap from a
+chrome trace, and merging the results of processes that ran different parts of one benchmark on different GPUs."""
+
+import json
+
+import pytest
+
+from dsv41.tools.bench_decode import merge, stream_overlap
+
+
+def _kernel(stream, ts, dur):
+    return {"cat": "kernel", "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_stream_overlap_counts_side_time_under_main_kernels(tmp_path):
+    events = [_kernel(7, 0, 10), _kernel(7, 10, 10), _kernel(7, 30, 10),  # main: [0,20) and [30,40)
+              _kernel(20, 5, 10),  # side, fully inside main: 10
+              _kernel(20, 18, 10),  # side [18,28): 2 with main
+              _kernel(21, 40, 5),  # side after main: 0
+              {"cat": "cpu_op", "ts": 0, "dur": 100}]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    got = stream_overlap(str(path))
+    assert got == {"kernels_per_stream": {"7": 3, "20": 2, "21": 1}, "main_stream": "7",
+                   "side_kernel_us_overlapping_main": 12.0}
+
+
+def _result(batches, bandwidth, **over):
+    base = {"gpu": "H200", "torch": "2.11", "layers": [2, 3], "context": 4096, "config": "flash",
+            "inductor_mode": "default", "copy_bandwidth_GBps": bandwidth,
+            "rows": [{"batch": b, "variant": "dsv41", "step_us": 10.0 * b, "floor_us": 1.0} for b in batches],
+            "checks": [{"batch": b, "variant": "dsv41", "ok": True} for b in batches],
+            "floors": {str(b): {"floor_us": 1.0} for b in batches},
+            "breakdown": {str(b): [] for b in batches}, "stream_overlap": {str(b): {} for b in batches if b < 8}}
+    return {**base, **over}
+
+
+def test_merge_concatenates_disjoint_batches_and_keeps_each_bandwidth():
+    got = merge([_result([8, 64], 4100.0), _result([1, 32], 4200.0)])
+    assert [r["batch"] for r in got["rows"]] == [1, 8, 32, 64]
+    assert [c["batch"] for c in got["checks"]] == [1, 8, 32, 64]
+    assert sorted(got["floors"], key=int) == ["1", "8", "32", "64"]
+    assert got["copy_bandwidth_GBps_by_batch"] == {"8": 4100.0, "64": 4100.0, "1": 4200.0, "32": 4200.0}
+    assert got["copy_bandwidth_GBps"] == 4100.0
+    assert got["stream_overlap"] == {"1": {}}
+
+
+def test_merge_refuses_overlapping_or_different_runs():
+    with pytest.raises(ValueError, match="disjoint batch sizes"):
+        merge([_result([1, 8], 4100.0), _result([8], 4100.0)])
+    with pytest.raises(ValueError, match=r"differ in \['context'\]"):
+        merge([_result([1], 4100.0), _result([8], 4100.0, context=1024)])
+
+
+def test_kernel_results_merge_by_op():
+    from dsv41.tools.bench_kernels import merge as merge_kernels
+
+    def part(op, gbps):
+        return {"gpu": "H200", "torch": "2.11", "copy_gbps": gbps, "rows": [{"op": op, "tokens": 1, "us": 1.0}]}
+
+    got = merge_kernels([part("mhc_post_pre", 4200.0), part("mhc_coeffs", 4100.0)])
+    assert [r["op"] for r in got["rows"]] == ["mhc_post_pre", "mhc_coeffs"]
+    assert got["copy_gbps_by_op"] == {"mhc_post_pre": 4200.0, "mhc_coeffs": 4100.0} and got["copy_gbps"] == 4100.0
+    with pytest.raises(ValueError, match="disjoint ops"):
+        merge_kernels([part("mhc_coeffs", 1.0), part("mhc_coeffs", 1.0)])
