@@ -165,7 +165,7 @@ def post_pre_layouts(tokens: list[int], replays: int, out: Path) -> dict:
     op = _post_pre_op(FLASH)
     props = torch.cuda.get_device_properties(0)
     layouts = [n for n in range(1, 9) if kernel._config(FLASH.dim, n) is not None]
-    result = {"gpu": props.name, "torch": torch.__version__, "dim": FLASH.dim, "chosen": {}, "rows": []}
+    result = {"gpu": props.name, "torch": torch.__version__, "dim": FLASH.dim, "rows": []}
     for t in tokens:
         n_sets = min(4096, max(8, math.ceil(2.5 * props.L2_cache_size / op.nbytes(t))))
         g = torch.Generator().manual_seed(t)
@@ -175,14 +175,13 @@ def post_pre_layouts(tokens: list[int], replays: int, out: Path) -> dict:
             result["rows"].append({"tokens": t, "cluster_n": n, "warps_per_cta": kernel._config(FLASH.dim, n)[1],
                                    "us": us})
             print(f"  mhc_post_pre T={t} {n} CTA/token: {us:.2f} us", flush=True)
-        result["chosen"][str(t)] = kernel.cluster_for(FLASH.dim, t)
         del input_sets
     (out / "post_pre_layouts.json").write_text(json.dumps(result, indent=1) + "\n")
     by = {(r["tokens"], r["cluster_n"]): r["us"] for r in result["rows"]}
     print("mhc_post_pre, us per call by CTAs per token (* = cluster_for's choice)")
     print(f"{'T':>4}" + "".join(f"{n:>9}" for n in layouts))
     for t in tokens:
-        print(f"{t:>4}" + "".join(f"{by[(t, n)]:>8.2f}{'*' if result['chosen'][str(t)] == n else ' '}"
+        print(f"{t:>4}" + "".join(f"{by[(t, n)]:>8.2f}{'*' if kernel.cluster_for(FLASH.dim, t) == n else ' '}"
                                   for n in layouts))
     return result
 
