@@ -1,15 +1,28 @@
-# The H200 run behind benchmarks/results/decode.*: `bash benchmarks/run_h200.sh` on the device machine.
-# BATCHES (default 1,8,32,64), INDUCTOR_MODE (default: Inductor's default mode; max-autotune-no-cudagraphs trips a
-# _grouped_mm device assert in its autotuning on torch 2.11), GPU_TESTS=1 to run the GPU tests afterwards.
+# The H200 run behind benchmarks/results/decode.*: `bash benchmarks/run_h200.sh` on the device machine, writing to
+# $OUT (decode.json, decode.png, the replayed-graph traces as .json.xz, logs.tgz).
+# BATCH_GROUPS: batch-size groups run as separate processes, one GPU each, as many at a time as there are GPUs
+# (default "1,32 8,64": two GPUs finish the four batch sizes in one call); the parts are merged into decode.json.
+# INDUCTOR_MODE (default: Inductor's default mode; max-autotune-no-cudagraphs trips a _grouped_mm device assert in
+# its autotuning on torch 2.11).
 source .device/bootstrap.sh >/dev/null 2>&1
-export DSV41_CACHE_DIR=/tmp/dsv41-kernels
-mkdir -p $OUT/results
-timeout ${BENCH_TIMEOUT:-540} python3 -m dsv41.cli bench decode --layers 2,3,20,24 --batch ${BATCHES:-1,8,32,64} \
-  --context 4096 --inductor-mode ${INDUCTOR_MODE:-default} --out $OUT/results > $OUT/bench_decode.log 2>&1
-echo "bench rc $?"
-grep "^\[bench\|^ *[0-9]\|^layers\|^batch\|^dsv41 step" $OUT/bench_decode.log | tail -40
-if [ -n "${GPU_TESTS:-}" ]; then
-  timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider tests/streams tests/kernels/test_backend_uses_kernels.py \
-    > $OUT/gpu_tests.log 2>&1
-  echo "gpu tests rc $?"; tail -5 $OUT/gpu_tests.log
-fi
+export DSV41_CACHE_DIR=/tmp/dsv41-kernels PYTHONUNBUFFERED=1
+work=${WORK:-/tmp/bench_decode}
+mkdir -p "$work"
+python3 -m dsv41.cli precompile --config flash > "$work/precompile.log" 2>&1
+ngpu=$(nvidia-smi -L | wc -l)
+i=0
+for group in ${BATCH_GROUPS:-1,32 8,64}; do
+  ( CUDA_VISIBLE_DEVICES=$((i % ngpu)) timeout "${BENCH_TIMEOUT:-560}" python3 -m dsv41.cli bench decode \
+      --layers 2,3,20,24 --batch "$group" --context 4096 --inductor-mode "${INDUCTOR_MODE:-default}" --out "$work" \
+      --tag "decode_part$i" > "$work/bench_decode_part$i.log" 2>&1
+    echo "exit $?" >> "$work/bench_decode_part$i.log" ) &
+  i=$((i + 1))
+  (( i % ngpu == 0 )) && wait
+done
+wait
+for log in "$work"/bench_decode_part*.log; do echo "-- $log"; grep "^\[bench\|^exit" "$log" | tail -14; done
+python3 -m dsv41.cli bench decode --merge "$work"/decode_part[0-9].json --out "$OUT" --tag decode
+for trace in "$work"/decode_part*_trace_b*.json; do
+  [ -f "$trace" ] && xz -T0 -c "$trace" > "$OUT/decode_trace_b${trace##*_trace_b}.xz"
+done
+tar czf "$OUT/logs.tgz" -C "$work" --exclude='*.json' --exclude='*.png' .

@@ -103,12 +103,13 @@ def timed_replays(runner, batch, tokens_pool, positions, replays) -> float:
 
 
 def module_groups(model) -> dict[tuple, str]:
-    """Weight shape (K, N) of each linear -> module name, to attribute GEMM kernels."""
+    """The (K, N) operand of each linear's GEMM -> module name, to attribute GEMM kernels: ``F.linear(x, W)`` with
+    ``W`` [N, K] runs ``mm(x, W.t())``, whose second operand is [K, N]."""
     groups = {}
     for name, p in model.named_parameters():
-        if p.dim() == 2:
+        if p.dim() == 2 and name != "embed":  # the embedding is gathered, not multiplied (and has the head's shape)
             parts = name.split(".")
-            groups.setdefault(tuple(p.shape), ".".join(parts[2:]) if parts[0] == "layers" else name)
+            groups.setdefault((p.shape[1], p.shape[0]), ".".join(parts[2:]) if parts[0] == "layers" else name)
     return groups
 
 
@@ -148,6 +149,24 @@ def replay_trace(graph, trace_path: str, replays: int = 5) -> None:
     prof.export_chrome_trace(trace_path)
 
 
+def op_group(key: str, input_shapes: list, weights: dict[tuple, str]) -> str:
+    """The breakdown group of a profiled op: dsv41 ops by fusion name; a 2-D GEMM by the linear whose weight is its
+    last operand (``weights`` from ``module_groups``; an activation of the same shape must not name it), other
+    GEMMs by their last two operand shapes; the routed experts' grouped GEMM; Triton kernels as Inductor glue."""
+    if key.startswith("dsv41::"):
+        return key
+    if key in ("aten::mm", "aten::addmm", "aten::bmm"):
+        dims = [tuple(s) for s in input_shapes if s]
+        if key != "aten::bmm" and dims and dims[-1] in weights:
+            return f"gemm {weights[dims[-1]]}"
+        return f"gemm {dims[-2:]}"
+    if key == "aten::_grouped_mm":
+        return "gemm routed experts"
+    if "triton" in key:
+        return "inductor glue kernels"
+    return key
+
+
 def profile_breakdown(step, tokens, positions, model, top=8) -> list[dict]:
     """Self CUDA time of the dsv41 step's ops, grouped by model module (dsv41 ops by fusion name, GEMMs by the
     weight they read, Inductor kernels as glue), from direct calls (which keep the op that launched each
@@ -155,7 +174,7 @@ def profile_breakdown(step, tokens, positions, model, top=8) -> list[dict]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    shapes = module_groups(model)
+    weights = module_groups(model)
     with torch.no_grad():
         for _ in range(3):
             step(tokens, positions)
@@ -174,17 +193,7 @@ def profile_breakdown(step, tokens, positions, model, top=8) -> list[dict]:
             continue
         if ev.device_type == DeviceType.CUDA and "triton" not in key:
             continue  # a kernel launched by an op: counted in that op's self device time (Triton kernels have no op)
-        if key.startswith("dsv41::"):
-            group = key
-        elif key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear"):
-            dims = [tuple(s) for s in ev.input_shapes if s]
-            group = next((f"gemm {shapes[d]}" for d in dims if d in shapes), f"gemm {dims[:2]}")
-        elif key == "aten::_grouped_mm":
-            group = "gemm routed experts"
-        elif key.startswith(("triton_", "cpp_fused", "void", "kernel")) or "triton" in key:
-            group = "inductor glue kernels"
-        else:
-            group = key
+        group = op_group(key, ev.input_shapes, weights)
         totals[group] += cuda_us / 5
     rows = sorted(totals.items(), key=lambda kv: -kv[1])
     return [{"group": g, "us": round(us, 2)} for g, us in rows[:top]]

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from dsv41.tools.bench_decode import merge, stream_overlap
+from dsv41.models import TINY, DSV41Model
+from dsv41.tools.bench_decode import merge, module_groups, op_group, stream_overlap
 
 
 def _kernel(stream, ts, dur):
@@ -63,3 +64,20 @@ def test_kernel_results_merge_by_op():
     assert got["copy_gbps_by_op"] == {"mhc_post_pre": 4200.0, "mhc_coeffs": 4100.0} and got["copy_gbps"] == 4100.0
     with pytest.raises(ValueError, match="disjoint ops"):
         merge_kernels([part("mhc_coeffs", 1.0), part("mhc_coeffs", 1.0)])
+
+
+def test_gemms_are_named_by_their_weight_operand():
+    """At a batch equal to the indexer's head count (Flash: 32) the head's input x [T, dim] has the shape of the
+    indexer's weights_proj [heads, dim]: only the weight operand [K, N] names a GEMM."""
+    cfg = TINY
+    t = cfg.index_n_heads
+    weights = module_groups(DSV41Model(cfg, [2], max_batch=1, max_context=cfg.window_size))
+    assert weights[(cfg.dim, cfg.vocab_size)] == "head"
+    assert weights[(cfg.dim, cfg.index_n_heads)] == "attn.indexer.weights_proj"
+    assert op_group("aten::mm", [[t, cfg.dim], [cfg.dim, cfg.vocab_size]], weights) == "gemm head"
+    assert op_group("aten::addmm", [[t], [t, cfg.dim], [cfg.dim, cfg.index_n_heads]], weights) == \
+        "gemm attn.indexer.weights_proj"
+    assert op_group("aten::bmm", [[t, 64, 512], [t, 512, 640]], weights) == f"gemm [({t}, 64, 512), ({t}, 512, 640)]"
+    assert op_group("aten::_grouped_mm", [], weights) == "gemm routed experts"
+    assert op_group("triton_poi_fused_add_0", [], weights) == "inductor glue kernels"
+    assert op_group("dsv41::mhc_coeffs", [], weights) == "dsv41::mhc_coeffs"
