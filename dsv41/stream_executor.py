@@ -12,11 +12,13 @@ The main stream is `torch.cuda.current_stream()` at call time, so under `torch.c
 the main stream and every fork is joined inside the capture. Inputs of a side segment stay referenced until
 the main stream has waited for that segment's join event, so the caching allocator cannot hand their memory to
 main-stream work that would overwrite it while the side stream still reads it. On a CPU the markers are no-ops
-and the segments run in order.
+and the segments run in order; so they do on a GPU inside ``serialized_streams()``, which runs the same compiled
+segments without the concurrency (the control that tells a stream race from a codegen difference).
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import torch
@@ -28,6 +30,20 @@ from torch.fx.passes.split_module import split_module
 from dsv41.passes.streams import MAIN, MARKERS, STREAM, record_event
 
 _SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+_serialized = False
+
+
+@contextlib.contextmanager
+def serialized_streams():
+    """Within this context every stream schedule runs its segments in schedule order on the current stream, events
+    skipped: the same kernels as with side streams, one after another (what a race check compares against; a CUDA
+    graph captured inside it is a single chain)."""
+    global _serialized
+    previous, _serialized = _serialized, True
+    try:
+        yield
+    finally:
+        _serialized = previous
 
 
 def side_stream(device: torch.device, stream_id: int) -> torch.cuda.Stream:
@@ -101,7 +117,7 @@ class StreamExecutor:
     def __call__(self, args: list):
         env = dict(zip(self.placeholders, args))
         args.clear()
-        cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in env.values())
+        cuda = not _serialized and any(isinstance(v, torch.Tensor) and v.is_cuda for v in env.values())
         main = torch.cuda.current_stream() if cuda else None
         device = main.device if cuda else None
         held: dict[int, list] = {}  # join event -> inputs kept alive until the main stream waits for it

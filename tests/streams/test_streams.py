@@ -10,7 +10,8 @@ from dsv41.config import Dsv41Config
 from dsv41.passes.manager import PassManager
 from dsv41.passes.printing import graph_code
 from dsv41.passes.streams import STREAM, check_schedule, record_event, schedule_streams, wait_event
-from dsv41.stream_executor import StreamExecutor
+from dsv41 import stream_executor
+from dsv41.stream_executor import StreamExecutor, serialized_streams
 
 T, HC, D = 2, 4, 32
 ops = torch.ops.dsv41
@@ -104,6 +105,20 @@ def test_executor_runs_the_schedule_like_the_plain_graph():
     got = executor(list(args))
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+def test_serialized_streams_nests_and_restores():
+    """The GPU stress test captures a serialised control inside this context; it must end with its block."""
+    assert not stream_executor._serialized
+    try:
+        with serialized_streams():
+            with serialized_streams():
+                assert stream_executor._serialized
+            assert stream_executor._serialized
+            raise KeyError("leave the block by an exception")
+    except KeyError:
+        pass
+    assert not stream_executor._serialized
 
 
 def test_uuid_depends_on_streams_and_threshold():
