@@ -24,6 +24,7 @@ def test_auto_runs_the_kernels(monkeypatch):
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(mod, name, counted)
+    torch._dynamo.reset()  # earlier tests compiled the same forward (Dynamo's recompile limit)
     torch.manual_seed(0)
     layers = [0, 2, 3]
     base = DSV41Model(TINY, layers, max_batch=4, max_context=128, device="cuda")
