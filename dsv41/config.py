@@ -11,6 +11,7 @@ Environment overrides (read by `Dsv41Config.from_env`, which `make_backend` appl
 | `DSV41_DUMP_DIR=path` | write graph-diff snapshots of every pass there |
 | `DSV41_DEBUG=1` | check graph invariants after every pass |
 | `DSV41_STREAM_MAX_TOKENS=N` | the largest token count the side-stream schedule applies to |
+| `DSV41_STREAM_BRANCHES=a,b` | the branch kinds the side-stream schedule moves (default: all of `STREAM_BRANCHES`) |
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 FUSIONS = ("mhc_coeffs", "allreduce_mhc", "mhc_post_pre", "qkv_norm", "wo_a", "indexer_topk", "moe_route", "moe_finalize")
 KERNELS = ("auto", "cute", "reference")
 MODES = ("inductor", "fx")
+STREAM_BRANCHES = ("mhc_coeffs", "shared_expert", "indexer")  # see dsv41.passes.streams
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class Dsv41Config:
     debug: bool = False
     streams: bool = True
     stream_max_tokens: int = 16
+    stream_branches: frozenset = field(default_factory=lambda: frozenset(STREAM_BRANCHES))
     # model constants checked by the patterns
     norm_eps: float = 1e-20
     hc_eps: float = 1e-6
@@ -54,6 +57,9 @@ class Dsv41Config:
             raise ValueError(f"kernel: {self.kernel!r} is not one of {KERNELS}")
         if self.mode not in MODES:
             raise ValueError(f"mode: {self.mode!r} is not one of {MODES}")
+        unknown = set(self.stream_branches) - set(STREAM_BRANCHES)
+        if unknown:
+            raise ValueError(f"stream_branches: unknown branch(es) {sorted(unknown)}; known: {list(STREAM_BRANCHES)}")
         if self.max_tokens < 1 or self.stream_max_tokens < 0:
             raise ValueError("max_tokens must be >= 1 and stream_max_tokens >= 0")
 
@@ -82,6 +88,8 @@ class Dsv41Config:
                     changes[key] = conv(env[var])
                 except ValueError:
                     raise ValueError(f"{var}={env[var]!r} is not a valid {conv.__name__}") from None
+        if env.get("DSV41_STREAM_BRANCHES"):
+            changes["stream_branches"] = frozenset(s.strip() for s in env["DSV41_STREAM_BRANCHES"].split(",") if s.strip())
         if env.get("DSV41_DEBUG"):
             changes["debug"] = env["DSV41_DEBUG"] not in ("0", "")
         return self.replace(**changes)

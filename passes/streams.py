@@ -3,11 +3,13 @@
 Branches (spec 2.1, 3d): each is the *exclusive producer cone* of a root node — the root, its getitems, and
 every ancestor whose users all lie inside the cone (graph inputs and collectives excluded):
 
-| root | stream | runs beside |
-|---|---|---|
-| `dsv41::mhc_coeffs` | 2 | the whole sublayer, until the post that consumes post/comb |
-| the shared-expert output feeding `dsv41::moe_finalize` | 1 | the router and the routed experts |
-| `dsv41::indexer_topk` (with its q/w projections) | 1 | the main q/kv path, until sparse attention |
+| kind | root | stream | runs beside |
+|---|---|---|---|
+| `mhc_coeffs` | `dsv41::mhc_coeffs` | 2 | the whole sublayer, until the post that consumes post/comb |
+| `shared_expert` | the shared-expert output feeding `dsv41::moe_finalize` | 1 | the router and the routed experts |
+| `indexer` | `dsv41::indexer_topk` (with its q/w projections) | 1 | the main q/kv path, until sparse attention |
+
+`Dsv41Config.stream_branches` selects the kinds that move (all by default).
 
 For each branch the pass moves the cone right after its last input (the fork) and makes the schedule explicit
 in the graph: `record_event(e)` on the main stream, `wait_event(e)` on the side stream, the cone on the side
@@ -24,6 +26,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from dsv41.config import STREAM_BRANCHES
 from dsv41.passes.fusion import GraphPass, PassResult
 
 STREAM = "dsv41_stream"
@@ -86,7 +89,8 @@ class StreamSchedulePass(GraphPass):
     name = "streams"
 
     def config_key(self) -> dict:
-        return {"streams": self.config.streams, "stream_max_tokens": self.config.stream_max_tokens}
+        return {"streams": self.config.streams, "stream_max_tokens": self.config.stream_max_tokens,
+                "stream_branches": sorted(self.config.stream_branches)}
 
     def __call__(self, graph: fx.Graph) -> PassResult:
         result = PassResult(self.name)
@@ -95,11 +99,13 @@ class StreamSchedulePass(GraphPass):
         vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
         if not any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in vals):
             return result  # streams exist on CUDA only
-        return schedule_streams(graph, self.config.stream_max_tokens, result)
+        return schedule_streams(graph, self.config.stream_max_tokens, result, self.config.stream_branches)
 
 
-def schedule_streams(graph: fx.Graph, max_tokens: int, result: PassResult | None = None) -> PassResult:
-    """Annotate and reorder `graph` in place (see the module docstring). Device-independent, for tests too."""
+def schedule_streams(graph: fx.Graph, max_tokens: int, result: PassResult | None = None,
+                     branches=STREAM_BRANCHES) -> PassResult:
+    """Annotate and reorder `graph` in place (see the module docstring), moving the branches of the kinds in
+    `branches`. Device-independent, for tests too."""
     from dsv41.passes.matcher import MatchFailure
 
     result = result or PassResult(StreamSchedulePass.name)
@@ -107,6 +113,8 @@ def schedule_streams(graph: fx.Graph, max_tokens: int, result: PassResult | None
         n.meta.setdefault(STREAM, MAIN)
     event = 0
     for root, stream, kind in branch_roots(graph):
+        if kind not in branches:
+            continue
         t = _tokens(root)
         if not isinstance(t, int) or t > max_tokens:
             result.declined.append(MatchFailure(kind, root.name, 0, 1, "token limit", f"token limit: T={t} > stream_max_tokens={max_tokens}"))

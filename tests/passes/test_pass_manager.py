@@ -115,6 +115,14 @@ def test_disable_passes_env_streams(monkeypatch):
     assert cfg.streams is False and cfg.fusions == frozenset(FUSIONS)
 
 
+def test_stream_branches_env_and_validation(monkeypatch):
+    monkeypatch.setenv("DSV41_STREAM_BRANCHES", "mhc_coeffs, indexer")
+    assert make_backend(mode="fx").config.stream_branches == frozenset({"mhc_coeffs", "indexer"})
+    monkeypatch.setenv("DSV41_STREAM_BRANCHES", "mhc_coeffs,router")
+    with pytest.raises(ValueError, match=r"stream_branches: unknown branch\(es\) \['router'\]"):
+        make_backend(mode="fx")
+
+
 # ---- debug invariant checks ----------------------------------------------------------------------------------------
 class DropsMetaPass(GraphPass):
     """Broken on purpose: inserts a node without meta['val']."""

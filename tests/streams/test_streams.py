@@ -69,6 +69,16 @@ def test_schedule_invariants_and_golden():
 %wait_event_1 = wait_event(1)""")
 
 
+def test_only_the_configured_branch_kinds_move():
+    gm = traced()
+    result = schedule_streams(gm.graph, max_tokens=16, branches=frozenset({"shared_expert"}))
+    assert result.matches == 1 and [r["pattern"] for r in result.replaced] == ["shared_expert"]
+    assert check_schedule(gm.graph) == []
+    coeffs = next(n for n in gm.graph.nodes if n.target is ops.mhc_coeffs.default)
+    assert coeffs.meta[STREAM] == 0
+    assert schedule_streams(traced().graph, max_tokens=16, branches=frozenset()).matches == 0
+
+
 def test_token_limit_declines():
     gm = traced()
     result = schedule_streams(gm.graph, max_tokens=1)
@@ -126,3 +136,4 @@ def test_uuid_depends_on_streams_and_threshold():
     assert PassManager(Dsv41Config()).uuid() == base
     assert PassManager(Dsv41Config(streams=False)).uuid() != base
     assert PassManager(Dsv41Config(stream_max_tokens=8)).uuid() != base
+    assert PassManager(Dsv41Config(stream_branches=frozenset({"mhc_coeffs"}))).uuid() != base
