@@ -21,6 +21,7 @@ from collections import defaultdict
 
 import torch
 
+from dsv41.config import Dsv41Config
 
 # Agreement with eager. The model fake-quantises to FP8/FP4 and selects top-k, both discontinuous: a 1-ulp bf16
 # difference (another GEMM or reduction order) flips a quantisation bucket or a selection, and random weights
@@ -134,6 +135,17 @@ def stream_overlap(trace_path: str) -> dict:
             "side_kernel_us_overlapping_main": round(overlap, 2)}
 
 
+def variant_config(name: str) -> dict:
+    """make_backend overrides of a dsv41 variant name (see ``--variants``)."""
+    if name == "dsv41":
+        return {}
+    if name == "dsv41-nostreams":
+        return {"streams": False}
+    if name.startswith("dsv41-streams="):
+        return {"stream_branches": frozenset(name.removeprefix("dsv41-streams=").split("+"))}
+    raise ValueError(f"unknown variant {name!r}: eager, inductor, dsv41, dsv41-nostreams or dsv41-streams=KIND+...")
+
+
 def replay_trace(graph, trace_path: str, replays: int = 5) -> None:
     """A chrome trace of ``replays`` replays of a captured decode step: the kernels as the graph runs them, on the
     streams they were captured on (a profile of direct calls is bound by Python launch overhead and shows side
@@ -207,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bf16", choices=("bf16",))
     parser.add_argument("--config", default="flash", choices=("flash", "tiny"))
     parser.add_argument("--replays", type=int, default=50)
-    parser.add_argument("--variants", default="eager,inductor,dsv41,dsv41-nostreams")
+    parser.add_argument("--variants", default="eager,inductor,dsv41,dsv41-nostreams",
+                        help="comma-separated: eager, inductor, dsv41, dsv41-nostreams, dsv41-streams=KIND+KIND (only "
+                             "these side-stream branch kinds: mhc_coeffs, shared_expert, indexer)")
     parser.add_argument("--inductor-mode", default="max-autotune-no-cudagraphs",
                         help="torch.compile mode of the inductor baseline (on torch 2.11 max-autotune's benchmarking of "
                              "_grouped_mm feeds random group offsets and trips a device assert; use 'default' there)")
@@ -224,6 +238,13 @@ def main(argv: list[str] | None = None) -> int:
         _plot(result, os.path.join(args.out, f"{args.tag}.png"))
         print_table(result)
         return 0
+    variants = args.variants.split(",")
+    for name in variants:
+        if name not in ("eager", "inductor"):
+            try:
+                Dsv41Config().replace(**variant_config(name))
+            except ValueError as e:
+                parser.error(f"--variants: {e}")
     if not torch.cuda.is_available():
         print("dsv41 bench decode needs a CUDA device", flush=True)
         return 2
@@ -236,7 +257,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg = get_config(args.config)
     layers = list(range(cfg.n_layers)) if args.layers == "all" else [int(x) for x in args.layers.split(",")]
     batches = [int(b) for b in args.batch.split(",")]
-    variants = args.variants.split(",")
     device = torch.device("cuda")
     torch.manual_seed(0)
     max_context = args.context + 128
@@ -247,13 +267,16 @@ def main(argv: list[str] | None = None) -> int:
     fill_caches(model, args.context, gen)
     bandwidth = copy_bandwidth(device)
     _log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    steps = {
-        "eager": lambda: model,
-        "inductor": lambda: torch.compile(model, mode=None if args.inductor_mode == "default" else args.inductor_mode, fullgraph=True, dynamic=False),
-        "dsv41": lambda: torch.compile(model, backend=make_backend(), fullgraph=True, dynamic=False),
-        "dsv41-nostreams": lambda: torch.compile(model, backend=make_backend(streams=False), fullgraph=True,
-                                                 dynamic=False),
-    }
+    def make_step(name: str):
+        """The step of a variant: eager, inductor, dsv41, dsv41-nostreams, or dsv41-streams=KIND+KIND (only those
+        side-stream branch kinds moved, e.g. dsv41-streams=mhc_coeffs, to measure what each branch kind gains)."""
+        if name == "eager":
+            return model
+        if name == "inductor":
+            mode = None if args.inductor_mode == "default" else args.inductor_mode
+            return torch.compile(model, mode=mode, fullgraph=True, dynamic=False)
+        return torch.compile(model, backend=make_backend(**variant_config(name)), fullgraph=True, dynamic=False)
+
     rows, checks, floors, breakdown, overlap, inductor_rel = [], [], {}, {}, {}, {}
     def save() -> dict:
         """Write the JSON and plot so far (a long run that is cut short keeps what it measured)."""
@@ -279,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.time()
             _log(f"batch {batch}: {name}: compiling and capturing")
             torch._dynamo.reset()
-            step = steps[name]()
+            step = make_step(name)
             runner = DecodeGraphRunner(step, [batch])
             runner.capture(positions)
             got = runner(tokens_pool[0], positions).float()
@@ -344,6 +367,7 @@ def print_table(result: dict) -> None:
         by[r["batch"]][r["variant"]] = r["step_us"]
         floors[r["batch"]] = r["floor_us"]
     names = ["eager", "inductor", "dsv41", "dsv41-nostreams"]
+    names += sorted({r["variant"] for r in result["rows"]} - set(names))
     print(f"\nlayers {result['layers']}, context {result['context']}, {result['gpu']}, copy {result['copy_bandwidth_GBps']} GB/s")
     print(f"{'batch':>5} " + " ".join(f"{n:>16}" for n in names) + f" {'floor':>9} {'dsv41/ind':>9} {'dsv41/floor':>11}")
     for b in sorted(by):

@@ -81,3 +81,22 @@ def test_gemms_are_named_by_their_weight_operand():
     assert op_group("aten::_grouped_mm", [], weights) == "gemm routed experts"
     assert op_group("triton_poi_fused_add_0", [], weights) == "inductor glue kernels"
     assert op_group("dsv41::mhc_coeffs", [], weights) == "dsv41::mhc_coeffs"
+
+
+def test_decode_variant_names():
+    from dsv41.tools.bench_decode import variant_config
+
+    assert variant_config("dsv41") == {}
+    assert variant_config("dsv41-nostreams") == {"streams": False}
+    assert variant_config("dsv41-streams=mhc_coeffs+indexer") == {
+        "stream_branches": frozenset({"mhc_coeffs", "indexer"})}
+    with pytest.raises(ValueError, match="unknown variant 'dsv41-fast'"):
+        variant_config("dsv41-fast")
+
+
+def test_decode_rejects_an_unknown_branch_kind_before_any_work():
+    from dsv41.tools.bench_decode import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--variants", "dsv41-streams=router", "--replays", "50"])
+    assert e.value.code == 2
