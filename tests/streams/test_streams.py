@@ -79,6 +79,71 @@ def test_only_the_configured_branch_kinds_move():
     assert schedule_streams(traced().graph, max_tokens=16, branches=frozenset()).matches == 0
 
 
+def cached_layer(x, fn_w, base, scale, w1, w2, y, cache, side_reads_cache):
+    """`layer` plus a decode cache update on the main path (`cache[0] = h[0]`, read back after the update), as the
+    model writes its KV caches; with `side_reads_cache` the shared-expert branch also reads the old cache."""
+    pre, post, comb = ops.mhc_coeffs(x, fn_w, base, scale, 1e-20, 1e-6, 20)
+    w2_in = w2 + cache[:1].sum() if side_reads_cache else w2
+    h = torch.mm(y, w1)
+    cache.index_put_((torch.zeros(1, dtype=torch.int64),), h[:1])
+    shared = torch.mm(torch.relu(torch.mm(y, w2_in)), w2.t()[:, :D].t())
+    routed = torch.mm(h + cache[:T], w1.t())
+    out = ops.moe_finalize(routed, torch.arange(T), shared, T)
+    return ops.mhc_post_pre(out, x, post, comb, pre, torch.ones(D, dtype=torch.bfloat16), 1e-20)
+
+
+def traced_cached(side_reads_cache: bool) -> fx.GraphModule:
+    """Functionalised like AOT: the cache update becomes index_put plus a write-back copy_ at the end."""
+    from torch.func import functionalize
+
+    def fn(*args):
+        return cached_layer(*args, side_reads_cache=side_reads_cache)
+    cache = torch.zeros(8, D, dtype=torch.bfloat16)
+    return make_fx(functionalize(fn, remove="mutations_and_views"), tracing_mode="fake")(*inputs(), cache)
+
+
+def _write_back(gm):
+    return next(n for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default)
+
+
+def test_write_back_moves_to_its_producer():
+    gm = traced_cached(side_reads_cache=False)
+    copy = _write_back(gm)
+    assert copy.next.op == "output"  # functionalisation writes back at the end
+    result = schedule_streams(gm.graph, max_tokens=16)
+    assert result.matches == 2
+    assert [r["pattern"] for r in result.replaced if r["pattern"] == "write-back"] == ["write-back"]
+    assert copy.prev.target is torch.ops.aten.index_put.default and copy.prev is copy.args[1]
+    assert check_schedule(gm.graph) == []
+    gm.graph.lint()
+    gm.recompile()
+    args = (*inputs(), torch.zeros(8, D, dtype=torch.bfloat16))
+    want_cache = args[-1].clone()
+    want = cached_layer(*inputs(), want_cache, side_reads_cache=False)
+    executor = StreamExecutor(gm, lambda sub, fake: (lambda a: sub(*a)))
+    got = executor(list(args))
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert torch.equal(args[-1], want_cache)
+
+
+def test_write_back_stays_when_a_side_stream_reads_the_old_value():
+    gm = traced_cached(side_reads_cache=True)
+    result = schedule_streams(gm.graph, max_tokens=16)
+    assert sorted(r["pattern"] for r in result.replaced) == ["mhc_coeffs", "shared_expert"]
+    assert _write_back(gm).next.op == "output"
+    assert check_schedule(gm.graph) == []
+
+
+def test_check_schedule_finds_a_write_back_racing_a_side_reader():
+    gm = traced_cached(side_reads_cache=True)
+    schedule_streams(gm.graph, max_tokens=16)
+    copy = _write_back(gm)
+    copy.args[1].append(copy)  # what hoisting must not do: the side branch may still read the old cache
+    problems = check_schedule(gm.graph)
+    assert any("while its write-back" in p for p in problems), problems
+
+
 def test_token_limit_declines():
     gm = traced()
     result = schedule_streams(gm.graph, max_tokens=1)
