@@ -181,7 +181,8 @@ def _write_backs(graph: fx.Graph) -> list[fx.Node]:
 def hoist_write_backs(graph: fx.Graph, result: PassResult) -> None:
     """Move each write-back `copy_(input, value)` to right after `value`'s producer, when that producer is on the
     main stream and every other reader of the input (its old value) is a main-stream node before the producer, so
-    the move changes no value read. Each move is recorded in `result.replaced` (pattern "write-back")."""
+    the move changes no value read. Each move counts as a match of the pass (pattern "write-back"), after the
+    branch matches."""
     for copy in _write_backs(graph):
         target, value = copy.args[0], copy.args[1]
         if not isinstance(value, fx.Node) or value.op != "call_function" or value.meta.get(STREAM, MAIN) != MAIN:
@@ -193,6 +194,10 @@ def hoist_write_backs(graph: fx.Graph, result: PassResult) -> None:
         if copy.prev is value:
             continue
         value.append(copy)
+        for key in ("nn_module_stack", "stack_trace"):  # provenance: the module whose update this writes back
+            if key in value.meta:
+                copy.meta[key] = value.meta[key]
+        result.matches += 1
         result.replaced.append({"pattern": "write-back", "erased": [], "created": [], "moved": [copy.name],
                                 "stream": MAIN, "stack_trace": value.meta.get("stack_trace"), "module": None})
 
