@@ -161,10 +161,20 @@ def replay_trace(graph, trace_path: str, replays: int = 5) -> None:
     prof.export_chrome_trace(trace_path)
 
 
-def op_group(key: str, input_shapes: list, weights: dict[tuple, str]) -> str:
-    """The breakdown group of a profiled op: dsv41 ops by fusion name; a 2-D GEMM by the linear whose weight is its
-    last operand (``weights`` from ``module_groups``; an activation of the same shape must not name it), other
-    GEMMs by their last two operand shapes; the routed experts' grouped GEMM; Triton kernels as Inductor glue."""
+def op_group(key: str, input_shapes: list, weights: dict[tuple, str], on_device: bool) -> str | None:
+    """The breakdown group of a profiled event, or None when its time is counted elsewhere.
+
+    Counted: dsv41 ops by fusion name; a 2-D GEMM by the linear whose weight is its last operand (``weights`` from
+    ``module_groups``; an activation of the same shape must not name it), other GEMMs by their last two operand
+    shapes; the routed experts' grouped GEMM; Triton kernels (device events) as Inductor glue. Not counted: record
+    ranges (``## ... ##``), kernels launched by an op (in that op's self device time), and the host-side record of
+    a Triton launch (it carries the same kernel's device time as the kernel event)."""
+    if key.startswith("##"):
+        return None
+    if "triton" in key:
+        return "inductor glue kernels" if on_device else None
+    if on_device:
+        return None
     if key.startswith("dsv41::"):
         return key
     if key in ("aten::mm", "aten::addmm", "aten::bmm"):
@@ -174,8 +184,6 @@ def op_group(key: str, input_shapes: list, weights: dict[tuple, str]) -> str:
         return f"gemm {dims[-2:]}"
     if key == "aten::_grouped_mm":
         return "gemm routed experts"
-    if "triton" in key:
-        return "inductor glue kernels"
     return key
 
 
@@ -200,13 +208,9 @@ def profile_breakdown(step, tokens, positions, model, top=8) -> list[dict]:
         cuda_us = getattr(ev, "self_device_time_total", 0.0) or getattr(ev, "self_cuda_time_total", 0.0)
         if cuda_us <= 0:
             continue
-        key = ev.key
-        if key.startswith("##"):  # a record_function range (e.g. "## Call CompiledFxGraph ... ##"), not a kernel
-            continue
-        if ev.device_type == DeviceType.CUDA and "triton" not in key:
-            continue  # a kernel launched by an op: counted in that op's self device time (Triton kernels have no op)
-        group = op_group(key, ev.input_shapes, weights)
-        totals[group] += cuda_us / 5
+        group = op_group(ev.key, ev.input_shapes, weights, on_device=ev.device_type == DeviceType.CUDA)
+        if group is not None:
+            totals[group] += cuda_us / 5
     rows = sorted(totals.items(), key=lambda kv: -kv[1])
     return [{"group": g, "us": round(us, 2)} for g, us in rows[:top]]
 

@@ -74,14 +74,22 @@ def test_gemms_are_named_by_their_weight_operand():
     weights = module_groups(DSV41Model(cfg, [2], max_batch=1, max_context=cfg.window_size))
     assert weights[(cfg.dim, cfg.vocab_size)] == "head"
     assert weights[(cfg.dim, cfg.index_n_heads)] == "attn.indexer.weights_proj"
-    assert op_group("aten::mm", [[t, cfg.dim], [cfg.dim, cfg.vocab_size]], weights) == "gemm head"
-    assert op_group("aten::addmm", [[t], [t, cfg.dim], [cfg.dim, cfg.index_n_heads]], weights) == \
+    host = dict(weights=weights, on_device=False)
+    assert op_group("aten::mm", [[t, cfg.dim], [cfg.dim, cfg.vocab_size]], **host) == "gemm head"
+    assert op_group("aten::addmm", [[t], [t, cfg.dim], [cfg.dim, cfg.index_n_heads]], **host) == \
         "gemm attn.indexer.weights_proj"
-    assert op_group("aten::bmm", [[t, 64, 512], [t, 512, 640]], weights) == f"gemm [({t}, 64, 512), ({t}, 512, 640)]"
-    assert op_group("aten::_grouped_mm", [], weights) == "gemm routed experts"
-    assert op_group("triton_poi_fused_add_0", [], weights) == "inductor glue kernels"
-    assert op_group("dsv41::mhc_coeffs", [], weights) == "dsv41::mhc_coeffs"
+    assert op_group("aten::bmm", [[t, 64, 512], [t, 512, 640]], **host) == f"gemm [({t}, 64, 512), ({t}, 512, 640)]"
+    assert op_group("aten::_grouped_mm", [], **host) == "gemm routed experts"
+    assert op_group("dsv41::mhc_coeffs", [], **host) == "dsv41::mhc_coeffs"
 
+
+def test_each_kernel_is_counted_once():
+    """A Triton launch appears twice in a profile, as the launcher's host record and as the kernel, with the same
+    device time: only the kernel counts. Other kernels count in the op that launched them."""
+    assert op_group("triton_poi_fused_add_0", [], {}, on_device=True) == "inductor glue kernels"
+    assert op_group("triton_poi_fused_add_0", [], {}, on_device=False) is None
+    assert op_group("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", [], {}, on_device=True) is None
+    assert op_group("## Call CompiledFxGraph fabc ##", [], {}, on_device=False) is None
 
 def test_decode_variant_names():
     from dsv41.tools.bench_decode import variant_config
