@@ -2,14 +2,14 @@
 #   GPU 0: decode at batch 1, then the inductor-mode stress test (10,000 replays: streams vs the same kernels
 #          serialised, and vs streams off);
 #   GPU 1: decode at batch 8, then the fx-mode stress test.
-# The decode variants measure what each side-stream branch kind gains (dsv41-streams=...). Writes to $OUT:
+# The decode variants: streams on, off, and the mHC coefficients alone on a side stream (VARIANTS to change). Writes to $OUT:
 # streams.json / .png (merged), the replay traces, stress_{fx,inductor}.log, logs.tgz.
 source .device/bootstrap.sh >/dev/null 2>&1
 export DSV41_CACHE_DIR=/tmp/dsv41-kernels PYTHONUNBUFFERED=1
 work=${WORK:-/tmp/bench_streams}
 mkdir -p "$work"
 python3 -m dsv41.cli precompile --config flash > "$work/precompile.log" 2>&1
-variants=${VARIANTS:-dsv41,dsv41-nostreams,dsv41-streams=mhc_coeffs,dsv41-streams=shared_expert+indexer}
+variants=${VARIANTS:-dsv41,dsv41-nostreams,dsv41-streams=mhc_coeffs}  # about 70 s of compiling each
 lane() {  # GPU, batch, stress mode
   CUDA_VISIBLE_DEVICES=$1 timeout 330 python3 -m dsv41.cli bench decode --layers 2,3,20,24 --batch "$2" --context 4096 \
     --variants "$variants" --out "$work" --tag "streams_b$2" > "$work/bench_b$2.log" 2>&1
