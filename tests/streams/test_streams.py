@@ -127,6 +127,32 @@ def test_write_back_moves_to_its_producer():
     assert torch.equal(args[-1], want_cache)
 
 
+def test_hoisted_write_back_lets_inductor_update_the_cache_in_place(monkeypatch):
+    """The point of the hoist: with the write-back in its update's segment, Inductor reinplaces the update into the
+    cache; left at the end it emits a full copy of the cache and a copy back, two more kernels (CPU Inductor)."""
+    from torch._inductor import metrics
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.func import functionalize
+
+    from dsv41.backend import make_backend
+    from dsv41.passes import streams
+
+    def kernels(hoist: bool) -> int:
+        gm = make_fx(functionalize(lambda *a: cached_layer(*a, side_reads_cache=False), remove="mutations"),
+                     tracing_mode="fake", decomposition_table=select_decomp_table())(
+            *inputs(), torch.zeros(8, D, dtype=torch.bfloat16))
+        with monkeypatch.context() as m:
+            if not hoist:
+                m.setattr(streams, "hoist_write_backs", lambda graph, result: None)
+            schedule_streams(gm.graph, max_tokens=16)
+        gm.recompile()
+        metrics.reset()
+        StreamExecutor(gm, make_backend(mode="inductor")._compile_graph)
+        return metrics.generated_kernel_count
+
+    assert kernels(hoist=True) == kernels(hoist=False) - 2
+
+
 def test_write_back_stays_when_a_side_stream_reads_the_old_value():
     gm = traced_cached(side_reads_cache=True)
     result = schedule_streams(gm.graph, max_tokens=16)
