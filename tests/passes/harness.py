@@ -63,6 +63,19 @@ def op_counts(gm_or_graph) -> Counter:
     return Counter(op_name(n.target) for n in graph.nodes if n.op == "call_function")
 
 
+def run_fused_once(fn, inputs, fusion: str, gone: tuple[str, ...]) -> tuple[fx.GraphModule, CompileReport, fx.Node]:
+    """run_passes with only `fusion`, asserting that it fused exactly one site into one `dsv41.<fusion>` node and
+    left none of the `gone` ops; the module, the report and the fused node."""
+    gm, report = run_passes(fn, inputs, fusion)
+    assert report.matches == {fusion: 1} and report.fallback is None
+    ops = op_counts(gm)
+    op = f"dsv41.{fusion}"
+    assert ops[op] == 1
+    for name in gone:
+        assert ops[name] == 0, f"{name} left after the fusion: {ops}"
+    return gm, report, next(n for n in gm.graph.nodes if n.op == "call_function" and op_name(n.target) == op)
+
+
 def pattern_names(fusion: str, **changes) -> set[str]:
     """The names of the formulations (Pattern objects) that the fusion pass accepts under config(**changes)."""
     return {p.name for p in fusion_pass_class(fusion)(config(**changes)).patterns()}
