@@ -76,6 +76,13 @@ def run_fused_once(fn, inputs, fusion: str, gone: tuple[str, ...]) -> tuple[fx.G
     return gm, report, next(n for n in gm.graph.nodes if n.op == "call_function" and op_name(n.target) == op)
 
 
+def run_declined(fn, inputs, fusion: str, **changes) -> str:
+    """run_passes with only `fusion`, asserting that it fused nothing; the reasons it recorded (`declined`)."""
+    gm, report = run_passes(fn, inputs, fusion, **changes)
+    assert report.matches[fusion] == 0 and op_counts(gm)[f"dsv41.{fusion}"] == 0
+    return declined(report, fusion)
+
+
 def pattern_names(fusion: str, **changes) -> set[str]:
     """The names of the formulations (Pattern objects) that the fusion pass accepts under config(**changes)."""
     return {p.name for p in fusion_pass_class(fusion)(config(**changes)).patterns()}
