@@ -70,8 +70,8 @@ def cluster_for(dim: int, tokens: int) -> int:
 
     Measured on the H200 at D = 5120 (benchmarks/results/post_pre_layouts.json, us per call with PDL, CTAs per token
     1 / 2 / 4 / 5): T = 1: 3.29 / 2.75 / 2.42 / 2.33; T = 16: 3.56 / 3.33 / 2.95 / 2.80; T = 32: 3.80 / 3.53 / 3.45 /
-    3.30; T = 64: 4.11 / 3.84 / 4.11 / 4.08. Few tokens are latency-bound and gain from spreading a token's 50 KB
-    over more SMs; at 64 tokens 2 CTAs of 10 warps (128 CTAs, one wave) beat 320 CTAs of 4 warps.
+    3.30; T = 64: 4.11 / 3.84 / 4.11 / 4.08. Few tokens are latency-bound and gain from spreading a token's 100 KB
+    (read and written) over more SMs; at 64 tokens 2 CTAs of 10 warps (128 CTAs, one wave) beat 320 CTAs of 4 warps.
     """
     if tokens >= LARGE_TOKENS and _config(dim, 2) is not None:
         return 2
@@ -176,9 +176,10 @@ def _compile_mhc_post_pre(dim: int, pdl: bool, cluster_n: int):
 def compile_for(dim: int, pdl: bool = True, cluster_n: int | None = None):
     """The compiled kernel for hidden size ``dim`` with programmatic dependent launch on or off and ``cluster_n``
     CTAs per token (default: the cluster layout of ``_config``), from memory, disk or a fresh compile."""
-    if _config(dim, cluster_n) is None:
+    layout = _config(dim, cluster_n)
+    if layout is None:
         raise ValueError(f"mhc_post_pre: no launch layout for D = {dim} with cluster_n = {cluster_n}")
-    return _compile_mhc_post_pre(dim, pdl, _config(dim, cluster_n)[2])
+    return _compile_mhc_post_pre(dim, pdl, layout[2])
 
 
 def mhc_post_pre(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,

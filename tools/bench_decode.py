@@ -237,9 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.merge:
         result = merge([json.load(open(path)) for path in args.merge])
-        with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        _plot(result, os.path.join(args.out, f"{args.tag}.png"))
+        write_result(result, args.out, args.tag)
         print_table(result)
         return 0
     variants = args.variants.split(",")
@@ -288,10 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                   "config": args.config, "inductor_mode": args.inductor_mode, "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "rows": rows, "checks": checks,
                   "floors": {str(k): v for k, v in floors.items()}, "breakdown": {str(k): v for k, v in breakdown.items()},
                   "stream_overlap": {str(k): v for k, v in overlap.items()}}
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        _plot(result, os.path.join(args.out, f"{args.tag}.png"))
+        write_result(result, args.out, args.tag)
         return result
 
     for batch in batches:
@@ -339,6 +334,14 @@ def main(argv: list[str] | None = None) -> int:
     result = save()
     print_table(result)
     return 0 if all(c["ok"] for c in checks) else 1
+
+
+def write_result(result: dict, out: str, tag: str) -> None:
+    """``<out>/<tag>.json`` and the plot ``<out>/<tag>.png``."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{tag}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    _plot(result, os.path.join(out, f"{tag}.png"))
 
 
 def merge(parts: list[dict]) -> dict:

@@ -164,7 +164,7 @@ def post_pre_layouts(tokens: list[int], replays: int, out: Path) -> dict:
 
     op = _post_pre_op(FLASH)
     props = torch.cuda.get_device_properties(0)
-    layouts = [n for n in range(1, 9) if kernel._config(FLASH.dim, n) is not None]
+    layouts = [n for n in range(1, kernel._MAX_CLUSTER + 1) if kernel._config(FLASH.dim, n) is not None]
     result = {"gpu": props.name, "torch": torch.__version__, "dim": FLASH.dim, "rows": []}
     for t in tokens:
         n_sets = min(4096, max(8, math.ceil(2.5 * props.L2_cache_size / op.nbytes(t))))
