@@ -93,13 +93,19 @@ def cached_layer(x, fn_w, base, scale, w1, w2, y, cache, side_reads_cache):
 
 
 def traced_cached(side_reads_cache: bool) -> fx.GraphModule:
-    """Functionalised like AOT: the cache update becomes index_put plus a write-back copy_ at the end."""
+    """Functionalised, decomposed and dead-code-eliminated like AOT (so Inductor can compile it): the cache update
+    becomes index_put plus a write-back copy_ at the end."""
+    from torch._inductor.decomposition import select_decomp_table
     from torch.func import functionalize
 
     def fn(*args):
         return cached_layer(*args, side_reads_cache=side_reads_cache)
     cache = torch.zeros(8, D, dtype=torch.bfloat16)
-    return make_fx(functionalize(fn, remove="mutations_and_views"), tracing_mode="fake")(*inputs(), cache)
+    gm = make_fx(functionalize(fn, remove="mutations"), tracing_mode="fake",
+                 decomposition_table=select_decomp_table())(*inputs(), cache)
+    gm.graph.eliminate_dead_code()  # the decompositions leave unused converts; AOT removes them too
+    gm.recompile()
+    return gm
 
 
 def _write_back(gm):
@@ -131,16 +137,12 @@ def test_hoisted_write_back_lets_inductor_update_the_cache_in_place(monkeypatch)
     """The point of the hoist: with the write-back in its update's segment, Inductor reinplaces the update into the
     cache; left at the end it emits a full copy of the cache and a copy back, two more kernels (CPU Inductor)."""
     from torch._inductor import metrics
-    from torch._inductor.decomposition import select_decomp_table
-    from torch.func import functionalize
 
     from dsv41.backend import make_backend
     from dsv41.passes import streams
 
     def kernels(hoist: bool) -> int:
-        gm = make_fx(functionalize(lambda *a: cached_layer(*a, side_reads_cache=False), remove="mutations"),
-                     tracing_mode="fake", decomposition_table=select_decomp_table())(
-            *inputs(), torch.zeros(8, D, dtype=torch.bfloat16))
+        gm = traced_cached(side_reads_cache=False)
         with monkeypatch.context() as m:
             if not hoist:
                 m.setattr(streams, "hoist_write_backs", lambda graph, result: None)
