@@ -94,6 +94,23 @@ def compile_fx(fn, **changes):
     return torch.compile(fn, backend=backend, fullgraph=True), backend
 
 
+def compiled_matches(fn, inputs_of, seeds=(3, 4), check=None) -> dict[str, int]:
+    """fn compiled through the real backend (compile_fx) and run on inputs_of(seed) for each seed, each output
+    checked against eager fn by check(got, want, inputs) (default: bit-identical); asserts the compile did not fall
+    back, and returns the fusions that matched (those with a nonzero count)."""
+    compiled, backend = compile_fx(fn)
+    for seed in seeds:
+        x = inputs_of(seed)
+        got, want = compiled(*x), fn(*x)
+        if check is None:
+            assert_close(got, want, atol=0, rtol=0)
+        else:
+            check(got, want, x)
+    report = backend.reports[-1]
+    assert report.fallback is None
+    return {k: v for k, v in report.matches.items() if v}
+
+
 def declined(report: CompileReport, fusion: str) -> str:
     """All decline reasons of `fusion` in one string (for `in` checks)."""
     return "\n".join(report.declined.get(fusion, []))

@@ -9,8 +9,6 @@ mhc_post_pre) has a user-written function here. Tolerances: the model's stream f
 
 from __future__ import annotations
 
-import socket
-
 import expecttest
 import pytest
 import torch
@@ -20,7 +18,7 @@ import torch.nn.functional as F
 
 from dsv41.models import functional as fn
 
-from .harness import BF16, F16, NORM_EPS, assert_close, assert_scalar_decline, compile_fx, gen, graph_text, op_counts, \
+from .harness import BF16, F16, NORM_EPS, assert_close, assert_scalar_decline, compiled_matches, gen, graph_text, op_counts, \
     pattern_names, rand, run_declined, run_fused_once, run_passes
 
 FUSION, OP = "allreduce_mhc", "dsv41.allreduce_mhc"
@@ -29,17 +27,11 @@ BF16_TOL = dict(atol=1.6e-2, rtol=1.6e-2)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def gloo_world():
-    """A 1-process gloo group as the default group while this module runs."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        yield dist.group.WORLD
-    finally:
-        torch._dynamo.reset()
-        dist.destroy_process_group()
+def gloo_world(gloo_group):
+    """The 1-process gloo group (tests/conftest.py) as the default group while this module runs; compiled graphs
+    hold it, so Dynamo's caches are reset before it is destroyed."""
+    yield
+    torch._dynamo.reset()
 
 
 def inputs(seed, kind, t=T, d=D, dtype=BF16):
@@ -157,13 +149,7 @@ def test_model_moe_tail_through_the_backend():
         rest = inputs(seed, "ffn")
         return [rand(g, T * 6, D), torch.randperm(T * 6, generator=g) // 6] + rest[1:]
 
-    compiled, backend = compile_fx(moe_tail)
-    for seed in (3, 4):
-        x = moe_inputs(seed)
-        assert_close(compiled(*x), moe_tail(*x), atol=0, rtol=0)
-    report = backend.reports[-1]
-    assert report.fallback is None
-    assert {k: v for k, v in report.matches.items() if v} == {FUSION: 1, "moe_finalize": 1}
+    assert compiled_matches(moe_tail, moe_inputs) == {FUSION: 1, "moe_finalize": 1}
 
 
 def test_golden():

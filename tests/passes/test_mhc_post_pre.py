@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from dsv41.models import functional as fn
 
-from .harness import BF16, F16, NORM_EPS, assert_close, assert_scalar_decline, compile_fx, gen, graph_text, \
+from .harness import BF16, F16, NORM_EPS, assert_close, assert_scalar_decline, compiled_matches, gen, graph_text, \
     op_counts, pattern_names, rand, run_declined, run_fused_once, run_passes
 
 FUSION, OP = "mhc_post_pre", "dsv41.mhc_post_pre"
@@ -104,12 +104,7 @@ def test_two_sites_two_matches():
 
 @torch.no_grad()
 def test_model_functions_through_the_backend():
-    compiled, backend = compile_fx(model_site)
-    for seed in (3, 4):
-        x = inputs(seed)
-        assert_close(compiled(*x), model_site(*x), atol=0, rtol=0)
-    report = backend.reports[-1]
-    assert report.fallback is None and report.matches[FUSION] == 1 and sum(report.matches.values()) == 1
+    assert compiled_matches(model_site, inputs) == {FUSION: 1}
 
 
 def test_golden():

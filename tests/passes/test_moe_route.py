@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from dsv41.models import functional as fn
 
-from .harness import BF16, F16, assert_scalar_decline, compile_fx, gen, graph_text, op_counts, pattern_names, rand, \
+from .harness import BF16, F16, assert_scalar_decline, compiled_matches, gen, graph_text, op_counts, pattern_names, rand, \
     run_declined, run_fused_once, run_passes
 
 FUSION, OP = "moe_route", "dsv41.moe_route"
@@ -124,12 +124,10 @@ def test_model_router_through_the_backend():
     def router(h, gate_w, bias):
         return fn.route(h, gate_w, bias, K, ROUTE_SCALE, 1.0)
 
-    compiled, backend = compile_fx(router)
-    for seed in (5, 6):
-        x = inputs(seed)
-        assert_same_routing(compiled(*x), router(*x), *x)
-    report = backend.reports[-1]
-    assert report.fallback is None and {k: v for k, v in report.matches.items() if v} == {FUSION: 1}
+    def check(got, want, x):
+        assert_same_routing(got, want, *x)
+
+    assert compiled_matches(router, inputs, seeds=(5, 6), check=check) == {FUSION: 1}
 
 
 def test_golden():

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from dsv41.models import functional as fn
 
-from .harness import BF16, F16, NORM_EPS, assert_close, assert_scalar_decline, compile_fx, gen, graph_text, op_counts, \
+from .harness import BF16, F16, NORM_EPS, assert_close, assert_scalar_decline, compiled_matches, gen, graph_text, op_counts, \
     pattern_names, rand, rope_angles, run_declined, run_fused_once, run_passes
 
 FUSION, OP = "qkv_norm", "dsv41.qkv_norm"
@@ -117,12 +117,7 @@ def test_model_attention_head_through_the_backend():
         x = inputs(seed)
         return [rand(g, T, 64), rand(g, QD + KVD, 64, scale=0.125)] + x[1:]
 
-    compiled, backend = compile_fx(head)
-    for seed in (3, 4):
-        x = head_inputs(seed)
-        assert_close(compiled(*x), head(*x), atol=0, rtol=0)
-    report = backend.reports[-1]
-    assert report.fallback is None and {k: v for k, v in report.matches.items() if v} == {FUSION: 1}
+    assert compiled_matches(head, head_inputs) == {FUSION: 1}
 
 
 def test_golden():
