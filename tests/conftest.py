@@ -1,7 +1,10 @@
-"""Test-suite wiring: hardware markers skip themselves when the hardware is absent."""
+"""Test-suite wiring: hardware markers skip themselves when the hardware is absent; a 1-process gloo group."""
+
+import socket
 
 import pytest
 import torch
+import torch.distributed as dist
 
 
 def pytest_collection_modifyitems(config, items):
@@ -11,3 +14,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if "multi_gpu" in item.keywords and n_gpus < 2:
             item.add_marker(pytest.mark.skip(reason="needs at least two CUDA devices"))
+
+
+@pytest.fixture(scope="module")
+def gloo_group():
+    """A 1-process gloo group as the default group for the module's tests; yields its group_name."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()

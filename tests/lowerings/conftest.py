@@ -1,14 +1,12 @@
-"""Shared fixtures of the op-library tests: small random CPU samples per op, an invalid-input checker and a
-1-process gloo group. Helpers are fixtures (not an imported module) so the suite works in any pytest import mode.
+"""Shared fixtures of the op-library tests: small random CPU samples per op and an invalid-input checker (the
+1-process gloo group is in tests/conftest.py). Helpers are fixtures (not an imported module) so the suite works in
+any pytest import mode.
 """
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -110,16 +108,3 @@ def rejects():
                 op(**{k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in bad.items()})
 
     return check
-
-
-@pytest.fixture(scope="module")
-def gloo_group():
-    """A 1-process gloo group as the default group for the module's tests; yields its group_name."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
