@@ -5,7 +5,7 @@
 # - stress: tests/streams/test_streams_gpu.py (10,000 replays: streams vs the same kernels serialised, and vs streams
 #   off, and in inductor mode vs eager), one process per lane of STRESS_LANES (MODE:BUCKETS), all at once, dealt
 #   round-robin over the GPUs (a GPU shared by two lanes only slows them). The inductor lanes split the captured
-#   sizes in two: they also run the eager model every replay. Writes stress_MODE_BUCKETS.log.
+#   sizes in two. Writes stress_MODE_BUCKETS.log.
 source .device/bootstrap.sh >/dev/null 2>&1
 export DSV41_CACHE_DIR=/tmp/dsv41-kernels PYTHONUNBUFFERED=1
 if [[ " ${PARTS:-decode stress} " == *" decode "* ]]; then
