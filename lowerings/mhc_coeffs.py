@@ -25,6 +25,20 @@ def _validate(x, fn, base, scale, iters, impl):
     return device, dims["T"], hc
 
 
+# A kernel's outputs against the reference on the same inputs (`_kernels.checking`): the split-K product sums in
+# another order, which moves pre/post by ~1e-6 and comb, through the Sinkhorn loop, by ~1e-5.
+KERNEL_ATOL = {"pre": 1e-5, "post": 1e-5, "comb": 1e-4}
+
+
+def compare_kernel(got, want) -> str | None:
+    """None when pre, post, comb of a kernel are within KERNEL_ATOL of the reference's (no NaN), else why not."""
+    for (name, atol), g, w in zip(KERNEL_ATOL.items(), got, want, strict=True):
+        err = (g - w).abs()
+        if g.isnan().any() or bool((err > atol).any()):
+            return f"{name}: max |kernel - reference| {err.max().item():.3g} > {atol:g} (or NaN)"
+    return None
+
+
 def reference(x, fn, base, scale, norm_eps, hc_eps, iters):
     """Plain torch, the model's own function."""
     return functional.hc_mixes(x, fn, base, scale, norm_eps, hc_eps, iters)

@@ -62,14 +62,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  declined {name}: {r}")
     print(f"\ngraph-diff summary (recorded in {record_dir}; `dsv41 graphdiff show {record_dir} --format html` for the report):")
     graphdiff_main(["show", record_dir, "--color", "never"])
-    from dsv41.tools.bench_decode import AGREE_FLOOR
+    from dsv41.models import agreement
 
     worst = max((a - b).abs().max().item() for a, b in zip(got, want))
     rel = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, want))
     top1 = min((a.argmax(-1) == b.argmax(-1)).float().mean().item() for a, b in zip(got, want))
     print(f"\nagreement with eager over 3 decode steps: max |logit diff| {worst:.3g}, relative L2 {rel:.3g}, "
           f"top-1 agreement {top1:.2f}")
-    ok = rel <= AGREE_FLOOR  # (the tiny model is bit-exact on a CPU; on a GPU see bench_decode's note)
+    check = agreement.check(fused, compiled, tokens)
+    print(f"agreement check (conditioned state, bound rel L2 {check.bound}): rel L2 {check.rel_l2:.3g}, "
+          f"{check.kernel_calls} fused-op calls checked against their references: {'ok' if check.ok else check.reason}")
+    ok = check.ok
     if device.type == "cuda":
         from dsv41.cuda_graphs import time_step
 

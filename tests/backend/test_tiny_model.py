@@ -11,6 +11,9 @@ which 2 are kept); odd positions complete a ratio-2 entry (row 0 at its 2nd step
 Tolerance: fp32 logits within bf16 tolerance, atol = rtol = 1e-2. On this CPU both modes are bit-exact (the
 reference ops are the model's own functions; Inductor runs with emulate_precision_casts), which the test reports
 but does not require; the caches are required to be identical (a cache entry that diverged would be a real bug).
+The same compiled step then passes the benchmark's agreement check (`dsv41.models.agreement.check`: the conditioned
+state, rel L2 <= AGREE_REL_L2 on the logits and every fused-op call against its reference), which
+tests/models/test_agreement.py shows to catch planted bugs.
 
 Compiling: each mode is compiled once (module-scoped fixture): measured ~11 s (fx) and ~30 s (inductor, cold
 Inductor cache) on 2 cores.
@@ -26,7 +29,7 @@ import torch
 import dsv41
 from dsv41.backend import make_backend
 from dsv41.config import FUSIONS
-from dsv41.models import TINY, DSV41Model
+from dsv41.models import TINY, DSV41Model, agreement
 
 BATCH, MAX_CONTEXT = 3, 256
 START = torch.tensor([6, 21, 63])
@@ -80,6 +83,7 @@ class Run:
                 self.caches.append(({k: v.clone() for k, v in caches(target).items()},
                                     {k: v.clone() for k, v in caches(eager).items()}))
                 self.diffs.append((got - want).abs().max().item())
+            self.agreement = agreement.check(target, compiled, tokens)
         self.n_graphs = len(self.backend.reports)
         torch._dynamo.reset()
 
@@ -114,6 +118,12 @@ def test_logits_match_eager(run):
         torch.testing.assert_close(got, want, **LOGIT_TOL, msg=lambda m: f"step {step}: {m}")
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     print(f"max |logit diff| per step: {run.diffs}")
+
+
+def test_agreement_check_passes(run):
+    a = run.agreement
+    assert a.ok, a.reason
+    assert a.rel_l2 <= agreement.AGREE_REL_L2 and set(a.layer_rel_l2) == {str(i) for i in range(TINY.n_layers)}
 
 
 def test_caches_advance_identically(run):

@@ -29,8 +29,9 @@ def test_stream_overlap_counts_side_time_under_main_kernels(tmp_path):
 def _result(batches, bandwidth, **over):
     base = {"gpu": "H200", "torch": "2.11", "layers": [2, 3], "context": 4096, "config": "flash",
             "inductor_mode": "default", "copy_bandwidth_GBps": bandwidth,
-            "rows": [{"batch": b, "variant": "dsv41", "step_us": 10.0 * b, "floor_us": 1.0} for b in batches],
-            "checks": [{"batch": b, "variant": "dsv41", "ok": True} for b in batches],
+            "start": "cold", "agreement_bound": 0.02,
+            "rows": [{"batch": b, "variant": "dsv41", "status": "ok", "step_us": 10.0 * b, "per_layer_us": 2.0 * b,
+                      "floor_us": 1.0, "per_layer_floor_us": 0.2, "check": {"ok": True, "rel_l2": 1e-3}} for b in batches],
             "floors": {str(b): {"floor_us": 1.0} for b in batches},
             "breakdown": {str(b): [] for b in batches}, "stream_overlap": {str(b): {} for b in batches if b < 8}}
     return {**base, **over}
@@ -39,18 +40,42 @@ def _result(batches, bandwidth, **over):
 def test_merge_concatenates_disjoint_batches_and_keeps_each_bandwidth():
     got = merge([_result([8, 64], 4100.0), _result([1, 32], 4200.0)])
     assert [r["batch"] for r in got["rows"]] == [1, 8, 32, 64]
-    assert [c["batch"] for c in got["checks"]] == [1, 8, 32, 64]
     assert sorted(got["floors"], key=int) == ["1", "8", "32", "64"]
-    assert got["copy_bandwidth_GBps_by_batch"] == {"8": 4100.0, "64": 4100.0, "1": 4200.0, "32": 4200.0}
+    assert [p["GBps"] for p in got["copy_bandwidth_GBps_by_part"]] == [4100.0, 4200.0]
     assert got["copy_bandwidth_GBps"] == 4100.0
     assert got["stream_overlap"] == {"1": {}}
 
 
 def test_merge_refuses_overlapping_or_different_runs():
-    with pytest.raises(ValueError, match="disjoint batch sizes"):
+    with pytest.raises(ValueError, match="disjoint"):
         merge([_result([1, 8], 4100.0), _result([8], 4100.0)])
     with pytest.raises(ValueError, match=r"differ in \['context'\]"):
         merge([_result([1], 4100.0), _result([8], 4100.0, context=1024)])
+
+
+def test_table_and_plot_skip_rows_that_were_not_timed(tmp_path, capsys):
+    """A variant that disagreed and one that failed keep their rows (with the reason); only timed rows are plotted;
+    a run with no timed row writes its JSON and no plot, instead of crashing on a log scale of nothing."""
+    from dsv41.tools.bench_decode import print_table, write_result
+
+    result = _result([1, 8], 4100.0)
+    result["rows"] += [{"batch": 1, "variant": "inductor", "floor_us": 1.0, "per_layer_floor_us": 0.2, "step_us": 12.0,
+                        "per_layer_us": 2.5, "status": "disagrees: logits differ from eager by rel L2 0.9 > 0.05",
+                        "check": {"rel_l2": 0.9}},
+                       {"batch": 8, "variant": "dsv41-nostreams", "floor_us": 1.0, "per_layer_floor_us": 0.2,
+                        "status": "failed: OutOfMemoryError: CUDA out of memory"}]
+    write_result(result, str(tmp_path), "run")
+    print_table(result)
+    out = capsys.readouterr().out
+    assert "disagrees: logits differ" in out and "failed: OutOfMemoryError" in out
+    assert "dsv41/floor 10.00 (step), 10.00 (per layer); dsv41/inductor 0.83 (step), 0.80 (per layer)" in out
+    assert json.loads((tmp_path / "run.json").read_text())["rows"][-1]["status"].startswith("failed")
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "run.png").stat().st_size > 0
+    nothing = _result([1], 4100.0)
+    nothing["rows"] = result["rows"][-1:]
+    write_result(nothing, str(tmp_path), "none")
+    assert (tmp_path / "none.json").exists() and not (tmp_path / "none.png").exists()
 
 
 def test_kernel_results_merge_by_op():

@@ -1,0 +1,54 @@
+#!/bin/bash
+# The H200 runs behind benchmarks/results/truth_*: `bash benchmarks/run_h200_truth.sh PART` on the device machine,
+# writing JSON, plots and logs to $OUT. Benchmark processes of one part run at the same time, each with its own
+# cold caches (TORCHINDUCTOR_CACHE_DIR, DSV41_CACHE_DIR); they share a GPU lock, so each compiles freely but
+# captures, checks and times alone.
+#   PART=short: layers 2,3,20,24: batch 1 and 8 at context 4096, batch 1 at 131072 and at 524288 (cold starts); then
+#               the first of them again in a second process on its caches (warm start: the same model, so the same
+#               graphs; a run of 2026-12-01 warmed batch 1 alone, whose smaller caches made other graphs).
+#   PART=deep:  all 40 layers at context 4096, batch $BATCH (default 1; one batch size a call: a cold compile of
+#               the 40-layer step took 354-388 s per variant on 2026-12-01): eager + inductor in one process, dsv41
+#               in another.
+# $OUT gets one archive, truth_PART.tgz (JSON, plots, logs, replay traces), refreshed every 30 s so that a call cut
+# short at its limit still brings back what was measured, and the logs' summary is printed.
+source .device/bootstrap.sh >/dev/null 2>&1
+export PYTHONUNBUFFERED=1
+part=${1:?usage: run_h200_truth.sh short|deep}
+work=/tmp/truth_$part
+rm -rf "$work" && mkdir -p "$work/out"
+lock=$work/gpu.lock
+budget=${BENCH_TIMEOUT:-480}  # each process's limit, well inside the device call's 600 s with bootstrap and packing
+start=$SECONDS
+pack() { tar czf "$OUT/truth_$part.tgz.tmp" -C "$work/out" . && mv "$OUT/truth_$part.tgz.tmp" "$OUT/truth_$part.tgz"; }
+( while sleep 30; do pack; done ) & packer=$!
+
+bench() {  # NAME TIMEOUT ARGS...: one benchmark process with its own caches under $work/NAME
+  local name=$1 limit=$2; shift 2
+  mkdir -p "$work/$name"
+  TORCHINDUCTOR_CACHE_DIR=$work/$name/inductor DSV41_CACHE_DIR=$work/$name/kernels timeout "$limit" \
+    python3 -m dsv41.cli bench decode --gpu-lock "$lock" --out "$work/out" --tag "truth_$name" "$@" \
+    > "$work/out/truth_$name.log" 2>&1
+  echo "exit $? after $((SECONDS - start)) s" >> "$work/out/truth_$name.log"
+}
+
+if [ "$part" = short ]; then
+  L=2,3,20,24 V=eager,inductor,dsv41
+  bench b1-8_ctx4096 $((budget - 150)) --layers $L --batch 1,8 --context 4096 --variants $V & first=$!
+  bench b1_ctx131072 $((budget - 150)) --layers $L --batch 1 --context 131072 --variants $V --no-profile &
+  bench b1_ctx524288 $((budget - 150)) --layers $L --batch 1 --context 524288 --variants $V --no-profile &
+  wait $first
+  # warm start: a second process on the first one's caches
+  mkdir -p "$work/b1-8_ctx4096_warm" && cp -r "$work/b1-8_ctx4096/." "$work/b1-8_ctx4096_warm/"
+  bench b1-8_ctx4096_warm $((budget - (SECONDS - start) - 10)) --layers $L --batch 1,8 --context 4096 \
+    --variants inductor,dsv41 --start warm --no-profile
+  wait
+elif [ "$part" = deep ]; then
+  b=${BATCH:-1}
+  bench all_b${b}_eager-inductor $budget --layers all --batch $b --context 4096 --variants eager,inductor --no-profile &
+  bench all_b${b}_dsv41 $budget --layers all --batch $b --context 4096 --variants dsv41 &
+  wait
+fi
+for log in "$work"/out/truth_*.log; do echo "-- $log"; grep -v ": [0-9]* s$" "$log" | grep "^\[bench decode\|^exit\|^ *[0-9]* *\(eager\|inductor\|dsv41\)\|^batch\|Error" | tail -14; done
+for trace in "$work"/out/*_trace_b*.json; do [ -f "$trace" ] && xz -T0 "$trace"; done
+kill $packer; pack
+ls -la "$work/out"
