@@ -485,14 +485,15 @@ def check_decode_inputs(tokens, positions, *, max_batch: int, device: torch.devi
                          f"in [1, max_batch = {max_batch}]")
 
 
-def check_decode_values(tokens: Tensor, positions: Tensor, *, vocab_size: int, max_context: int) -> None:
+def check_decode_values(tokens: Tensor, positions: Tensor, *, vocab_size: int, max_context: int,
+                        caller: str = "DSV41Model") -> None:
     """0 <= tokens < vocab_size and 0 <= positions < max_context, or a ValueError naming the first bad entry.
     Reads the values: call it only where they are on the host (or a sync is acceptable), never under tracing."""
     for name, t, limit, what in (("tokens", tokens, vocab_size, "vocab_size"), ("positions", positions, max_context, "max_context")):
         bad = ((t < 0) | (t >= limit)).nonzero()
         if bad.numel():
             i = int(bad[0, 0])
-            raise ValueError(f"DSV41Model: {name}[{i}] = {int(t[i])} is outside [0, {what} = {limit})")
+            raise ValueError(f"{caller}: {name}[{i}] = {int(t[i])} is outside [0, {what} = {limit})")
 
 
 def _check_layer_subset(cfg: ModelConfig, layer_ids: list[int]) -> None:
