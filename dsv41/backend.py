@@ -10,7 +10,9 @@
    each compiled that way, and run by `dsv41.stream_executor.StreamExecutor`.
 
 A graph the pipeline cannot handle is compiled by plain Inductor instead, with the reason logged and stored in
-`report.fallback`: never a wrong result.
+`report.fallback`: never a wrong result. Dynamo's own control-flow signals (`torch._dynamo.exc.RestartAnalysis`,
+e.g. TensorifyScalarRestartAnalysis under `dynamic=True`, and `SkipFrame`) are not failures: they pass through
+untouched, and Dynamo retraces and calls the backend again.
 """
 
 from __future__ import annotations
@@ -32,26 +34,50 @@ log = logging.getLogger("dsv41")
 # model (spec 2.9): fake quantisation and top-k are discontinuous, so a skipped rounding changes results.
 INDUCTOR_PATCHES = {"emulate_precision_casts": True}
 
+# Raised inside a backend to make Dynamo restart or skip the frame, not errors of the backend.
+DYNAMO_SIGNALS = (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame)
+
 
 class Dsv41Backend:
-    """A torch.compile backend: `torch.compile(model, backend=Dsv41Backend(config))`."""
+    """A torch.compile backend: `torch.compile(model, backend=Dsv41Backend(config))`.
 
-    def __init__(self, config: Dsv41Config | None = None):
-        self.config = config or Dsv41Config()
-        self.pass_manager = PassManager(self.config)
+    `Dsv41Backend(from_env=True)` (the registered `dsv41_backend`) reads its config, the defaults with the DSV41_*
+    environment applied, when it is first used, so a bad variable raises there (naming it) and not at import."""
+
+    def __init__(self, config: Dsv41Config | None = None, *, from_env: bool = False):
+        if config is not None and not isinstance(config, Dsv41Config):
+            raise TypeError(f"Dsv41Backend: config must be a Dsv41Config or None, got {type(config).__name__}")
+        self._config, self._from_env = config, from_env
+        self._pass_manager: PassManager | None = None
         self.reports: list[CompileReport] = []
-        if self.config.dump_dir:  # graph-diff snapshots of every pass (`dsv41 graphdiff show DIR`)
-            from dsv41.tools.graphdiff import Recorder
 
-            self.pass_manager.recorder = Recorder(self.config.dump_dir)
+    @property
+    def config(self) -> Dsv41Config:
+        if self._config is None:
+            self._config = Dsv41Config().with_env() if self._from_env else Dsv41Config()
+        return self._config
+
+    @property
+    def pass_manager(self) -> PassManager:
+        if self._pass_manager is None:
+            self._pass_manager = PassManager(self.config)
+            if self.config.dump_dir:  # graph-diff snapshots of every pass (`dsv41 graphdiff show DIR`)
+                from dsv41.tools.graphdiff import Recorder
+
+                self._pass_manager.recorder = Recorder(self.config.dump_dir)
+        return self._pass_manager
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         import dsv41.lowerings  # noqa: F401  (registers the dsv41:: ops)
 
+        self.pass_manager  # a bad setting raises here, before any report or fallback
         report = CompileReport(graph_id=len(self.reports))
         self.reports.append(report)
         try:
             return self._compile(gm, example_inputs, report)
+        except DYNAMO_SIGNALS:
+            self.reports.remove(report)  # Dynamo retraces and calls again: that attempt gets the report
+            raise
         except Exception as e:  # a graph we cannot handle: plain Inductor, with the reason on record
             report.fallback = f"{type(e).__name__}: {e}"
             log.warning("dsv41: graph %d falls back to plain Inductor: %s", report.graph_id, report.fallback)
@@ -104,4 +130,4 @@ def make_backend(config: Dsv41Config | None = None, **overrides) -> Dsv41Backend
     return Dsv41Backend(config)
 
 
-dsv41_backend = Dsv41Backend(Dsv41Config().with_env())
+dsv41_backend = Dsv41Backend(from_env=True)

@@ -6,6 +6,11 @@ captures it with `torch.cuda.graph` into one memory pool shared by all buckets, 
 call copies its inputs into the smallest bucket that fits (padding rows decode token 0 at position 0 in cache
 rows B..bucket-1, which must not belong to live requests), replays, and returns the first B output rows.
 
+Inputs are checked on the host before they are copied: equal 1-D integer shapes, a batch that fits a bucket, and
+for host (CPU) inputs the values, 0 <= tokens < vocab_size and 0 <= positions < max_context (ValueError naming
+the argument and the limit; the limits are read from the step when it is, or wraps, a DSV41Model). Device inputs
+are not read back (that would sync): the captured step itself clamps and flags them (see DSV41Model).
+
 Side streams inside the step are captured correctly: the stream executor takes the capture stream as its main
 stream and joins every fork before the step returns. Do not also use Inductor's `reduce-overhead` mode.
 """
@@ -18,14 +23,22 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from dsv41.models.model import INDEX_DTYPES, DSV41Model, check_decode_values
+
 
 class DecodeGraphRunner:
-    def __init__(self, step: Callable, batch_sizes: Sequence[int], device: torch.device | str = "cuda", warmup: int = 3):
+    def __init__(self, step: Callable, batch_sizes: Sequence[int], device: torch.device | str = "cuda", warmup: int = 3,
+                 *, vocab_size: int | None = None, max_context: int | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError("DecodeGraphRunner needs CUDA")
-        if not batch_sizes or any(b < 1 for b in batch_sizes):
-            raise ValueError(f"batch_sizes must be positive, got {list(batch_sizes)}")
+        if not batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes):
+            raise ValueError(f"batch_sizes must be positive ints, got {list(batch_sizes)}")
         self.step, self.device, self.warmup = step, torch.device(device), warmup
+        model = getattr(step, "_orig_mod", step)  # a torch.compile'd module wraps the model
+        if isinstance(model, DSV41Model):
+            vocab_size = model.cfg.vocab_size if vocab_size is None else vocab_size
+            max_context = model.max_context if max_context is None else max_context
+        self.vocab_size, self.max_context = vocab_size, max_context
         self.buckets = sorted(set(batch_sizes))
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -57,9 +70,21 @@ class DecodeGraphRunner:
                 return b
         raise ValueError(f"batch {batch} exceeds the largest captured batch size {self.buckets[-1]}")
 
+    def check_inputs(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        """Shapes and dtypes; the values too where they are on the host and the limits are known."""
+        for name, t in (("tokens", tokens), ("positions", positions)):
+            if not isinstance(t, torch.Tensor) or t.dtype not in INDEX_DTYPES:
+                got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+                raise TypeError(f"DecodeGraphRunner: {name} must be a torch.int64 or torch.int32 tensor, got {got}")
+        if tokens.shape != positions.shape or tokens.dim() != 1 or tokens.shape[0] < 1:
+            raise ValueError(f"DecodeGraphRunner: tokens {list(tokens.shape)} and positions {list(positions.shape)} "
+                             "must be equal non-empty 1-D shapes [B]")
+        if tokens.device.type == "cpu" and positions.device.type == "cpu" and None not in (self.vocab_size, self.max_context):
+            check_decode_values(tokens, positions, vocab_size=self.vocab_size, max_context=self.max_context,
+                                caller="DecodeGraphRunner")
+
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if tokens.shape != positions.shape or tokens.dim() != 1:
-            raise ValueError(f"tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} must be equal 1-D shapes")
+        self.check_inputs(tokens, positions)
         batch = tokens.shape[0]
         b = self.bucket(batch)
         if b not in self.graphs:

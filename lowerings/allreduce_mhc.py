@@ -18,7 +18,7 @@ def _validate(y, y_add, x, post, comb, pre, norm_weight, impl):
     dims = {}
     validate_streams(NAME, x, post, comb, pre, norm_weight, dims)
     _checks.check_tensor(NAME, "y", y, (torch.bfloat16, torch.float32), "T D", dims)
-    _checks.check_tensor(NAME, "y_add", y_add, torch.bfloat16, "T D", dims)
+    _checks.check_tensor(NAME, "y_add", y_add, torch.bfloat16, "T D", dims, optional=True)
     return device, dims
 
 

@@ -21,7 +21,9 @@ def _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, i
     _checks.check_tensor(NAME, "w", w, torch.float32, "T IH", dims)
     _checks.check_tensor(NAME, "keys", keys, torch.bfloat16, "T Ncap ihd", dims)
     _checks.check_tensor(NAME, "n_c", n_c, torch.int64, "T", dims)
-    _checks.check_tensor(NAME, "candidates", candidates, torch.bool, "T Ncap", dims)
+    _checks.check_tensor(NAME, "candidates", candidates, torch.bool, "T Ncap", dims, optional=True)
+    if _checks.values_on_host(n_c):
+        _checks.check_range(NAME, "n_c", n_c, 0, dims["Ncap"], "Ncap (keys.shape[1])")
     _checks.check_scalar(NAME, "topk", topk, topk >= 1, "must be >= 1")
     _checks.check_scalar(NAME, "cand_topk_blocks", cand_topk_blocks, cand_topk_blocks >= 0, "must be >= 0")
     if cand_topk_blocks > 0:

@@ -17,7 +17,9 @@ def _validate(expert_out, token, shared, num_tokens, impl):
     dims = {"T": num_tokens}
     _checks.check_tensor(NAME, "expert_out", expert_out, torch.bfloat16, "M D", dims)
     _checks.check_tensor(NAME, "token", token, torch.int64, "M", dims)
-    _checks.check_tensor(NAME, "shared", shared, torch.bfloat16, "T D", dims)
+    _checks.check_tensor(NAME, "shared", shared, torch.bfloat16, "T D", dims, optional=True)
+    if _checks.values_on_host(token):
+        _checks.check_range(NAME, "token", token, 0, num_tokens - 1, "num_tokens - 1")
     return device, dims
 
 

@@ -21,8 +21,8 @@ def _validate(qkv, q_weight, kv_weight, cos, sin, quant_block, impl):
     _checks.check_tensor(NAME, "qkv", qkv, torch.bfloat16, "T q_dim+kv_dim", dims)
     if (cos is None) != (sin is None):
         raise ValueError(f"dsv41::{NAME}: arguments 'cos' and 'sin' must both be tensors or both be None")
-    _checks.check_tensor(NAME, "cos", cos, torch.float32, "T rd/2", dims)
-    _checks.check_tensor(NAME, "sin", sin, torch.float32, "T rd/2", dims)
+    _checks.check_tensor(NAME, "cos", cos, torch.float32, "T rd/2", dims, optional=True)
+    _checks.check_tensor(NAME, "sin", sin, torch.float32, "T rd/2", dims, optional=True)
     if cos is not None:
         _checks.check_rotary(NAME, dims["rd/2"], "kv_dim", dims["kv_dim"])
     _checks.check_scalar(NAME, "quant_block", quant_block, quant_block >= 0, "must be >= 0")

@@ -16,6 +16,7 @@ def _validate(o, cos, sin, weight, groups, impl):
     device = _checks.check_devices(NAME, o=o, cos=cos, sin=sin, weight=weight)
     dims = {}
     _checks.check_tensor(NAME, "o", o, torch.bfloat16, "T H hd", dims)
+    _checks.check_tokens(NAME, "o", dims["T"])
     _checks.check_tensor(NAME, "cos", cos, torch.float32, "T rd/2", dims)
     _checks.check_tensor(NAME, "sin", sin, torch.float32, "T rd/2", dims)
     _checks.check_rotary(NAME, dims["rd/2"], "hd", dims["hd"])

@@ -356,18 +356,39 @@ class Block(nn.Module):
 class DSV41Model(nn.Module):
     """The decode step of DeepSeek-V4.1 over `layer_ids` (all layers by default).
 
-    forward(tokens [B] int64, positions [B] int64) -> logits [B, vocab] fp32, with 1 <= B <= max_batch and
-    positions < max_context; request b reads and writes cache row b.
+    forward(tokens [B] int64|int32, positions [B] int64|int32) -> logits [B, vocab] fp32, with 1 <= B <= max_batch,
+    0 <= tokens < vocab_size and 0 <= positions < max_context; request b reads and writes cache row b.
+
+    Bad input, checked where it costs no device->host sync:
+    - types, dtypes, shapes, devices and B: at trace time (TypeError / ValueError naming the argument). Under
+      `torch.compile(fullgraph=True)` Dynamo reports that error as `Unsupported: Observed exception`, with the
+      message; without fullgraph it is raised as is.
+    - token and position values: on the host in eager calls (ValueError naming the argument and the limit), where
+      the values already are there: `value_checks="cpu"` (default) checks CPU inputs only, "always" also device
+      inputs (one sync per step), "never" none. `dsv41.cuda_graphs.DecodeGraphRunner` checks them before it copies
+      host inputs into its buffers.
+    - inside a compiled or captured step (no host check possible): out-of-range tokens and positions are clamped
+      into range, so every index stays inside the request's own cache row and no other request's row is touched,
+      and the row's bit (INPUT_ERRORS) is set in `input_errors` [max_batch] int32, which the host reads when it
+      chooses (`pop_input_errors()`). That row's logits are meaningless.
     """
 
     def __init__(self, cfg: ModelConfig, layer_ids: Sequence[int] | None = None, *, max_batch: int = 8,
                  max_context: int = 256, device="cpu", dtype=torch.bfloat16, seed: int = 0,
-                 share_routed_experts: bool = False):
+                 share_routed_experts: bool = False, value_checks: str = "cpu"):
         super().__init__()
         layer_ids = list(range(cfg.n_layers)) if layer_ids is None else sorted(layer_ids)
         _check_layer_subset(cfg, layer_ids)
-        if max_context % 2 or max_context < cfg.window_size:
-            raise ValueError(f"max_context={max_context} must be even and >= window_size={cfg.window_size}")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context % 2 or max_context < cfg.window_size:
+            raise ValueError(f"max_context={max_context!r} must be an even int >= window_size={cfg.window_size}")
+        if value_checks not in VALUE_CHECKS:
+            raise ValueError(f"value_checks must be one of {VALUE_CHECKS}, got {value_checks!r}")
+        self.value_checks = value_checks
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r}: CUDA is not available on this machine")
         self.cfg, self.layer_ids = cfg, layer_ids
         self.max_batch, self.max_context = max_batch, max_context
         tp = _tp()
@@ -386,15 +407,35 @@ class DSV41Model(nn.Module):
             self.layers[str(layer)] = block
         self.register_buffer("inv_freq_main", torch.tensor(yarn_inv_freq(cfg, False), dtype=torch.float32, device=p.device), persistent=False)
         self.register_buffer("inv_freq_comp", torch.tensor(yarn_inv_freq(cfg, True), dtype=torch.float32, device=p.device), persistent=False)
+        # Not a buffer: named_buffers() lists the caches and RoPE tables; _apply moves this along with them.
+        self.input_errors = torch.zeros(max_batch, dtype=torch.int32, device=p.device)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.input_errors = fn(self.input_errors)
+        return self
 
     def reset_caches(self):
         for block in self.layers.values():
             block.attn.window_kv.zero_()
             if block.attn.compressor is not None:
                 block.attn.compressor.reset()
+        self.input_errors.zero_()
+
+    def pop_input_errors(self) -> dict[int, list[str]]:
+        """{cache row: the arguments ("tokens", "positions") that were out of range and clamped} since the last
+        call, which clears them. Reads the device flags: a device->host sync, at the caller's choice."""
+        flags = self.input_errors.tolist()
+        self.input_errors.zero_()
+        return {row: [name for name, bit in INPUT_ERRORS.items() if f & bit] for row, f in enumerate(flags) if f}
 
     def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
         cfg = self.cfg
+        check_decode_inputs(tokens, positions, max_batch=self.max_batch, device=self.embed.device)
+        if not torch.compiler.is_compiling() and (self.value_checks == "always" or (
+                self.value_checks == "cpu" and tokens.device.type == "cpu")):
+            check_decode_values(tokens, positions, vocab_size=cfg.vocab_size, max_context=self.max_context)
+        tokens, positions = self._clamp_inputs(tokens, positions)
         t = tokens.shape[0]
         x = F.embedding(tokens, self.embed).unsqueeze(1).expand(t, cfg.hc_mult, cfg.dim).contiguous()
         pre_mix = (torch.arange(cfg.hc_mult, device=tokens.device) == 0).float().expand(t, cfg.hc_mult)
@@ -409,6 +450,50 @@ class DSV41Model(nn.Module):
             x, pre_mix = block(x, pre_mix, pos, bidx, rope, shared)
         u = fn.rms_norm(fn.hc_collapse(x, pre_mix), self.norm, cfg.norm_eps)
         return F.linear(u.float(), self.head)
+
+    def _clamp_inputs(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The in-graph guard (no host sync): tokens into [0, vocab), positions into [0, max_context) as int64,
+        with each clamped row's INPUT_ERRORS bits OR-ed into input_errors."""
+        bad_tokens = (tokens < 0) | (tokens >= self.cfg.vocab_size)
+        bad_positions = (positions < 0) | (positions >= self.max_context)
+        flags = bad_tokens.int() * INPUT_ERRORS["tokens"] + bad_positions.int() * INPUT_ERRORS["positions"]
+        self.input_errors[: tokens.shape[0]] |= flags
+        return tokens.clamp(0, self.cfg.vocab_size - 1), positions.clamp(0, self.max_context - 1).long()
+
+
+VALUE_CHECKS = ("cpu", "always", "never")
+INPUT_ERRORS = {"tokens": 1, "positions": 2}  # bits of DSV41Model.input_errors
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def check_decode_inputs(tokens, positions, *, max_batch: int, device: torch.device) -> None:
+    """Types, dtypes, shapes and devices of a decode step's inputs (metadata only: free, and static under tracing)."""
+    for name, t in (("tokens", tokens), ("positions", positions)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"DSV41Model: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in INDEX_DTYPES:
+            raise TypeError(f"DSV41Model: {name} must be torch.int64 or torch.int32, got {t.dtype}")
+        if t.dim() != 1:
+            raise ValueError(f"DSV41Model: {name} must be 1-D [B] (one token per request), got shape {list(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"DSV41Model: {name} is on {t.device}, the model on {device}")
+    if tokens.shape[0] != positions.shape[0]:
+        raise ValueError(f"DSV41Model: tokens and positions must have the same length B, got {tokens.shape[0]} and "
+                         f"{positions.shape[0]}")
+    if not 1 <= tokens.shape[0] <= max_batch:
+        raise ValueError(f"DSV41Model: the batch B = {tokens.shape[0]} (the length of tokens and positions) must be "
+                         f"in [1, max_batch = {max_batch}]")
+
+
+def check_decode_values(tokens: Tensor, positions: Tensor, *, vocab_size: int, max_context: int,
+                        caller: str = "DSV41Model") -> None:
+    """0 <= tokens < vocab_size and 0 <= positions < max_context, or a ValueError naming the first bad entry.
+    Reads the values: call it only where they are on the host (or a sync is acceptable), never under tracing."""
+    for name, t, limit, what in (("tokens", tokens, vocab_size, "vocab_size"), ("positions", positions, max_context, "max_context")):
+        bad = ((t < 0) | (t >= limit)).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise ValueError(f"{caller}: {name}[{i}] = {int(t[i])} is outside [0, {what} = {limit})")
 
 
 def _check_layer_subset(cfg: ModelConfig, layer_ids: list[int]) -> None:

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import sys
 
+# subcommand -> (module with main(argv) -> int, help)
+BENCHMARKS = {
+    "kernels": ("dsv41.tools.bench_kernels", "each kernel against its Inductor-compiled and eager reference"),
+    "decode": ("dsv41.tools.bench_decode", "whole decode steps: eager, Inductor, dsv41, and the memory floor"),
+}
+USAGE = "usage: dsv41 bench {kernels|decode} [options]   (dsv41 bench SUBCOMMAND --help for its options)"
+
 
 def main(argv: list[str] | None = None) -> int:
+    import importlib
+
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("kernels", "decode"):
-        print("usage: dsv41 bench {kernels|decode} [options]   (--help after the subcommand for its options)", file=sys.stderr)
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE + "\n\nsubcommands:\n" + "\n".join(f"  {name:8s} {text}" for name, (_, text) in BENCHMARKS.items()))
+        return 0
+    if not argv or argv[0] not in BENCHMARKS:
+        got = f": unknown subcommand {argv[0]!r}" if argv else ""
+        print(f"{USAGE}\ndsv41 bench: error{got or ': a subcommand is required'}", file=sys.stderr)
         return 2
-    if argv[0] == "kernels":
-        from dsv41.tools.bench_kernels import main as run
-    else:
-        from dsv41.tools.bench_decode import main as run
-    return run(argv[1:])
+    return importlib.import_module(BENCHMARKS[argv[0]][0]).main(argv[1:])

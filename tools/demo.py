@@ -3,12 +3,14 @@
 Prints the fusion counts per compiled graph, the decline reasons, the agreement with eager over three decode
 steps, and on a GPU the step times of eager, Inductor and dsv41 (each replayed in a CUDA graph).
 On a CPU the backend runs in `fx` mode (no Inductor compile), so the demo finishes in well under a minute.
+The graph-diff recording goes to a temporary directory, removed at the end unless `--keep-recording`.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import shutil
 import tempfile
 import time
 
@@ -22,29 +24,62 @@ def _steps(model, tokens, start, n=3):
     return out
 
 
+MAX_CONTEXT = 256
+
+
+def _device(parser: argparse.ArgumentParser, text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        parser.error(f"argument --device: {text!r} is not a device (cpu or cuda)")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"argument --device: {text!r}: the demo runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"argument --device: {text!r}: CUDA is not available on this machine (use --device cpu)")
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dsv41 demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    parser.add_argument("--batch", type=int, default=4, help="requests per decode step, 1..max_tokens (64 unless DSV41_MAX_TOKENS)")
     parser.add_argument("--mode", choices=("fx", "inductor"), default=None,
                         help="backend code generation (default: inductor on a GPU, fx on a CPU)")
+    parser.add_argument("--keep-recording", action="store_true",
+                        help="keep the graph-diff recording (for `dsv41 graphdiff show DIR`) instead of removing it")
     args = parser.parse_args(argv)
+    device = _device(parser, args.device)
     from dsv41.backend import make_backend
+
+    mode = args.mode or ("inductor" if device.type == "cuda" else "fx")
+    try:
+        backend = make_backend(mode=mode)
+    except (TypeError, ValueError) as e:  # a bad DSV41_* variable
+        parser.error(str(e))
+    max_batch = backend.config.max_tokens  # a larger batch is past the decode fusions' token limit
+    if not 1 <= args.batch <= max_batch:
+        parser.error(f"argument --batch: must be in [1, {max_batch}] (the decode fusions apply up to max_tokens = "
+                     f"{max_batch} tokens), got {args.batch}")
+    record_dir = tempfile.mkdtemp(prefix="dsv41_demo_graphdiff_")
+    try:
+        return _run(args, device, mode, backend, record_dir)
+    finally:
+        if not args.keep_recording:
+            shutil.rmtree(record_dir, ignore_errors=True)
+
+
+def _run(args, device, mode, backend, record_dir) -> int:
     from dsv41.models import TINY, DSV41Model
 
-    device = torch.device(args.device)
-    mode = args.mode or ("inductor" if device.type == "cuda" else "fx")
     torch.manual_seed(0)
     print(f"dsv41 demo: tiny DeepSeek-V4.1 ({TINY.n_layers} layers, D={TINY.dim}) on {device}, batch {args.batch}, mode {mode}")
-    eager = DSV41Model(TINY, max_batch=args.batch, max_context=256, device=device)
+    eager = DSV41Model(TINY, max_batch=args.batch, max_context=MAX_CONTEXT, device=device)
     fused = copy.deepcopy(eager)
-    backend = make_backend(mode=mode)
     compiled = torch.compile(fused, backend=backend, fullgraph=True)
     tokens = torch.randint(0, TINY.vocab_size, (args.batch,), device=device)
-    start = torch.arange(args.batch, device=device) * 7 + 20
+    start = (torch.arange(args.batch, device=device) * 7) % 200 + 20  # 20..219: the 3 steps stay below MAX_CONTEXT
     from dsv41.tools.graphdiff import main as graphdiff_main, record
 
-    record_dir = tempfile.mkdtemp(prefix="dsv41_demo_graphdiff_")
     with torch.no_grad():
         t0 = time.perf_counter()
         with record(record_dir):
@@ -60,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, reasons in report.declined.items():
         for r in reasons[:3]:
             print(f"  declined {name}: {r}")
-    print(f"\ngraph-diff summary (recorded in {record_dir}; `dsv41 graphdiff show {record_dir} --format html` for the report):")
+    if args.keep_recording:
+        print(f"\ngraph-diff summary (recorded in {record_dir}; `dsv41 graphdiff show {record_dir} --format html` for the report):")
+    else:
+        print("\ngraph-diff summary (from a temporary recording, removed at exit; --keep-recording keeps it):")
     graphdiff_main(["show", record_dir, "--color", "never"])
     from dsv41.models import agreement
 

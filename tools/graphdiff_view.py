@@ -6,7 +6,9 @@ which the CLI prints as one line and turns into exit code 2.
 from __future__ import annotations
 
 import ast
+import collections
 import difflib
+import hashlib
 import json
 import os
 import re
@@ -482,8 +484,45 @@ def render_why(data: dict, style: Style = PLAIN) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def structural_keys(lines: list[str]) -> list[str]:
+    """Each graph-code line with node names replaced by structural ids, so that two graphs that differ only in
+    node names (`%getitem_127` vs `%getitem_95`) give equal keys. A node's id is a hash of its line with its
+    operands' ids in place of their names, plus its rank among the nodes of equal hash (inputs: their order)."""
+    ids: dict[str, str] = {}
+    rank: collections.Counter = collections.Counter()
+    keys = []
+    for line in lines:
+        m = _NODE_RE.match(line)
+        body = _REF_RE.sub(lambda r: "%" + ids.get(r.group(1), r.group(1)), line[m.end():] if m else line)
+        if m:
+            digest = hashlib.sha1(body.encode()).hexdigest()[:16]
+            rank[digest] += 1
+            ids[m.group(1)] = f"{digest}.{rank[digest]}"
+        keys.append(body)
+    return keys
+
+
+def structural_diff(lines_a: list[str], lines_b: list[str], label_a: str, label_b: str, n: int = 3) -> list[str]:
+    """A unified diff of two graphs aligned by `structural_keys` (renamed nodes are equal), shown with the real
+    lines: A's for removed ones, B's for added and context ones."""
+    matcher = difflib.SequenceMatcher(None, structural_keys(lines_a), structural_keys(lines_b), autojunk=False)
+    out: list[str] = []
+    for group in matcher.get_grouped_opcodes(n):
+        if not out:
+            out += [f"--- {label_a}", f"+++ {label_b}"]
+        i1, i2, j1, j2 = group[0][1], group[-1][2], group[0][3], group[-1][4]
+        out.append(f"@@ -{i1 + 1},{i2 - i1} +{j1 + 1},{j2 - j1} @@")
+        for tag, a1, a2, b1, b2 in group:
+            if tag == "equal":
+                out += [" " + line for line in lines_b[b1:b2]]
+            else:
+                out += ["-" + line for line in lines_a[a1:a2]] + ["+" + line for line in lines_b[b1:b2]]
+    return out
+
+
 def compare(a: Recording, b: Recording, pass_name: str | None = None, style: Style = PLAIN) -> tuple[str, bool]:
-    """The two recordings aligned by graph and pass: (text, whether anything differs)."""
+    """The two recordings aligned by graph and pass: (text, whether anything differs). Graphs are compared by
+    structure (`structural_keys`), so nodes that were only renamed are not reported."""
     if pass_name is not None:
         if not any(x.find_pass(g, pass_name) for x in (a, b) for g in x.graphs):
             raise GraphdiffError(f"no pass {pass_name!r} in either recording (A: {', '.join(a.pass_names()) or 'none'}; "
@@ -519,7 +558,7 @@ def compare(a: Recording, b: Recording, pass_name: str | None = None, style: Sty
                     if pa[key] != pb[key]:
                         notes.append(f"{label} {pa[key]} -> {pb[key]}")
                 ra, rb = a.record(ga, pa), b.record(gb, pb)
-                if a.lines(ga, ra["after"]) != b.lines(gb, rb["after"]):
+                if structural_keys(a.lines(ga, ra["after"])) != structural_keys(b.lines(gb, rb["after"])):
                     notes.append("graph after differs")
                 if ra.get("matches_by_layer") != rb.get("matches_by_layer") and pa["matches"] == pb["matches"]:
                     notes.append("matches per layer differ")
@@ -533,7 +572,7 @@ def compare(a: Recording, b: Recording, pass_name: str | None = None, style: Sty
             pa, pb = a.find_pass(ga, pass_name), b.find_pass(gb, pass_name)
             la = a.lines(ga, a.record(ga, pa)["after"]) if pa else []
             lb = b.lines(gb, b.record(gb, pb)["after"]) if pb else []
-            diff = list(difflib.unified_diff(la, lb, f"A/{ga['dir']}/after {pass_name}", f"B/{gb['dir']}/after {pass_name}", n=3, lineterm=""))
+            diff = structural_diff(la, lb, f"A/{ga['dir']}/after {pass_name}", f"B/{gb['dir']}/after {pass_name}")
             out.append("")
             out.append(f"  graph after {pass_name}, A -> B:" + ("" if diff else " identical"))
             out += ["    " + style.diff_line(_clip(line)) for line in diff]
@@ -666,6 +705,11 @@ def _print(text: str) -> None:
 def cmd_show(args) -> int:
     rec = Recording(args.dir)
     graphs = rec.select_graphs(args.graph)
+    if args.layer is not None:
+        layers = sorted({x for g in graphs for x in g.get("layers") or []})
+        if args.layer not in layers:
+            raise GraphdiffError(f"--layer {args.layer}: no such layer in {rec.root} (recorded layers: "
+                                 f"{', '.join(map(str, layers)) or 'none'})")
     if args.why and args.pass_name:
         raise GraphdiffError("--why and --pass cannot be combined (--why FUSION already picks the pass)")
     if args.out and args.format != "html":

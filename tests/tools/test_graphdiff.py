@@ -311,20 +311,20 @@ def test_show_text(base):
     assert rc == 0 and err == ""
     assert "\x1b[" not in out  # colour only on a tty
     assert_expected_inline(out, """\
-graph 0: 2726 nodes in, 1261 out; layers 0, 2, 3; 12 passes, 8 changed
+graph 0: 2748 nodes in, 1281 out; layers 0, 2, 3; 12 passes, 8 changed
   #   pass              result     nodes         matches  declined  attempts
-  00  normalize         changed    2726 -> 2660      458         0         0
-  01  mhc_coeffs        changed    2660 -> 1766        6         0         0
-  02  moe_finalize      changed    1766 -> 1751        3         0         9
-  03  allreduce_mhc     unchanged  1751                0         0         6
-  04  mhc_post_pre      changed    1751 -> 1619        6         0         0
-  05  qkv_norm          changed    1619 -> 1445        3         0         9
-  06  wo_a              changed    1445 -> 1337        3         0        21
-  07  indexer_topk      changed    1337 -> 1306        1         0         3
-  08  moe_route         changed    1306 -> 1261        3         0         6
-  09  streams           unchanged  1261                0         0         0
-  10  lower_references  unchanged  1261                0         0         0
-  11  defunctionalize   unchanged  1261                0         0         0
+  00  normalize         changed    2748 -> 2680      460         0         0
+  01  mhc_coeffs        changed    2680 -> 1786        6         0         0
+  02  moe_finalize      changed    1786 -> 1771        3         0         9
+  03  allreduce_mhc     unchanged  1771                0         0         6
+  04  mhc_post_pre      changed    1771 -> 1639        6         0         0
+  05  qkv_norm          changed    1639 -> 1465        3         0         9
+  06  wo_a              changed    1465 -> 1357        3         0        21
+  07  indexer_topk      changed    1357 -> 1326        1         0         3
+  08  moe_route         changed    1326 -> 1281        3         0         6
+  09  streams           unchanged  1281                0         0         0
+  10  lower_references  unchanged  1281                0         0         0
+  11  defunctionalize   unchanged  1281                0         0         0
 
   matches per layer  L0  L2  L3
   mhc_coeffs          2   2   2
