@@ -26,7 +26,7 @@ def reference(h, gate_weight, bias, topk, route_scale, gate_temp):
     biased scores by expert index (the op's tie rule) and gives torch.topk's result wherever they are distinct."""
     logits = torch.mm(h.float(), gate_weight.float().t()) / gate_temp
     scores = torch.sqrt(torch.nn.functional.softplus(logits))
-    experts = torch.sort(scores + bias, dim=-1, descending=True, stable=True).indices[:, :topk]
+    experts = torch.sort(scores + bias, dim=-1, descending=True, stable=True).indices[:, :topk].contiguous()
     w = scores.gather(1, experts)
     return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * route_scale, experts
 
