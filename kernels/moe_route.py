@@ -123,15 +123,16 @@ class MoeRoute:
                 gH = cute.tiled_divide(mH[cutlass.min(tok, n_tok - 1), None], vec)
                 b_tiles.append([_load_pairs(gH[None, vecs[c]], tok < n_tok) for c in range(_CHUNKS)])
             for n in cutlass.range_constexpr(_TILES):
-                b = b_tiles[n]
-                acc = [Float32(0.0)] * 4
-                for c in cutlass.range_constexpr(_CHUNKS):
-                    for j in cutlass.range_constexpr(2):  # the chunk's two k-steps of 16 (relabelled) columns
-                        acc = _mma_m16n8k16(acc, [a_lo[c][2 * j], a_hi[c][2 * j], a_lo[c][2 * j + 1],
-                                                  a_hi[c][2 * j + 1]], [b[c][2 * j], b[c][2 * j + 1]])
-                # accumulator fragment: (row r, tokens 2q, 2q + 1) and (row r + 8, the same tokens)
-                for i in cutlass.range_constexpr(4):
-                    sAcc[warp, n * _TILE_N + 2 * q + i % 2, r + 8 * (i // 2)] = acc[i]
+                if t0 + n * _TILE_N < n_tok:  # (tiles past the last token are never read back)
+                    b = b_tiles[n]
+                    acc = [Float32(0.0)] * 4
+                    for c in cutlass.range_constexpr(_CHUNKS):
+                        for j in cutlass.range_constexpr(2):  # the chunk's two k-steps of 16 (relabelled) columns
+                            acc = _mma_m16n8k16(acc, [a_lo[c][2 * j], a_hi[c][2 * j], a_lo[c][2 * j + 1],
+                                                      a_hi[c][2 * j + 1]], [b[c][2 * j], b[c][2 * j + 1]])
+                    # accumulator fragment: (row r, tokens 2q, 2q + 1) and (row r + 8, the same tokens)
+                    for i in cutlass.range_constexpr(4):
+                        sAcc[warp, n * _TILE_N + 2 * q + i % 2, r + 8 * (i // 2)] = acc[i]
             cute.arch.barrier()
             # thread = (token, row) of the pass; the CTA's partial logit, summed over its warps in order
             row = tidx % ROWS
