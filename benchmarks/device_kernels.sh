@@ -27,11 +27,11 @@ if has layouts; then
   bench 120 --post-pre-layouts > "$out/layouts.log" 2>&1; echo "exit $?" >> "$out/layouts.log"; tail -10 "$out/layouts.log"
 fi
 note "checks"
-has tests && { timeout 240 bash -c "$(declare -f gpu_pytest); gpu_pytest" > "$out/gpu_tests.log" 2>&1;
+has tests && { timeout 360 bash -c "$(declare -f gpu_pytest); gpu_pytest" > "$out/gpu_tests.log" 2>&1;
                echo "exit $?" >> "$out/gpu_tests.log"; } &
-has memcheck && { DSV41_TEST_TOKENS=1,31 timeout 240 bash -c "$(declare -f sanitize); sanitize memcheck \
+has memcheck && { DSV41_TEST_TOKENS=1,31 timeout 360 bash -c "$(declare -f sanitize); sanitize memcheck \
                'matches_reference or graph or pdl'" > "$out/memcheck.log" 2>&1; echo "exit $?" >> "$out/memcheck.log"; } &
-has racecheck && { DSV41_TEST_TOKENS=3,64 timeout 240 bash -c "$(declare -f sanitize); sanitize racecheck \
+has racecheck && { DSV41_TEST_TOKENS=3,64 timeout 360 bash -c "$(declare -f sanitize); sanitize racecheck \
                'matches_reference'" > "$out/racecheck.log" 2>&1; echo "exit $?" >> "$out/racecheck.log"; } &
 wait
 for log in gpu_tests memcheck racecheck; do

@@ -1,4 +1,4 @@
-"""`dsv41::moe_route`: the MoE router (spec 2.6), = `functional.route`."""
+"""`dsv41::moe_route`: the MoE router (spec 2.6), = `functional.route` with a defined tie rule."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import torch
 from torch import Tensor
 
 from dsv41.lowerings import _checks, _kernels
-from dsv41.models import functional
 
 NAME = "moe_route"
 
@@ -23,8 +22,13 @@ def _validate(h, gate_weight, bias, topk, impl):
 
 
 def reference(h, gate_weight, bias, topk, route_scale, gate_temp):
-    """Plain torch, the model's own function."""
-    return functional.route(h, gate_weight, bias, topk, route_scale, gate_temp)
+    """Plain torch: the model's function with its top-k taken by a stable descending sort, which orders equal
+    biased scores by expert index (the op's tie rule) and gives torch.topk's result wherever they are distinct."""
+    logits = torch.mm(h.float(), gate_weight.float().t()) / gate_temp
+    scores = torch.sqrt(torch.nn.functional.softplus(logits))
+    experts = torch.sort(scores + bias, dim=-1, descending=True, stable=True).indices[:, :topk].contiguous()
+    w = scores.gather(1, experts)
+    return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * route_scale, experts
 
 
 @torch.library.custom_op("dsv41::moe_route", mutates_args=())
@@ -34,11 +38,12 @@ def moe_route(h: Tensor, gate_weight: Tensor, bias: Tensor, topk: int, route_sca
 
     h [T, D] bf16, gate_weight [E, D] bf16, bias [E] fp32, 1 <= topk <= E; in fp32:
         score   = sqrt(softplus((h @ gate_weight^T) / gate_temp))                         [T, E]
-        experts = torch.topk(score + bias, topk).indices                                  [T, topk] int64
+        experts = torch.topk(score + bias, topk).indices   (tie rule below)               [T, topk] int64
         weights = score[experts] / (sum_k score[experts] + 1e-20) * route_scale          [T, topk] fp32
-    experts come in torch.topk's order (descending biased score); the order among equal scores is
-    torch.topk's and may differ between implementations, so compare experts as per-token sets (weights follow
-    their expert). impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
+    experts come in descending biased score; the tie rule: of equal biased scores the lower expert index ranks
+    first (and is selected first at the k-th place). Implementations sum the logits in different orders, so
+    compare experts as per-token sets (weights follow their expert) where biased scores are close but not equal.
+    impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
     """
     device, _ = _validate(h, gate_weight, bias, topk, impl)
     args, kwargs = (h, gate_weight, bias), dict(topk=topk, route_scale=route_scale, gate_temp=gate_temp)

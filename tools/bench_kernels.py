@@ -96,7 +96,27 @@ def _post_pre_op(cfg) -> Op:
     )
 
 
-OPS = {"mhc_coeffs": _coeffs_op, "mhc_post_pre": _post_pre_op}
+def _route_op(cfg) -> Op:
+    from dsv41.kernels.moe_route import moe_route
+
+    d, e, k = cfg.dim, cfg.n_routed_experts, cfg.n_activated_experts
+    scalars = dict(topk=k, route_scale=cfg.route_scale, gate_temp=cfg.gate_temp)
+
+    def make_inputs(t, g):
+        return [torch.randn(t, d, generator=g).bfloat16(), (torch.randn(e, d, generator=g) / d**0.5).bfloat16(),
+                0.1 * torch.randn(e, generator=g)]
+
+    return Op(
+        name="moe_route",
+        make_inputs=make_inputs,
+        # read h, the gate weight and the bias; write the weights (fp32) and the expert ids (int64)
+        nbytes=lambda t: t * d * 2 + e * d * 2 + e * 4 + t * k * (4 + 8),
+        reference=lambda h, w, bias: functional.route(h, w, bias, k, cfg.route_scale, cfg.gate_temp),
+        kernel=lambda h, w, bias, pdl=True: moe_route(h, w, bias, **scalars, pdl=pdl),
+    )
+
+
+OPS = {"mhc_coeffs": _coeffs_op, "mhc_post_pre": _post_pre_op, "moe_route": _route_op}
 
 
 def time_in_graph(fn: Callable, input_sets: list[list[torch.Tensor]], replays: int) -> float:

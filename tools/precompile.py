@@ -16,13 +16,17 @@ from dsv41.models.config import get_config
 
 def kernels_for(cfg) -> list[tuple[str, object]]:
     """(label, thunk that compiles or loads it) for every kernel a decode step of ``cfg`` uses."""
-    from dsv41.kernels import mhc_coeffs, mhc_post_pre
+    from dsv41.kernels import mhc_coeffs, mhc_post_pre, moe_route
 
+    route = (cfg.dim, cfg.n_routed_experts, cfg.n_activated_experts)
     return [
         (f"mhc_coeffs(D={cfg.dim}, iters={cfg.hc_sinkhorn_iters})",
          lambda: mhc_coeffs.compile_for(cfg.dim, cfg.hc_sinkhorn_iters)),
         *[(f"mhc_post_pre(D={cfg.dim}, {n} CTA per token)", lambda n=n: mhc_post_pre.compile_for(cfg.dim, cluster_n=n))
           for n in sorted({mhc_post_pre.cluster_for(cfg.dim, t) for t in (1, mhc_post_pre.LARGE_TOKENS)})],
+        # the router runs its reference where the kernel has no build (the tiny config)
+        *([(f"moe_route(D={route[0]}, E={route[1]}, k={route[2]})", lambda: moe_route.compile_for(*route))]
+          if moe_route.config_reason(*route) is None else []),
     ]
 
 

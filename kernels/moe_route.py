@@ -1,0 +1,473 @@
+"""The MoE router of one layer (spec section 2.6): ``dsv41::moe_route`` in one launch.
+
+h [T, D] bf16, gate_weight W [E, D] bf16, bias [E] fp32 -> weights [T, k] fp32, experts [T, k] int64:
+
+    logits  = h @ W^T                                       fp32 accumulation            [T, E]
+    score   = sqrt(softplus(logits / gate_temp))            torch's softplus (threshold 20)
+    experts = the k largest score + bias, in descending order; equal biased scores: the lower expert index first
+    weights = score[experts] / (sum_k score[experts] + 1e-20) * route_scale
+
+Work split: CTA (g, s) owns the 16 weight rows [16g, 16g + 16) and the 1024 columns [1024s, 1024s + 1024), so the
+3.9 MB weight at E = 384, D = 5120 is spread over 24 x 5 = 120 CTAs, 32 KB each, all requested up front. Each of
+the CTA's 16 warps holds 64 columns of those rows in registers as the A operand of ``mma.sync.m16n8k16`` (bf16 in,
+fp32 accumulation); tokens are the N operand, 8 per MMA and 32 per pass, read straight from global memory (every
+CTA reads a different column slice of h, so there is nothing to share). The MMA's k order is a relabelling of the
+columns that lets each lane load 16-byte vectors of both operands: lane (r, q) = (lane / 4, lane % 4) owns columns
+[8q, 8q + 8) of each 32-column chunk, for rows r and r + 8 of W and token r of the tile.
+
+The reduction over D is deterministic (no atomics on data, so CUDA-graph replays are bit-identical):
+
+1. each CTA sums its 16 warps' accumulators in shared memory, in warp order, and stores its partial logits in the
+   fp32 workspace ``ws[s, t, e]``;
+2. the last of the 5 CTAs of row group g to finish (a ticket counter per group) sums the partials in split order,
+   applies the temperature, softplus and sqrt, and stores the scores in ``ws[S, t, e]``;
+3. the last of the 24 row-group finishers (a second ticket) selects each token's experts, one warp per token:
+   lane l holds experts l, l + 32, ...; k rounds of a (biased score, index) argmax over the lane's slots and then
+   over the warp (butterfly), each removing its winner, then the weights from the winners' unbiased scores.
+
+The finishers reset their counters, so every launch (CUDA-graph replays included) finds them zero; launches that
+share the counters (one set per device) must therefore be stream-ordered.
+
+With ``pdl`` the kernel is a programmatic dependent launch: it lets the next kernel launch at once, loads its slice
+of the weight, and only then waits for the preceding kernel before reading h.
+
+``route_metadata`` is a separate kernel (not part of the op): from experts [T, k] the per-expert row counts, the
+offsets and the expert-sorted permutation of the T * k (token, slot) pairs that grouped expert GEMMs take.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+
+from dsv41.kernels import cute_utils
+from dsv41.kernels.compile_cache import (cached_kernel, compile_tvm_ffi, env_stream, fake_tensor, hopper_reason,
+                                         shape_reason)
+
+ROWS = 16  # weight rows per CTA: the MMA's M
+K_PER_CTA = 1024  # columns per CTA
+MAX_EXPERTS = 512  # E / 32 score slots per lane in the selection
+MAX_TOPK = 8
+MAX_PAIRS = 2048  # T * k of route_metadata
+_META_THREADS = 1024
+_WARPS = 16
+_CHUNKS = 2  # 32-column chunks per warp: K_PER_CTA = _WARPS * _CHUNKS * 32
+_VEC = 8  # bf16 per 16-byte vector
+_TILE_N = 8  # tokens per MMA
+_TILES = 4  # MMA token tiles per pass
+_TOK_PASS = _TILE_N * _TILES  # = _WARPS * 32 / ROWS: one thread per (token, row) of a pass
+_SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus: x above it is returned as is
+_LOWEST = -(2**31)  # the order key of a taken slot: below every score's key
+_NO_EXPERT = 2**31 - 1  # the index of a taken slot: above every expert's
+
+
+class MoeRoute:
+    """The router kernel for a static hidden size, expert count and k."""
+
+    def __init__(self, dim: int, experts: int, topk: int, pdl: bool):
+        self.dim = dim
+        self.experts = experts
+        self.topk = topk
+        self.pdl = pdl
+        self.splits = dim // K_PER_CTA
+        self.groups = experts // ROWS
+
+    @cute.jit
+    def __call__(self, mH: cute.Tensor, mW: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor,
+                 mExperts: cute.Tensor, mWs: cute.Tensor, mCount: cute.Tensor, route_scale: Float32,
+                 gate_temp: Float32, stream):
+        self.kernel(mH, mW, mBias, mWeights, mExperts, mWs, mCount, route_scale, gate_temp).launch(
+            grid=[self.groups * self.splits, 1, 1], block=[_WARPS * 32, 1, 1], stream=stream, use_pdl=self.pdl)
+
+    @cute.kernel
+    def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor,
+               mExperts: cute.Tensor, mWs: cute.Tensor, mCount: cute.Tensor, route_scale: Float32,
+               gate_temp: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()
+        lane = cute.arch.lane_idx()
+        group = cta // self.splits
+        split = cta % self.splits
+        r = lane // 4  # row (and row + 8) of the A operand, token of the B operand
+        q = lane % 4  # which 8 columns of each 32-column chunk
+        n_tok = mH.shape[0]
+        vec = (_VEC,)
+
+        smem = cutlass.memory.SmemAllocator()
+        sAcc = smem.allocate_tensor(Float32, cute.make_layout((_WARPS, _TOK_PASS, ROWS),
+                                                              stride=(_TOK_PASS * (ROWS + 1), ROWS + 1, 1)),
+                                    byte_alignment=16)
+        s_last = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+        # The A operand for the whole pass: a_lo[c] / a_hi[c] = the 4 bf16 pairs of rows r / r + 8 in chunk c.
+        # A weight, so it is read before waiting for the preceding kernel.
+        vecs = [split * (K_PER_CTA // _VEC) + warp * (_CHUNKS * 32 // _VEC) + c * (32 // _VEC) + q
+                for c in range(_CHUNKS)]
+        gW_lo = cute.tiled_divide(mW[group * ROWS + r, None], vec)
+        gW_hi = cute.tiled_divide(mW[group * ROWS + r + 8, None], vec)
+        a_lo = [_load_pairs(gW_lo[None, vecs[c]]) for c in range(_CHUNKS)]
+        a_hi = [_load_pairs(gW_hi[None, vecs[c]]) for c in range(_CHUNKS)]
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+        bias = [mBias[lane + 32 * j] for j in range(self.experts // 32)]  # for the selection, in flight with h
+
+        for t0 in cutlass.range(0, n_tok, _TOK_PASS):
+            b_tiles = []  # the B operand of every token tile, requested before the first MMA
+            for n in cutlass.range_constexpr(_TILES):
+                tok = t0 + n * _TILE_N + r
+                gH = cute.tiled_divide(mH[cutlass.min(tok, n_tok - 1), None], vec)
+                b_tiles.append([_load_pairs(gH[None, vecs[c]], tok < n_tok) for c in range(_CHUNKS)])
+            for n in cutlass.range_constexpr(_TILES):
+                if t0 + n * _TILE_N < n_tok:  # (tiles past the last token are never read back)
+                    b = b_tiles[n]
+                    acc = [Float32(0.0)] * 4
+                    for c in cutlass.range_constexpr(_CHUNKS):
+                        for j in cutlass.range_constexpr(2):  # the chunk's two k-steps of 16 (relabelled) columns
+                            acc = _mma_m16n8k16(acc, [a_lo[c][2 * j], a_hi[c][2 * j], a_lo[c][2 * j + 1],
+                                                      a_hi[c][2 * j + 1]], [b[c][2 * j], b[c][2 * j + 1]])
+                    # accumulator fragment: (row r, tokens 2q, 2q + 1) and (row r + 8, the same tokens)
+                    for i in cutlass.range_constexpr(4):
+                        sAcc[warp, n * _TILE_N + 2 * q + i % 2, r + 8 * (i // 2)] = acc[i]
+            cute.arch.barrier()
+            # thread = (token, row) of the pass; the CTA's partial logit, summed over its warps in order
+            row = tidx % ROWS
+            tok = t0 + tidx // ROWS
+            if tok < n_tok:
+                part = sAcc[0, tidx // ROWS, row]
+                for w in cutlass.range_constexpr(1, _WARPS):
+                    part = part + sAcc[w, tidx // ROWS, row]
+                mWs[split, tok, group * ROWS + row] = part
+            cute.arch.barrier()  # sAcc is rewritten by the next pass
+
+        # Ticket of the row group: its last CTA sees the other splits' partial logits.
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier()
+        if tidx == 0:
+            ticket = cute.arch.atomic_add(cute_utils.elem_ptr(mCount, (group,)), Int32(1), sem="acq_rel", scope="gpu")
+            s_last[0] = Int32(ticket == self.splits - 1)
+        cute.arch.barrier()
+        if s_last[0] != 0:
+            cute.arch.fence_acq_rel_gpu()
+            for i in cutlass.range(tidx, n_tok * ROWS, _WARPS * 32):
+                t = i // ROWS
+                e = group * ROWS + i % ROWS
+                parts = [cute.arch.load(cute_utils.elem_ptr(mWs, (s, t, e)), Float32, sem="relaxed", scope="gpu")
+                         for s in range(self.splits)]
+                logit = parts[0]
+                for s in cutlass.range_constexpr(1, self.splits):
+                    logit = logit + parts[s]
+                mWs[self.splits, t, e] = _score(logit / gate_temp)
+            if tidx == 0:
+                mCount[group] = Int32(0)
+            # Ticket of the layer: the last row-group finisher sees every score.
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier()
+            if tidx == 0:
+                ticket = cute.arch.atomic_add(cute_utils.elem_ptr(mCount, (self.groups,)), Int32(1), sem="acq_rel",
+                                              scope="gpu")
+                s_last[0] = Int32(ticket == self.groups - 1)
+            cute.arch.barrier()
+            if s_last[0] != 0:
+                cute.arch.fence_acq_rel_gpu()
+                for t in cutlass.range(warp, n_tok, _WARPS):
+                    self.select(t, lane, mWs, bias, mWeights, mExperts, route_scale)
+                if tidx == 0:
+                    mCount[self.groups] = Int32(0)
+
+    @cute.jit
+    def select(self, t: Int32, lane: Int32, mWs: cute.Tensor, bias: list, mWeights: cute.Tensor,
+               mExperts: cute.Tensor, route_scale: Float32):
+        """Token t's experts and weights, by one warp (lane l: experts l, l + 32, ..., whose bias it holds)."""
+        slots = self.experts // 32
+        score = [cute.arch.load(cute_utils.elem_ptr(mWs, (self.splits, t, lane + 32 * j)), Float32, sem="relaxed",
+                                scope="gpu") for j in range(slots)]
+        key = [_order_key(score[j] + bias[j]) for j in range(slots)]
+        idx = [lane + 32 * j for j in range(slots)]
+        experts, scores = [], []
+        for _ in cutlass.range_constexpr(self.topk):
+            # the lane's best slot (a pairwise tree), then the warp's (a butterfly: every lane gets the winner)
+            best = _tree_best([(key[j], idx[j], score[j]) for j in range(slots)])
+            for level in cutlass.range_constexpr(5):
+                other = tuple(cute.arch.shuffle_sync_bfly(v, offset=16 >> level) for v in best)
+                best = _better(best, other)
+            experts.append(best[1])
+            scores.append(best[2])
+            for j in cutlass.range_constexpr(slots):
+                taken = idx[j] == best[1]
+                key[j] = cutlass.select_(taken, Int32(_LOWEST), key[j])
+                idx[j] = cutlass.select_(taken, Int32(_NO_EXPERT), idx[j])
+        total = scores[0]
+        for k in cutlass.range_constexpr(1, self.topk):
+            total = total + scores[k]
+        total = total + 1e-20
+        if lane == 0:
+            for k in cutlass.range_constexpr(self.topk):
+                mExperts[t, k] = Int64(experts[k])
+                mWeights[t, k] = scores[k] / total * route_scale
+
+
+@cute.jit
+def _load_pairs(src: cute.Tensor, pred=None) -> list:
+    """The 8 bf16 of a 16-byte global vector as 4 Int32 registers (bf16 pairs, the lower address in the low half),
+    as ``mma.sync`` takes its operands; zeros where ``pred`` is False."""
+    r = cute.make_rmem_tensor(src.shape, src.element_type)
+    r.store(cute_utils.load_vec(src, pred=pred))
+    pairs = cute.recast_tensor(r, Int32)
+    return [pairs[i] for i in range(_VEC // 2)]
+
+
+@cute.jit
+def _mma_m16n8k16(acc: list, a: list, b: list) -> list:
+    """acc += A @ B for one warp: A 16 x 16 and B 16 x 8 bf16 fragments (4 and 2 pair registers per lane), acc the
+    16 x 8 fp32 fragment (4 per lane), in the PTX ISA's fragment layouts for ``mma.m16n8k16``."""
+    d = cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
+        "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
+        write_only_types=[Float32] * 4, read_only_args=[*a, *b, *acc])
+    return list(d)
+
+
+@cute.jit
+def _score(x: Float32) -> Float32:
+    """sqrt(softplus(x)) as torch computes softplus: x above the threshold as is, else log1p(exp(x))."""
+    soft = cute.math.log1p(cute.math.exp(x))
+    if x > _SOFTPLUS_THRESHOLD:
+        soft = x
+    return cute.math.sqrt(soft)
+
+
+@cute.jit
+def _order_key(v: Float32) -> Int32:
+    """An Int32 whose signed order is v's float order (-0 below +0; NaN with the sign bit clear above +inf)."""
+    bits = cute.recast_tensor(_scalar_tensor(v), Int32)[0]
+    return cutlass.select_(bits < 0, bits ^ Int32(0x7FFFFFFF), bits)
+
+
+@cute.jit
+def _scalar_tensor(v: Float32) -> cute.Tensor:
+    t = cute.make_rmem_tensor((1,), Float32)
+    t[0] = v
+    return t
+
+
+def _tree_best(cands: list) -> tuple:
+    """The first-ranking of ``cands`` by a pairwise tree of ``_better`` (depth log2 instead of a chain)."""
+    while len(cands) > 1:
+        cands = [_better(cands[i], cands[i + 1]) if i + 1 < len(cands) else cands[i] for i in range(0, len(cands), 2)]
+    return cands[0]
+
+
+def _better(a: tuple, b: tuple) -> tuple:
+    """The (key, index, score) slot that ranks first: the larger key, on equal keys the lower index."""
+    b_wins = (b[0] > a[0]) | ((b[0] == a[0]) & (b[1] < a[1]))
+    return tuple(cutlass.select_(b_wins, y, x) for x, y in zip(a, b))
+
+
+def config_reason(dim: int, experts: int, topk: int) -> str | None:
+    """Why the kernel has no build for hidden size ``dim``, ``experts`` experts and ``topk`` (None when it has)."""
+    if dim % K_PER_CTA:
+        return f"D must be a multiple of {K_PER_CTA}, got {dim}"
+    if experts % 32 or not 32 <= experts <= MAX_EXPERTS:
+        return f"E must be a multiple of 32 in [32, {MAX_EXPERTS}], got {experts}"
+    if not 1 <= topk <= MAX_TOPK:
+        return f"topk must be in [1, {MAX_TOPK}], got {topk}"
+    return None
+
+
+def supports(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, *, topk: int, route_scale: float,
+             gate_temp: float) -> str | None:
+    """None when the kernel computes ``dsv41::moe_route`` of these arguments, else the reason it cannot."""
+    if h.dim() != 2 or gate_weight.dim() != 2:
+        return f"h and gate_weight must be 2-D, got shapes {list(h.shape)} and {list(gate_weight.shape)}"
+    t, d = h.shape
+    e = gate_weight.shape[0]
+    for reason in (shape_reason("h", h, torch.bfloat16, (t, d)),
+                   shape_reason("gate_weight", gate_weight, torch.bfloat16, (e, d)),
+                   shape_reason("bias", bias, torch.float32, (e,))):
+        if reason is not None:
+            return reason
+    reason = config_reason(d, e, topk)
+    if reason is not None:
+        return reason
+    if t * d >= 2**31 or (d // K_PER_CTA + 1) * t * e >= 2**31:
+        return f"T = {t} overflows the kernel's 32-bit indexing"
+    return hopper_reason(h=h, gate_weight=gate_weight, bias=bias)
+
+
+@cached_kernel(__file__, cute_utils.__file__)
+def _compile_moe_route(dim: int, experts: int, topk: int, pdl: bool):
+    t = cute.sym_int()
+    splits, groups = dim // K_PER_CTA, experts // ROWS
+    return compile_tvm_ffi(
+        MoeRoute(dim, experts, topk, pdl),
+        fake_tensor(BFloat16, (t, dim)), fake_tensor(BFloat16, (experts, dim)), fake_tensor(Float32, (experts,), 4),
+        fake_tensor(Float32, (t, topk), 4), fake_tensor(Int64, (t, topk), 8),
+        fake_tensor(Float32, (splits + 1, t, experts), 4), fake_tensor(Int32, (groups + 1,), 4),
+        Float32(1.0), Float32(1.0), env_stream(),
+    )
+
+
+def compile_for(dim: int, experts: int, topk: int, pdl: bool = True):
+    """The compiled kernel for hidden size ``dim``, ``experts`` experts, ``topk`` and programmatic dependent launch
+    on or off (memory, disk or a fresh compile)."""
+    return _compile_moe_route(dim, experts, topk, pdl)
+
+
+class RouteMetadata:
+    """The grouped-GEMM metadata of a routing, in one CTA: with n = T * k pairs p = t * k + slot and
+    key(p) = experts[t, slot] (an id outside [0, E) counts as E: after every expert),
+
+        counts[e]  = #{p : key(p) == e}                          e < E        int32 [E]
+        offsets[e] = #{p : key(p) < e}                           e <= E       int32 [E + 1]
+        perm[offsets[key(p)] + #{p' < p : key(p') == key(p)}] = p            int32 [T, k] (row-major: n entries)
+
+    so perm lists the pairs sorted by expert, stably (expert e's rows are perm[offsets[e]:offsets[e + 1]], token
+    perm // k). Thread e counts for expert e and thread p ranks pair p by scans over the keys in shared memory:
+    deterministic, no atomics.
+    """
+
+    def __init__(self, experts: int, topk: int, pdl: bool):
+        self.experts = experts
+        self.topk = topk
+        self.pdl = pdl
+
+    @cute.jit
+    def __call__(self, mExperts: cute.Tensor, mCounts: cute.Tensor, mOffsets: cute.Tensor, mPerm: cute.Tensor,
+                 stream):
+        self.kernel(mExperts, mCounts, mOffsets, mPerm).launch(grid=[1, 1, 1], block=[_META_THREADS, 1, 1],
+                                                               stream=stream, use_pdl=self.pdl)
+
+    @cute.kernel
+    def kernel(self, mExperts: cute.Tensor, mCounts: cute.Tensor, mOffsets: cute.Tensor, mPerm: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        n = mExperts.shape[0] * self.topk
+        smem = cutlass.memory.SmemAllocator()
+        sKey = smem.allocate_tensor(Int32, cute.make_layout(MAX_PAIRS), byte_alignment=16)
+        sOff = smem.allocate_tensor(Int32, cute.make_layout(self.experts + 1), byte_alignment=16)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()
+        experts = cute.make_tensor(mExperts.iterator, cute.make_layout(n))
+        perm = cute.make_tensor(mPerm.iterator, cute.make_layout(n))
+        for p in cutlass.range(tidx, n, _META_THREADS):
+            e = experts[p]
+            sKey[p] = cutlass.select_((e < 0) | (e >= self.experts), Int32(self.experts), Int32(e))
+        cute.arch.barrier()
+        if tidx <= self.experts:
+            below, equal = Int32(0), Int32(0)
+            for p in cutlass.range(0, n):
+                key = sKey[p]
+                below = below + Int32(key < tidx)
+                equal = equal + Int32(key == tidx)
+            sOff[tidx] = below
+            mOffsets[tidx] = below
+            if tidx < self.experts:
+                mCounts[tidx] = equal
+        cute.arch.barrier()
+        for p in cutlass.range(tidx, n, _META_THREADS):
+            key = sKey[p]
+            rank = Int32(0)
+            for q in cutlass.range(0, p):
+                rank = rank + Int32(sKey[q] == key)
+            perm[sOff[key] + rank] = p
+
+
+def metadata_reason(experts: torch.Tensor, num_experts: int) -> str | None:
+    """None when ``route_metadata`` takes these arguments, else the reason it cannot."""
+    if experts.dtype != torch.int64 or experts.dim() != 2:
+        return f"experts must be a 2-D torch.int64 tensor [T, k], got {experts.dtype} of shape {list(experts.shape)}"
+    t, k = experts.shape
+    if not 1 <= k <= MAX_TOPK:
+        return f"experts must have 1 to {MAX_TOPK} columns (k), got {k}"
+    if t * k > MAX_PAIRS:
+        return f"T * k must be at most {MAX_PAIRS}, got {t * k}"
+    if not 1 <= num_experts < _META_THREADS:
+        return f"num_experts must be in [1, {_META_THREADS - 1}], got {num_experts}"
+    return hopper_reason(experts=experts)
+
+
+@cached_kernel(__file__, cute_utils.__file__)
+def _compile_route_metadata(experts: int, topk: int, pdl: bool):
+    t = cute.sym_int()
+    return compile_tvm_ffi(
+        RouteMetadata(experts, topk, pdl), fake_tensor(Int64, (t, topk), 8), fake_tensor(Int32, (experts,), 4),
+        fake_tensor(Int32, (experts + 1,), 4), fake_tensor(Int32, (t, topk), 4), env_stream(),
+    )
+
+
+def route_metadata(experts: torch.Tensor, num_experts: int, *,
+                   out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, pdl: bool = True):
+    """(counts [E] int32, offsets [E + 1] int32, perm [T, k] int32) of a routing (``RouteMetadata``).
+
+    experts [T, k] int64 (``moe_route``'s second output) on a Hopper device, T * k <= 2048, 1 <= E <= 1023.
+    ``out`` optionally supplies the three outputs. ``pdl``: launch as a programmatic dependent of the preceding
+    kernel.
+    """
+    reason = metadata_reason(experts, num_experts)
+    if reason is not None:
+        raise ValueError(f"route_metadata: {reason}")
+    shapes = ((num_experts,), (num_experts + 1,), tuple(experts.shape))
+    if out is None:
+        out = tuple(experts.new_empty(shape, dtype=torch.int32) for shape in shapes)
+    for i, (o, shape) in enumerate(zip(out, shapes, strict=True)):
+        reason = shape_reason(f"out[{i}]", o, torch.int32, shape) or hopper_reason(experts=experts, **{f"out[{i}]": o})
+        if reason is not None:
+            raise ValueError(f"route_metadata: {reason}")
+    if experts.shape[0] == 0:
+        out[0].zero_()
+        out[1].zero_()
+    else:
+        _compile_route_metadata(num_experts, experts.shape[1], pdl)(experts, *out)
+    return out
+
+
+_COUNTERS: dict[int, torch.Tensor] = {}  # device index -> the zeroed ticket counters (row groups + 1)
+
+
+def _counters(device: torch.device, groups: int) -> torch.Tensor:
+    """The device's ticket counters, at least ``groups + 1``; kernels leave them zeroed. Grown (never freed:
+    captured graphs keep the old address) outside CUDA-graph capture only."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    count = _COUNTERS.get(idx)
+    if count is None or count.numel() < groups + 1:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("moe_route: the ticket counters must be allocated before CUDA-graph capture; "
+                               "call moe_route once first")
+        count = _COUNTERS[idx] = torch.zeros(max(64, groups + 1), dtype=torch.int32, device=device)
+    return count
+
+
+def moe_route(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, *, topk: int, route_scale: float,
+              gate_temp: float, out: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = True):
+    """(weights [T, topk] fp32, experts [T, topk] int64) = ``dsv41::moe_route`` (module docstring).
+
+    h [T, D], gate_weight [E, D] bf16, bias [E] fp32, all contiguous on one Hopper device; D % 1024 == 0,
+    E % 32 == 0 with 32 <= E <= 512, 1 <= topk <= 8. ``out`` optionally supplies the two outputs. ``pdl``: launch
+    as a programmatic dependent of the preceding kernel (the weight is read before waiting for it).
+    """
+    reason = supports(h, gate_weight, bias, topk=topk, route_scale=route_scale, gate_temp=gate_temp)
+    if reason is not None:
+        raise ValueError(f"moe_route: {reason}")
+    t, d = h.shape
+    e = gate_weight.shape[0]
+    if out is None:
+        weights = h.new_empty((t, topk), dtype=torch.float32)
+        experts = h.new_empty((t, topk), dtype=torch.int64)
+    else:
+        weights, experts = out
+        for name, o, dtype in (("out[0]", weights, torch.float32), ("out[1]", experts, torch.int64)):
+            reason = shape_reason(name, o, dtype, (t, topk)) or hopper_reason(h=h, **{name: o})
+            if reason is not None:
+                raise ValueError(f"moe_route: {reason}")
+    if t > 0:
+        splits, groups = d // K_PER_CTA, e // ROWS
+        count = _counters(h.device, groups)
+        ws = h.new_empty((splits + 1, t, e), dtype=torch.float32)
+        compile_for(d, e, topk, pdl)(h, gate_weight, bias, weights, experts, ws, count[:groups + 1], route_scale,
+                                     gate_temp)
+    return weights, experts
