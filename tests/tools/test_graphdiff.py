@@ -311,20 +311,20 @@ def test_show_text(base):
     assert rc == 0 and err == ""
     assert "\x1b[" not in out  # colour only on a tty
     assert_expected_inline(out, """\
-graph 0: 2726 nodes in, 1261 out; layers 0, 2, 3; 12 passes, 8 changed
+graph 0: 2726 nodes in, 1198 out; layers 0, 2, 3; 12 passes, 8 changed
   #   pass              result     nodes         matches  declined  attempts
-  00  normalize         changed    2726 -> 2660      458         0         0
-  01  mhc_coeffs        changed    2660 -> 1766        6         0         0
-  02  moe_finalize      changed    1766 -> 1751        3         0         9
-  03  allreduce_mhc     unchanged  1751                0         0         6
-  04  mhc_post_pre      changed    1751 -> 1619        6         0         0
-  05  qkv_norm          changed    1619 -> 1445        3         0         9
-  06  wo_a              changed    1445 -> 1337        3         0        21
-  07  indexer_topk      changed    1337 -> 1306        1         0         3
-  08  moe_route         changed    1306 -> 1261        3         0         6
-  09  streams           unchanged  1261                0         0         0
-  10  lower_references  unchanged  1261                0         0         0
-  11  defunctionalize   unchanged  1261                0         0         0
+  00  normalize         changed    2726 -> 2568      664         0         0
+  01  mhc_coeffs        changed    2568 -> 1674        6         0         0
+  02  moe_finalize      changed    1674 -> 1659        3         0        10
+  03  allreduce_mhc     unchanged  1659                0         0         0
+  04  mhc_post_pre      changed    1659 -> 1527        6         0         9
+  05  qkv_norm          changed    1527 -> 1353        3         0         3
+  06  wo_a              changed    1353 -> 1263        3         0         0
+  07  indexer_topk      changed    1263 -> 1243        1         0         0
+  08  moe_route         changed    1243 -> 1198        3         0         0
+  09  streams           unchanged  1198                0         0         0
+  10  lower_references  unchanged  1198                0         0         0
+  11  defunctionalize   unchanged  1198                0         0         0
 
   matches per layer  L0  L2  L3
   mhc_coeffs          2   2   2
