@@ -1,6 +1,6 @@
 """The HF-style block (hf_style.py) through the real backend (fx mode): outputs equal to eager (h and x_new bf16
 within one bf16 ulp of the fp32 reordering: atol=rtol=1.6e-2 on at least 99% of elements, since the FP8 round trip
-may move a bucket; the indices exactly), and the sites it fuses: 8 of its 9 today. Not fused:
+may move a bucket; the indices exactly), and the sites it fuses: 7 of its 9 today. Not fused:
 - moe_finalize: the routing weights come flattened from [T, k] (`weights.flatten()[:, None]`), whose layout chain
   collapses onto the [T, k] tensor, so the op's `weights` [M] input does not bind (layout-derived inputs are not
   re-derived yet);
