@@ -24,7 +24,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-FUSIONS = ("mhc_coeffs", "allreduce_mhc", "mhc_post_pre", "qkv_norm", "wo_a", "indexer_topk", "moe_route", "moe_finalize")
+from dsv41.passes.registry import FUSION_NAMES as FUSIONS  # noqa: E402  (declared once, in run order)
 KERNELS = ("auto", "cute", "reference")
 MODES = ("inductor", "fx")
 STREAM_BRANCHES = ("mhc_coeffs", "shared_expert", "indexer")  # see dsv41.passes.streams

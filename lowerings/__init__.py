@@ -1,6 +1,7 @@
 """The dsv41 op library: one functional `dsv41::` custom op per fusion of the backend.
 
-Importing this package registers every op; `ALL_OPS` maps each fusion name to its `torch.ops.dsv41` packet.
+Importing this package registers every op; `ALL_OPS` maps each fusion name (`dsv41.passes.registry`) to its
+`torch.ops.dsv41` packet.
 Each op module (`lowerings/<name>.py`) holds the op's schema and math (its docstring), a plain-torch reference
 (CPU and CUDA; the model's own functions in the model's op order, so it is bit-identical to the eager model on
 CPU), a fake that is a pure shape function of the inputs' sizes, and validation shared by both through
@@ -9,21 +10,13 @@ CPU), a fake that is a pure shape function of the inputs' sizes, and validation 
 each as one extern fallback call.
 """
 
+import importlib
+
 import torch
 
-from dsv41.lowerings import (  # noqa: F401  (importing registers the ops)
-    allreduce_mhc,
-    indexer_topk,
-    mhc_coeffs,
-    mhc_post_pre,
-    moe_finalize,
-    moe_route,
-    qkv_norm,
-    wo_a,
-)
+from dsv41.passes.registry import FUSIONS
 
-ALL_OPS = {
-    name: getattr(torch.ops.dsv41, name)
-    for name in ("indexer_topk", "moe_route", "moe_finalize", "qkv_norm", "wo_a", "mhc_coeffs", "mhc_post_pre",
-                 "allreduce_mhc")
-}
+for _fusion in FUSIONS:  # importing an op module registers its op
+    importlib.import_module(f"dsv41.lowerings.{_fusion.name}")
+
+ALL_OPS = {f.name: getattr(torch.ops.dsv41, f.name) for f in FUSIONS}

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-# Fusion order, most specific first: allreduce_mhc claims the post+pre sites that sit behind an all-reduce.
-FUSION_ORDER = ("mhc_coeffs", "moe_finalize", "allreduce_mhc", "mhc_post_pre", "qkv_norm", "wo_a", "indexer_topk", "moe_route")
+from dsv41.passes.registry import FUSION_NAMES as FUSION_ORDER  # the run order (see dsv41.passes.registry)
 
 
 def fusion_pass_class(name: str):

@@ -42,8 +42,9 @@ class AllReduceMhcPass(FusionPass):
                 return tail((_all_reduce(y) + shared.float()).to(shared.dtype), x, post, comb, pre, w)
 
             pats.append(Pattern("attention" + suffix, attention, example_stream_inputs,
-                                variants=one_token_variant(suffix, example_stream_inputs)))
-            pats.append(Pattern("ffn" + suffix, ffn, _ffn_inputs, variants=one_token_variant(suffix, _ffn_inputs)))
+                                variants=one_token_variant(suffix, example_stream_inputs), anchor=c10d.all_reduce.default))
+            pats.append(Pattern("ffn" + suffix, ffn, _ffn_inputs, variants=one_token_variant(suffix, _ffn_inputs),
+                                anchor=c10d.all_reduce.default))
         return pats
 
     def tokens(self, m):

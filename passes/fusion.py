@@ -5,6 +5,12 @@ built from the backend config) and `replacement(match)` (the `dsv41::` op, its a
 replaces which pattern output); `tokens(match)` when the token count is not the first input's leading dim.
 A match is declined above the token limit, or when the op's own validation rejects the matched values (its
 fake implementation runs on them): the error, which names the argument, is the reason.
+
+Semantic check: a match whose graph computes part of the pattern with other ops (islands, see
+`dsv41.passes.matcher`) is replaced only if the matched region and the op's reference agree on fresh random
+inputs of the matched shapes and dtypes (`sample_inputs`: normal floats in the input's dtype, booleans at 1/2,
+integers in the range the fusion declares), to the fusion's `tolerance` (exact unless the pass states one). The
+check and the value domain it covered are recorded with the replacement.
 """
 
 from __future__ import annotations
@@ -12,19 +18,64 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
 import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from dsv41.passes.matcher import MatchFailure, MatchResult, PatternSet
+from dsv41.passes.matcher import MatchFailure, MatchResult, PatternSet, quiet_fake_tensor
 from dsv41.passes.printing import module_path
 
-# A failed candidate is a decline worth reporting when it got past the first few ops, matched the whole structure
-# and failed on a scalar or an extra user, or failed a check.
-_REPORTED_KINDS = ("scalar", "extra user", "check", "token limit")
+log = logging.getLogger("dsv41")
+
+# A failed candidate is a decline (`declined`) when it matched the whole structure and failed on a scalar, an extra
+# user, the semantic check, the op's check or the token limit, reached a graph input (a graph break), or failed on a
+# dtype after four ops; a structural miss past the anchor's first ops is an attempt (`attempts`, the first
+# differing op named).
+_REPORTED_KINDS = ("scalar", "extra user", "check", "token limit", "semantic")
+_SEMANTIC_DRAWS = 2
+# An op-for-op match that fails on these is a different computation (another eps, dtype, ...): not retried with islands.
+_FINAL_KINDS = ("scalar", "dtype", "extra user", "token limit")
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A value the replacement computes from matched values just before the op: `op(*args)` (e.g. the cat that
+    joins two GEMM outputs into the op's one input); args may hold Nodes and other Derived values."""
+
+    op: torch._ops.OpOverload
+    args: tuple
+
+
+def _leaves(args) -> list[fx.Node]:
+    """The graph nodes inside args (through Derived values)."""
+    out: list[fx.Node] = []
+
+    def walk(a):
+        if isinstance(a, Derived):
+            walk(a.args)
+        elif isinstance(a, (tuple, list)):
+            for b in a:
+                walk(b)
+        elif isinstance(a, fx.Node):
+            out.append(a)
+    walk(args)
+    return out
+
+
+def _evaluate(args, leaf):
+    """args with every Node replaced by leaf(node) and every Derived by its op applied to its evaluated args."""
+    if isinstance(args, Derived):
+        return args.op(*_evaluate(args.args, leaf))
+    if isinstance(args, tuple):
+        return tuple(_evaluate(a, leaf) for a in args)
+    if isinstance(args, list):
+        return [_evaluate(a, leaf) for a in args]
+    return leaf(args) if isinstance(args, fx.Node) else args
 
 
 @dataclass
@@ -44,6 +95,7 @@ class PassResult:
     declined: list[MatchFailure] = field(default_factory=list)
     attempts: list[MatchFailure] = field(default_factory=list)
     replaced: list[dict] = field(default_factory=list)  # per match: erased and created node names, provenance
+    note: str | None = None  # e.g. "no candidate: ..." when the graph holds none of the fusion's distinctive ops
 
 
 def source_hash(*objs, extra=None) -> str:
@@ -76,6 +128,8 @@ class GraphPass:
 
 class FusionPass(GraphPass):
     def __init__(self, config):
+        import dsv41.lowerings  # noqa: F401  (registers the dsv41:: ops the replacements call)
+
         super().__init__(config)
         self._patterns: PatternSet | None = None
 
@@ -87,8 +141,34 @@ class FusionPass(GraphPass):
         return m.inputs[0].meta["val"].shape[0]
 
     def check(self, m: MatchResult) -> str | None:
-        """The token limit; dtypes and shapes are checked by the op's own validation on the matched values."""
-        return self.token_check(self.tokens(m))
+        """A fusion's own condition on the match beyond the token limit (None: accepted); dtypes and shapes are
+        checked by the op's own validation on the matched values."""
+        return None
+
+    # value ranges of integer inputs for the semantic check: input name -> callable(input metadata by name, free
+    # scalars) -> (low, high)
+    int_ranges: dict = {}
+    # (atol, rtol) of the semantic check per op output dtype; exact where not given
+    tolerance: dict = {}
+
+    def sample_inputs(self, m: MatchResult, g: torch.Generator) -> dict:
+        """Fresh random values for the semantic check: graph input node -> tensor (the domain: see the module)."""
+        names = m.pattern.input_names()
+        metas = {name: v.meta["val"] for name, v in zip(names, m.inputs) if isinstance(v, fx.Node)}
+        values: dict = {}
+        for name, v in zip(names, m.inputs):
+            if not isinstance(v, fx.Node):
+                continue
+            val = v.meta["val"]
+            if val.dtype.is_floating_point:
+                x = torch.randn(val.shape, generator=g).to(val.dtype)
+            elif val.dtype is torch.bool:
+                x = torch.rand(val.shape, generator=g) < 0.5
+            else:
+                low, high = self.int_ranges[name](metas, m.free) if name in self.int_ranges else (0, 4)
+                x = torch.randint(low, high, tuple(val.shape), generator=g).to(val.dtype)
+            values[v] = x.to(val.device)
+        return values
 
     def explain(self, failure: MatchFailure, graph: fx.Graph) -> MatchFailure:
         """A fusion may restate a structural failure in its own terms (e.g. an iteration count)."""
@@ -106,73 +186,140 @@ class FusionPass(GraphPass):
         return source_hash(type(self), FusionPass, matcher, extra={"pass": self.name, **self.config_key()})
 
     def token_check(self, t) -> str | None:
+        """The reason (kind "token limit") a token count is not fused, or None."""
         if not isinstance(t, int):
-            return f"token limit: the token count {t} is symbolic; decode fusions need a static batch"
+            return f"the token count {t} is symbolic; decode fusions need a static batch"
         if t > self.config.max_tokens:
-            return f"token limit: T={t} > max_tokens={self.config.max_tokens}"
+            return f"T={t} > max_tokens={self.config.max_tokens}"
         return None
+
+    def semantic_check(self, m: MatchResult, rep: "Replacement") -> tuple[str | None, str]:
+        """(None or the reason the region and the op disagree, the domain checked), on real tensors (the pass may
+        run inside a fake-tensor compile)."""
+        with unset_fake_temporarily():
+            return self._semantic_check(m, rep)
+
+    def _semantic_check(self, m: MatchResult, rep: "Replacement") -> tuple[str | None, str]:
+        where = "; ".join(f"%{t.name} computes the pattern's {p} another way ({why.reason})" for p, t, why in m.islands)
+        try:
+            region = _region_module(m)
+        except KeyError as e:
+            return f"{where}: the region reads %{e.args[0]} that the match does not bind", ""
+        g = torch.Generator().manual_seed(0x5EED)
+        for draw in range(_SEMANTIC_DRAWS):
+            values = self.sample_inputs(m, g)
+            try:
+                got = region(*[values[v] for v in region.inputs])
+                args = _evaluate(rep.args, values.__getitem__)
+                args = tuple("reference" if i == len(args) - 1 and a in ("auto", "cute") else a for i, a in enumerate(args))
+                want = rep.op(*args)
+            except Exception as e:
+                return f"{where}: running the region or the op on random inputs failed: {type(e).__name__}: {e}", ""
+            for i, (out, idx) in enumerate(zip(got, rep.outputs)):
+                ref = want if idx is None else want[idx]
+                diff = _difference(out, ref, self.tolerance.get(ref.dtype, (0.0, 0.0)))
+                if diff:
+                    return f"{where}: output {i} differs from dsv41::{self.name}'s reference on random inputs ({diff})", ""
+        tol = {str(k).removeprefix("torch."): v for k, v in self.tolerance.items()}
+        domain = (f"{_SEMANTIC_DRAWS} random draws (normal floats in each input's dtype, booleans at 1/2, integers in "
+                  f"{ {k: '(declared range)' for k in self.int_ranges} or 'their default range [0, 4)'}), "
+                  f"{'within ' + str(tol) if tol else 'bit-exact'}")
+        return None, f"{where}; checked on {domain}"
 
     def __call__(self, graph: fx.Graph) -> PassResult:
         if self._patterns is None:
             self._patterns = PatternSet(self.patterns())
         result = PassResult(self.name)
         erased: set[fx.Node] = set()
-        failures: dict[fx.Node, MatchFailure] = {}
+        failures: dict[fx.Node, MatchFailure] = {}  # per anchor: the deepest op-for-op failure
+        island_failures: dict[fx.Node, MatchFailure] = {}  # per anchor: a semantic disagreement or graph break
         # Formulations in order over the whole graph: a wider pattern claims its nodes before a narrower one
-        # (e.g. combine + shared add before the combine alone).
-        for index in range(len(self._patterns.patterns)):
-            for anchor in self._patterns.anchors(graph, index):
-                if anchor in erased:
-                    continue
-                m = self._patterns.match_one(index, anchor)
-                if isinstance(m, MatchResult):
-                    reason = self.check(m)
-                    rep = None
-                    if reason is None:
-                        rep = self.replacement(m)
-                        try:  # the op's own validation (dtypes, shapes) on the matched values
-                            value = _fake_output(rep)
-                        except TypeError as e:
-                            reason = f"dtype: {e}"
-                        except (ValueError, RuntimeError) as e:
-                            reason = f"the op rejects the matched inputs: {e}"
-                    if reason is not None:
-                        kind = "token limit" if reason.startswith("token limit") else "check"
-                        m = MatchFailure(m.pattern.name, anchor.name, len(m.nodes), len(m.nodes), kind, reason)
-                if isinstance(m, MatchFailure):
-                    best = failures.get(anchor)
-                    if best is None or _rank(m) > _rank(best):
-                        failures[anchor] = m
-                    continue
-                result.replaced.append(self._replace(graph, m, rep, value))
-                erased.update(m.nodes)
-                result.matches += 1
+        # (e.g. combine + shared add before the combine alone); first op for op, then with parts computed another
+        # way (islands), which the semantic check must accept.
+        for islands in (False, True):
+            for index in range(len(self._patterns.patterns)):
+                for anchor in self._patterns.anchors(graph, index):
+                    if anchor in erased:
+                        continue
+                    strict = failures.get(anchor)
+                    if islands and strict is not None and strict.kind in _FINAL_KINDS:
+                        continue  # a different computation (another eps, dtype, ...): no islands
+                    m = self._patterns.match_one(index, anchor, islands)
+                    if isinstance(m, MatchResult):
+                        m = self._accept(m, anchor)
+                    if isinstance(m, MatchFailure):
+                        if islands:  # only a semantic disagreement is worth reporting here
+                            if m.kind == "semantic" and island_failures.get(anchor) is None:
+                                island_failures[anchor] = m
+                        elif strict is None or _rank(m) > _rank(strict):
+                            failures[anchor] = m
+                        continue
+                    m, rep, value, verified = m
+                    result.replaced.append(self._replace(graph, m, rep, value))
+                    result.replaced[-1]["verified"] = verified
+                    erased.update(m.nodes)
+                    result.matches += 1
         names = {n.name: n for n in graph.nodes}
+        failures.update(island_failures)
         for anchor, f in failures.items():
             if anchor in erased:
                 continue
             f = self.explain(f, graph) if f.blocking in names else f
             if f.progress >= 2:
                 result.attempts.append(f)
-            if f.kind in _REPORTED_KINDS or f.progress >= max(4, f.total // 3):
+            if f.kind in _REPORTED_KINDS or f.kind == "dtype" and f.progress >= 4:
                 result.declined.append(f)
+        if not any(self._patterns.anchors(graph, i) for i in range(len(self._patterns.patterns))) and not result.matches:
+            ops = sorted({_op(t) for i in range(len(self._patterns.patterns)) for t in self._patterns.anchor_ops(i)})
+            result.note = f"no candidate: the graph has no {' or '.join(ops)}"
         return result
+
+    def _accept(self, m: MatchResult, anchor: fx.Node):
+        """(match, replacement, fake output, what the semantic check verified) or the MatchFailure that declines it."""
+        kind, reason, verified, rep, value = "token limit", self.token_check(self.tokens(m)), None, None, None
+        if reason is None:
+            kind, reason = "check", self.check(m)
+        if reason is None:
+            kind, rep = "check", self.replacement(m)
+            try:  # the op's own validation (dtypes, shapes) on the matched values
+                value = _fake_output(rep)
+            except TypeError as e:
+                reason = f"dtype: {e}"
+            except (ValueError, RuntimeError) as e:
+                reason = f"the op rejects the matched inputs: {e}"
+            if reason is not None:
+                log.debug("dsv41: %s declines %%%s: %s", self.name, anchor.name, reason)
+        if reason is None and m.islands:
+            kind = "semantic"
+            reason, verified = self.semantic_check(m, rep)
+        if reason is not None:
+            blocking = m.islands[0][2].blocking if m.islands and m.islands[0][2].blocking is not None else None
+            return MatchFailure(m.pattern.name, anchor.name, len(m.nodes), len(m.nodes), kind, reason,
+                                blocking and blocking.name)
+        return m, rep, value, verified
 
     def _replace(self, graph: fx.Graph, m: MatchResult, rep: Replacement, value) -> dict:
         from torch._inductor.pattern_matcher import stable_topological_sort
 
         position = {n: i for i, n in enumerate(graph.nodes)}
-        arg_nodes: list[fx.Node] = []
-        fx.node.map_arg(rep.args, arg_nodes.append)
-        last_input = max(arg_nodes, key=position.__getitem__)
+        last_input = max(_leaves(rep.args), key=position.__getitem__)
         anchor = m.outputs[0]
+        derived = []
+
+        def emit(d: Derived) -> fx.Node:
+            node = graph.call_function(d.op, tuple(emit(a) if isinstance(a, Derived) else a for a in d.args))
+            node.meta["val"] = _fake_value(d)
+            derived.append(node)
+            return node
+
         with graph.inserting_after(last_input):
-            fused = graph.call_function(rep.op, rep.args)
+            args = tuple(emit(a) if isinstance(a, Derived) else a for a in rep.args)
+            fused = graph.call_function(rep.op, args)
         fused.meta["val"] = value
         for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
             if key in anchor.meta:
                 fused.meta[key] = anchor.meta[key]
-        created = [fused]
+        created = [*derived, fused]
         for pat_out, idx in zip(m.outputs, rep.outputs):
             new = fused
             if idx is not None:
@@ -197,11 +344,53 @@ class FusionPass(GraphPass):
 
 
 def _fake_output(rep: Replacement):
-    """The op's output on the fake values of its arguments (runs the op's validation)."""
-    arg_nodes: list[fx.Node] = []
-    fx.node.map_arg(rep.args, arg_nodes.append)
-    with detect_fake_mode([n.meta["val"] for n in arg_nodes]):
-        return rep.op(*fx.node.map_arg(rep.args, lambda n: n.meta["val"]))
+    """The op's output on the fake values of its arguments (runs the op's validation; a rejection is a decline, so
+    fake-tensor dispatch does not log it)."""
+    with quiet_fake_tensor():
+        return _fake_value(Derived(rep.op, rep.args))
+
+
+def _fake_value(d: Derived):
+    """d evaluated on the fake values of its graph nodes."""
+    with detect_fake_mode([n.meta["val"] for n in _leaves(d.args)]):
+        return _evaluate(d, lambda n: n.meta["val"])
+
+
+def _region_module(m: MatchResult) -> fx.GraphModule:
+    """The matched region as a module of the graph values it reads (`.inputs`), returning the pattern outputs."""
+    g = fx.Graph()
+    env: dict = {}
+    inputs = [v for v in dict.fromkeys(m.inputs) if isinstance(v, fx.Node)]
+    for v in inputs:
+        env[v] = g.placeholder(v.name)
+    for n in m.nodes:
+        env[n] = g.node_copy(n, lambda a: env[a] if a in env else (_ for _ in ()).throw(KeyError(a.name)))
+    g.output(tuple(env[o] for o in m.outputs))
+    module = fx.GraphModule(torch.nn.Module(), g)
+    module.inputs = inputs
+    return module
+
+
+def _difference(got, want, tol) -> str | None:
+    """None when got equals want (NaN never does) to (atol, rtol); else what differs."""
+    if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor):
+        return f"{type(got).__name__} vs {type(want).__name__}"
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"{got.dtype}{list(got.shape)} vs {want.dtype}{list(want.shape)}"
+    if not got.dtype.is_floating_point:
+        bad = (got != want).sum().item()
+        return f"{bad} of {got.numel()} elements differ" if bad else None
+    g, w = got.float(), want.float()
+    atol, rtol = tol
+    ok = (g - w).abs() <= atol + rtol * w.abs()
+    ok |= (g == w)  # equal infinities
+    ok &= ~(g.isnan() | w.isnan())
+    bad = (~ok).sum().item()
+    return f"{bad} of {got.numel()} elements differ, max |diff| {(g - w).abs().nan_to_num(nan=float('inf')).max().item():.3g}" if bad else None
+
+
+def _op(target) -> str:
+    return target.name() if hasattr(target, "name") else str(target)
 
 
 def _rank(f: MatchFailure) -> tuple:

@@ -62,18 +62,20 @@ def make_patterns(sorted_topk: bool):
         return select(s, topk, offset, sorted_topk)
 
     sel_free = {"topk": (aten.topk.default, -1, 1), "offset": (aten.add.Tensor, -1, 1)}
+    sort = (aten.sort.default, aten.sort.stable)
     defaults = {"topk": 8, "offset": 8}
     return [
         Pattern("candidate_source" + tag, candidates, _inputs(False),
-                {**sel_free, "cand_topk": (aten.topk.default, 0, 1), "cand_block": (aten.view.default, 4, (1, 2))},
-                {**defaults, "cand_block": 4, "cand_topk": 2}),
-        Pattern("reindex" + tag, reindex, _inputs(True), sel_free, defaults),
-        Pattern("index_source" + tag, plain, _inputs(False), sel_free, defaults),
+                {**sel_free, "cand_topk": (aten.topk.default, 0, 1), "cand_block": (aten.view.default, 2, (1, 2))},
+                {**defaults, "cand_block": 4, "cand_topk": 2}, anchor=sort),
+        Pattern("reindex" + tag, reindex, _inputs(True), sel_free, defaults, anchor=sort),
+        Pattern("index_source" + tag, plain, _inputs(False), sel_free, defaults, anchor=sort),
     ]
 
 
 class IndexerTopkPass(FusionPass):
     name = "indexer_topk"
+    int_ranges = {"n_c": lambda metas, free: (0, metas["keys"].shape[1] + 1)}  # valid rows: 0 .. Ncap
 
     def patterns(self):
         return make_patterns(False) + make_patterns(True)

@@ -25,12 +25,14 @@ ACTIVE_RECORDERS: list = []
 @dataclass
 class CompileReport:
     """One compiled graph: `matches[fusion]` = replacements made, `declined[fusion]` = reasons for the candidate
-    subgraphs that were not replaced, `passes` = per-pass results in order, `fallback` = why the backend handed
-    the graph to plain Inductor (None when it did not)."""
+    subgraphs that were not replaced, `notes[fusion]` = "no candidate: ..." when the graph holds none of the
+    fusion's distinctive ops, `passes` = per-pass results in order, `fallback` = why the backend handed the graph
+    to plain Inductor (None when it did not)."""
 
     graph_id: int
     matches: dict[str, int] = field(default_factory=dict)
     declined: dict[str, list[str]] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
     passes: list[PassResult] = field(default_factory=list)
     fallback: str | None = None
 
@@ -72,6 +74,8 @@ class PassManager(CustomGraphPass):
             if p.name in self.config.fusions:
                 report.matches[p.name] = result.matches
                 report.declined[p.name] = [f"{d.pattern} at %{d.anchor}: {d.kind}: {d.reason}" for d in result.declined]
+                if result.note:
+                    report.notes[p.name] = result.note
             for r, before in zip(recorders, befores):
                 r.snapshot(report.graph_id, index, p, before, r.capture(graph), result)
             if self.config.debug:

@@ -1,13 +1,22 @@
-"""An anchored FX subgraph matcher that says why a candidate did not match.
+"""An anchored FX subgraph matcher that finds a fusion by what it computes and says why a candidate did not match.
 
 A pattern is a plain torch function (`search`) traced to a functionalised ATen graph with the same
-decompositions the backend uses. Matching a candidate anchor (a graph node with the op of the pattern's first
-output) runs in two phases, as Inductor's matcher does, but records the first step that failed:
+decompositions and normalisation (`dsv41.passes.normalize`) the backend applies to the graph. A candidate is a
+graph node with the pattern's distinctive op (`Pattern.anchor`: top-k, sort, rsqrt, index_add, ...). From it the
+matcher looks downstream for the pattern output that depends on the anchor and walks the pattern backwards from
+there, in two phases as Inductor's matcher does:
 
-1. structural: walk the pattern backwards from its first output and forwards from matched nodes to its other
-   outputs, comparing ops, dtypes and non-numeric arguments; numbers (shapes, eps, ...) are not compared yet;
+1. structural: compare ops, dtypes and non-numeric arguments; numbers (shapes, eps, ...) are not compared yet;
 2. exact: re-trace `search` with fake tensors shaped like the bound inputs and match again, now comparing every
    scalar and shape list. A different eps therefore fails here, named as a scalar mismatch.
+
+Both phases treat commutative ops (add, mul, ...) as unordered. Where the graph computes a pattern value with
+other ops (`exp2(ceil(log2(a)))` for a bit-manipulated power of two, stride-2 slices for unflatten + select, ...),
+the walk does not stop: the graph node is recorded as an *island* whose value stands for the pattern node's,
+closed by walking its graph ancestors back to values the match has bound (or to a graph value whose dtype and
+rank fit an input the pattern has not bound yet). A match with islands is accepted only after the fusion's
+semantic check (`dsv41.passes.fusion`): the matched region and the fused op's reference run on fresh random inputs
+and agree. The island's first differing op is what a decline names.
 
 A match also fails when an interior node of the pattern has a user outside it ("extra user"), or when the
 fusion's own `check` rejects the bound inputs (dtype, shape, token limit).
@@ -15,6 +24,10 @@ fusion's own `check` rejects the bound inputs (dtype, shape, token limit).
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import itertools
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,15 +41,28 @@ from torch.fx.experimental.proxy_tensor import make_fx
 ANY_STR = "__dsv41_any__"  # a string argument of a search function that matches any string (a group name)
 
 
+aten = torch.ops.aten
+# Ops whose two tensor operands may be swapped.
+COMMUTATIVE = frozenset({aten.add.Tensor, aten.mul.Tensor, aten.maximum.default, aten.minimum.default, aten.eq.Tensor,
+                         aten.ne.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.logical_and.default,
+                         aten.logical_or.default})
+_CONE = 2000         # graph nodes searched downstream of an anchor for the pattern's output
+_ISLAND_NODES = 160  # graph nodes one island may hold
+_STEPS = 20_000      # node comparisons one match attempt may make
+_SEPARATE = 48       # candidates (nearest in graph order) for an output that shares no input with the rest
+_OUTPUTS = 12        # graph nodes (nearest downstream of the anchor) tried as the pattern's first output
+
+
 @dataclass
 class Pattern:
     """One formulation of a fusion's subgraph.
 
     `search(*tensors, **free)` returns a tensor or a tuple of tensors; `inputs()` builds small example tensors for
-    the structural trace. `free` names the scalars that are not fixed by the fusion but read from the matched
-    graph (e.g. the top-k width): name -> (op, occurrence, argument path) of the pattern node that carries it,
-    the path an index or a tuple of indices into the node's args; `free_defaults` are their values for the
-    structural trace. `variants` are further example-input builders, each traced as another structural form.
+    the structural trace. `anchor` is the distinctive op (or ops) candidates are found by; None: the op of the
+    first output. `guard` rejects bindings that fit the ops but not the fusion (two unrelated norms as q and kv). `free` names the scalars that are not fixed by the fusion but read from the matched graph
+    (e.g. the top-k width): name -> (op, occurrence, argument path) of the pattern node that carries it, the path
+    an index or a tuple of indices into the node's args; `free_defaults` are their values for the structural
+    trace. `variants` are further example-input builders, each traced as another structural form.
     """
 
     name: str
@@ -45,6 +71,8 @@ class Pattern:
     free: dict = field(default_factory=dict)
     free_defaults: dict = field(default_factory=dict)
     variants: tuple = ()  # more example-input builders: shapes (e.g. a dim of 1) at which the ops decompose differently
+    anchor: object = None
+    guard: Callable | None = None  # bound graph inputs -> None, or why they are not this pattern's (not a decline)
 
     def trace(self, args: Sequence, free: dict | None = None) -> fx.GraphModule:
         kwargs = dict(self.free_defaults if free is None else free)
@@ -58,17 +86,24 @@ class Pattern:
         gm.graph.eliminate_dead_code()
         return gm
 
+    def input_names(self) -> list[str]:
+        """The search function's tensor parameter names, in placeholder order."""
+        return [n for n in inspect.signature(self.search).parameters if n not in self.free_defaults]
+
 
 @dataclass
 class MatchResult:
     """A successful match: `inputs[i]` is the graph value bound to the pattern's i-th placeholder (a Node, a
-    constant, or None), `outputs[i]` the graph node of the pattern's i-th output, `nodes` every matched node."""
+    constant, or None), `outputs[i]` the graph node of the pattern's i-th output, `nodes` every graph node of the
+    region (matched ones and island interiors), `islands` (pattern op, graph node, the structural failure there)
+    where the graph computes a pattern value with other ops: such a match needs the semantic check."""
 
     pattern: Pattern
     inputs: list
     outputs: list[fx.Node]
     nodes: list[fx.Node]
     free: dict
+    islands: list = field(default_factory=list)
 
 
 @dataclass
@@ -79,7 +114,7 @@ class MatchFailure:
     anchor: str
     progress: int
     total: int
-    kind: str  # wrong op | argument | dtype | scalar | extra user | inconsistent input | check
+    kind: str  # wrong op | argument | dtype | scalar | extra user | inconsistent input | check | semantic | graph break
     reason: str
     blocking: str | None = None
 
@@ -94,9 +129,13 @@ class _Fail(Exception):
 class _State:
     p2t: dict = field(default_factory=dict)  # pattern node -> graph node/value
     t2p: dict = field(default_factory=dict)  # graph node -> pattern node
+    islands: list = field(default_factory=list)  # (pattern node, graph node, the failure that opened it)
 
     def copy(self) -> "_State":
-        return _State(dict(self.p2t), dict(self.t2p))
+        return _State(dict(self.p2t), dict(self.t2p), list(self.islands))
+
+    def assign(self, other: "_State") -> None:
+        self.p2t, self.t2p, self.islands = other.p2t, other.t2p, other.islands
 
 
 def _fmt(n) -> str:
@@ -110,20 +149,46 @@ def _op_name(target) -> str:
     return str(target) if not hasattr(target, "name") else target.name()
 
 
+def _is_input(n) -> bool:
+    return isinstance(n, fx.Node) and n.op in ("placeholder", "get_attr")
+
+
 class _Matcher:
-    def __init__(self, pattern_gm: fx.GraphModule, exact: bool):
+    def __init__(self, pattern_gm: fx.GraphModule, exact: bool, islands: bool = True, traces=None):
         self.pg = pattern_gm.graph
         self.exact = exact
+        self.traces = traces  # bound inputs -> whether the pattern traces at their shapes (None: not checked)
         self.placeholders = [n for n in self.pg.nodes if n.op == "placeholder"]
         out = next(n for n in self.pg.nodes if n.op == "output")
         outs = out.args[0]
         self.outputs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         self.call_nodes = [n for n in self.pg.nodes if n.op == "call_function"]
+        self.islands_on = islands
+        self.steps = 0
 
     # -- value comparison --------------------------------------------------------------------------------------
     def _match_arg(self, p, t, st: _State, where: str):
         if isinstance(p, fx.Node):
-            return self._match_node(p, t, st)
+            if not self.islands_on or p.op == "placeholder" or p in st.p2t:
+                return self._match_node(p, t, st)
+            trial = st.copy()
+            try:
+                self._match_node(p, t, trial)
+            except _Fail as e:
+                if e.kind not in ("wrong op", "argument") or not isinstance(t, fx.Node) or t in st.t2p or t.op != "call_function":
+                    raise
+                # t computes p's value another way: an island, closed later; its inputs bind structurally where
+                # the graph lacks one pattern op here or has a few more (a where, a clone, index arithmetic)
+                skipped = self._skip_match(p, t, st)
+                if skipped is not None:
+                    st.assign(skipped)
+                if p not in st.p2t:
+                    st.p2t[p] = t
+                st.t2p[t] = p
+                st.islands.append((p, t, e))
+                return
+            st.assign(trial)
+            return
         if isinstance(p, (list, tuple)):
             if not isinstance(t, (list, tuple)) or len(p) != len(t):
                 if self.exact or not _is_numeric_seq(p):
@@ -148,6 +213,9 @@ class _Matcher:
             raise _Fail("scalar", f"{where}: expected {p!r}, found {t!r}")
 
     def _match_node(self, p: fx.Node, t, st: _State):
+        self.steps += 1
+        if self.steps > _STEPS:
+            raise _Fail("budget", f"gave up after {_STEPS} comparisons")
         if p in st.p2t:
             if st.p2t[p] is not t and not (not isinstance(t, fx.Node) and st.p2t[p] == t):
                 raise _Fail("inconsistent input", f"pattern input {p.name} would bind both {_fmt(st.p2t[p])} and {_fmt(t)}",
@@ -161,7 +229,10 @@ class _Matcher:
                 st.t2p[t] = p
             return
         if not isinstance(t, fx.Node) or t.op != "call_function":
-            raise _Fail("argument", f"expected {_op_name(p.target)}, found {_fmt(t)}", t if isinstance(t, fx.Node) else None)
+            kind = "graph break" if _is_input(t) and t.op == "placeholder" else "argument"
+            raise _Fail(kind, f"expected {_op_name(p.target)}, found {_fmt(t)}" + (
+                " (an input of this graph: the site may be split by a graph break)" if kind == "graph break" else ""),
+                t if isinstance(t, fx.Node) else None)
         if t.target != p.target:
             raise _Fail("wrong op", f"expected {_op_name(p.target)}, found {_fmt(t)}", t)
         if t in st.t2p:
@@ -170,46 +241,273 @@ class _Matcher:
         st.t2p[t] = p
         if len(p.args) != len(t.args):
             raise _Fail("argument", f"{_fmt(t)}: {len(t.args)} arguments, pattern has {len(p.args)}", t)
-        for i, (pa, ta) in enumerate(zip(p.args, t.args)):
-            self._match_arg(pa, ta, st, f"{_fmt(t)} argument {i}")
+        if p.target in COMMUTATIVE and len(p.args) == 2 and not p.kwargs and all(isinstance(a, fx.Node) for a in t.args):
+            self._match_unordered(p, t, st)
+        else:
+            for i, (pa, ta) in enumerate(zip(p.args, t.args)):
+                self._match_arg(pa, ta, st, f"{_fmt(t)} argument {i}")
         for k, pa in p.kwargs.items():
             self._match_arg(pa, t.kwargs.get(k), st, f"{_fmt(t)} keyword {k}")
 
-    # -- the whole pattern -------------------------------------------------------------------------------------
-    def run(self, anchor: fx.Node, st: _State) -> _State:
-        self._match_node(self.outputs[0], anchor, st)
-        return self._extend(st)
+    def _skip_match(self, p: fx.Node, t: fx.Node, st: _State) -> _State | None:
+        """The state after matching, op for op, one of p's operands at t (the graph lacks p's op) or p at one of
+        t's operands down to three levels (the graph has extra ops); None when neither fits."""
+        saved, self.islands_on = self.islands_on, False
+        try:
+            for pc in p.all_input_nodes:
+                if pc.op != "call_function" or pc in st.p2t:
+                    continue
+                trial = st.copy()
+                try:
+                    self._match_node(pc, t, trial)
+                    return trial
+                except _Fail:
+                    pass
+            frontier = [t]
+            for _ in range(3):
+                frontier = [a for n in frontier for a in n.all_input_nodes if a.op == "call_function" and a not in st.t2p]
+                for tc in frontier:
+                    if tc.target != p.target:
+                        continue
+                    trial = st.copy()
+                    try:
+                        self._match_node(p, tc, trial)
+                    except _Fail:
+                        continue
+                    return trial  # p is tc; the ops between t and tc are the island
+            return None
+        finally:
+            self.islands_on = saved
 
-    def _extend(self, st: _State) -> _State:
-        """Match the pattern nodes not reached backwards from the anchor by trying users of matched nodes."""
-        todo = [n for n in self.call_nodes if n not in st.p2t]
-        if not todo:
-            return st
-        p = next((n for n in todo if any(isinstance(a, fx.Node) and a in st.p2t for a in n.all_input_nodes)), None)
-        if p is None:
-            raise _Fail("argument", f"pattern nodes {[n.name for n in todo]} are disconnected from the anchor")
-        seed = next(a for a in p.all_input_nodes if a in st.p2t)
-        t_seed = st.p2t[seed]
-        if not isinstance(t_seed, fx.Node):
-            raise _Fail("argument", f"{_op_name(p.target)} consumes a constant input")
-        deepest: _Fail | None = None
-        for cand in t_seed.users:
-            if cand.op != "call_function" or cand.target != p.target or cand in st.t2p:
+    def _match_unordered(self, p: fx.Node, t: fx.Node, st: _State):
+        """The two operands of a commutative op in either order: an order that matches without islands if there is
+        one, else the order with the fewest islands."""
+        orders = [tuple(t.args), tuple(reversed(t.args))]
+        orders.sort(key=lambda ta: -sum(_plausible(pa, x) for pa, x in zip(p.args, ta)))
+        deepest, best = None, None
+        saved = self.islands_on
+        for islands in ((False, True) if saved else (False,)):
+            for ta in orders:
+                trial = st.copy()
+                self.islands_on = islands
+                try:
+                    for i, (pa, x) in enumerate(zip(p.args, ta)):
+                        self._match_arg(pa, x, trial, f"{_fmt(t)} argument {i}")
+                except _Fail as e:
+                    e.progress = max(e.progress, self.progress(trial))
+                    if e.kind in ("scalar", "dtype") and not islands:
+                        raise  # the structure fits in this order; its numbers or dtypes do not
+                    if deepest is None or e.progress > deepest.progress:
+                        deepest = e
+                    continue
+                finally:
+                    self.islands_on = saved
+                if not islands:
+                    st.assign(trial)
+                    return
+                if best is None or len(trial.islands) < len(best.islands):
+                    best = trial
+            if best is not None:
+                st.assign(best)
+                return
+        raise deepest
+
+    # -- the whole pattern -------------------------------------------------------------------------------------
+    def run(self, first: int, node: fx.Node, st: _State) -> _State:
+        """Match output `first` at graph `node` backwards, then the other outputs downstream of the match, then
+        close the islands."""
+        found = self.best_candidate(self.outputs[first], [node], st)
+        if isinstance(found, _Fail):
+            raise found
+        st.assign(found)
+        for out in self.outputs:
+            if out not in st.p2t:
+                self._match_downstream(out, st)
+        self._close_islands(st)
+        return st
+
+    def _match_downstream(self, out: fx.Node, st: _State):
+        # start from the graph images of the output's matched pattern ancestors, then from the bound inputs
+        ancestors = _ancestors(out, stop=lambda n: False)
+        matched = [st.p2t[a] for a in ancestors if a.op == "call_function" and isinstance(st.p2t.get(a), fx.Node)]
+        bound_inputs = [st.p2t[a] for a in ancestors if a.op == "placeholder" and isinstance(st.p2t.get(a), fx.Node)]
+        if not matched and not bound_inputs:  # a separate part of the pattern (two GEMM outputs): the nearest nodes
+            bound = [t for t in st.t2p if isinstance(t, fx.Node) and t.op == "call_function"]
+            graph = bound[0].graph
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            centre = sum(order[t] for t in bound) / len(bound)
+            near = sorted(graph.find_nodes(op="call_function", target=out.target), key=lambda n: abs(order[n] - centre))
+            found = self.best_candidate(out, near[:_SEPARATE], st)
+            if isinstance(found, _Fail):
+                raise found
+            st.assign(found)
+            return
+        found = self.best_candidate(out, _cone(matched or bound_inputs, out.target), st)
+        if isinstance(found, _Fail) and matched and bound_inputs:
+            found = self.best_candidate(out, _cone(bound_inputs, out.target), st)
+        if isinstance(found, _Fail):
+            raise found
+        st.assign(found)
+
+    def best_candidate(self, out: fx.Node, candidates, st: _State):
+        """The state after matching `out` at the best of `candidates` (islands closed): the first one matched
+        without islands, else the one with the fewest islands and the most matched nodes; or the deepest _Fail."""
+        deepest, best = None, None
+        for cand in candidates:
+            if cand in st.t2p:
                 continue
             trial = st.copy()
             try:
-                self._match_node(p, cand, trial)
-                return self._extend(trial)
+                self._match_node(out, cand, trial)
+                self._close_islands(trial)
             except _Fail as e:
                 e.progress = max(e.progress, self.progress(trial))
                 if deepest is None or e.progress > deepest.progress:
                     deepest = e
-        if deepest is None:
-            raise _Fail("wrong op", f"no user of {_fmt(t_seed)} is {_op_name(p.target)}", t_seed, self.progress(st))
-        raise deepest
+                continue
+            if not trial.islands:
+                return trial
+            if best is None or (len(trial.islands), -self.progress(trial)) < (len(best.islands), -self.progress(best)):
+                best = trial
+        if best is not None:
+            return best
+        return deepest or _Fail("wrong op", f"no {_op_name(out.target)} downstream of the match for output {out.name}",
+                                None, self.progress(st))
+
+    def _close_islands(self, st: _State):
+        """Each island's graph ancestors down to bound values become part of the region; a pattern input reached
+        only through an island binds to the nearest-to-the-inputs graph value of its dtype and rank."""
+        for p, t, why in st.islands:
+            p_inside = _ancestors(p, stop=lambda n: n is not p and n in st.p2t)
+            unbound = [n for n in p_inside if n.op == "placeholder" and n not in st.p2t]
+            bound = {n for n in st.t2p if isinstance(n, fx.Node)}
+            if unbound:
+                cone = _ancestors(t, stop=lambda n: n is not t and n in bound, limit=_ISLAND_NODES)
+                choices = [[n for n in reversed(cone) if n is not t and _fits(n, ph) and n not in bound] for ph in unbound]
+                chosen = None
+                for combo in itertools.islice(itertools.product(*choices), 64):
+                    if len(set(combo)) == len(combo) and _closed(t, bound | set(combo)) and self._traces_with(st, unbound, combo):
+                        chosen = combo
+                        break
+                if chosen is None:
+                    raise _Fail(why.kind, f"{why.reason}; the graph's part there reaches inputs the pattern does not bind",
+                                why.blocking, self.progress(st))
+                for ph, n in zip(unbound, chosen):
+                    st.p2t[ph], st.t2p[n] = n, ph
+                    bound.add(n)
+            if not _closed(t, bound):
+                raise _Fail(why.kind, f"{why.reason}; the graph's part there reaches values outside the pattern",
+                            why.blocking, self.progress(st))
+
+    def _traces_with(self, st: _State, unbound, combo) -> bool:
+        """The pattern traces at the shapes of its inputs bound so and by combo (when all are then bound)."""
+        binding = {**{p: st.p2t.get(p) for p in self.placeholders}, **dict(zip(unbound, combo))}
+        if self.traces is None or any(v is None for v in binding.values()):
+            return True
+        return self.traces([binding[p] for p in self.placeholders])
+
+    def island_nodes(self, st: _State) -> set[fx.Node]:
+        bound = {n for n in st.t2p if isinstance(n, fx.Node)}
+        inside: set[fx.Node] = set()
+        for _, t, _ in st.islands:
+            inside |= set(_ancestors(t, stop=lambda n: n is not t and n in bound))
+        return inside
 
     def progress(self, st: _State) -> int:
-        return sum(1 for n in self.call_nodes if n in st.p2t)
+        """Pattern ops matched op for op (island roots not counted)."""
+        roots = {p for p, t, _ in st.islands if st.p2t.get(p) is t}
+        return sum(1 for n in self.call_nodes if n in st.p2t and n not in roots)
+
+
+@contextlib.contextmanager
+def quiet_fake_tensor():
+    """Fake-tensor dispatch does not log the errors raised inside (a rejected trace is a decline, not a fault)."""
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        fake_log.setLevel(level)
+
+
+def _reaches(node: fx.Node, region: set) -> bool:
+    """Some ancestor of node lies in region (so node cannot be an input of region's replacement)."""
+    first = min((n for n in region), key=lambda n: _position(n), default=None)
+    if first is None or _position(node) < _position(first):
+        return False
+    seen, stack = {node}, list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n in region:
+            return True
+        if n in seen or _position(n) < _position(first):
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _position(n: fx.Node) -> int:
+    """n's index in its graph (cached per graph version)."""
+    g = n.graph
+    cache = getattr(g, "_dsv41_positions", None)
+    if cache is None or cache[0] != len(g.nodes) or n not in cache[1]:
+        cache = (len(g.nodes), {m: i for i, m in enumerate(g.nodes)})
+        g._dsv41_positions = cache
+    return cache[1][n]
+
+
+def _plausible(p, t) -> bool:
+    if not isinstance(p, fx.Node) or p.op == "placeholder":
+        return True
+    return isinstance(t, fx.Node) and t.op == "call_function" and t.target == p.target
+
+
+def _ancestors(node: fx.Node, stop, limit: int | None = None) -> list[fx.Node]:
+    """node and its ancestors, not walking past nodes where stop(n) (those are left out), breadth first."""
+    seen, order, queue = {node}, [node], [node]
+    while queue:
+        n = queue.pop(0)
+        for a in n.all_input_nodes:
+            if a in seen or stop(a):
+                continue
+            seen.add(a)
+            order.append(a)
+            if limit is not None and len(order) > limit:
+                return order
+            queue.append(a)
+    return order
+
+
+def _closed(t: fx.Node, bound: set) -> bool:
+    """t's ancestors reach no graph input before a bound value, within the island size limit."""
+    inside = _ancestors(t, stop=lambda n: n is not t and n in bound, limit=_ISLAND_NODES)
+    return len(inside) <= _ISLAND_NODES and not any(_is_input(n) for n in inside)
+
+
+def _fits(n: fx.Node, ph: fx.Node) -> bool:
+    a, b = n.meta.get("val"), ph.meta.get("val")
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.dim() == b.dim()
+
+
+def _cone(starts: list[fx.Node], target) -> list[fx.Node]:
+    """Graph nodes with `target` among the users of `starts` and their users, breadth first, nearest first."""
+    targets = target if isinstance(target, (tuple, list, set, frozenset)) else (target,)
+    seen, queue, found = set(starts), list(starts), []
+    for n in starts:
+        if n.target in targets:
+            found.append(n)
+    while queue and len(seen) < _CONE:
+        n = queue.pop(0)
+        for u in n.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            queue.append(u)
+            if u.op == "call_function" and u.target in targets:
+                found.append(u)
+    return found
 
 
 def _is_numeric_seq(x) -> bool:
@@ -238,6 +536,18 @@ def _meta_key(a):
     return a
 
 
+def _anchor_targets(pat: Pattern, gm: fx.GraphModule) -> tuple:
+    """The pattern's distinctive ops that its trace holds (an op may decompose: index_add into index_put)."""
+    if pat.anchor is None:
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        return ((out[0] if isinstance(out, (tuple, list)) else out).target,)
+    wanted = tuple(pat.anchor) if isinstance(pat.anchor, (tuple, list)) else (pat.anchor,)
+    present = tuple(t for t in wanted if gm.graph.find_nodes(op="call_function", target=t))
+    if not present:
+        raise ValueError(f"pattern {pat.name}: none of its anchor ops {[_op_name(t) for t in wanted]} is in its trace")
+    return present
+
+
 class PatternSet:
     """The formulations of one fusion, traced once (structural phase) and re-traced per exact check."""
 
@@ -245,37 +555,79 @@ class PatternSet:
         self.patterns = list(patterns)
         self._structural = {p.name: [p.trace(build()) for build in (p.inputs, *p.variants)] for p in self.patterns}
         self._exact: dict[tuple, fx.GraphModule] = {}  # (pattern, input metadata, free scalars) -> exact trace
+        self._shape_ok: dict[tuple, bool] = {}  # (pattern, input metadata) -> whether it traces at those shapes
+
+    def anchor_ops(self, index: int) -> list:
+        pat = self.patterns[index]
+        ops = []
+        for gm in self._structural[pat.name]:
+            ops += [t for t in _anchor_targets(pat, gm) if t not in ops]
+        return ops
 
     def anchors(self, graph: fx.Graph, index: int) -> list[fx.Node]:
-        """Graph nodes with the op of pattern `index`'s first output, in graph order."""
-        targets = []
-        for gm in self._structural[self.patterns[index].name]:
-            out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-            first = out[0] if isinstance(out, (tuple, list)) else out
-            if first.target not in targets:
-                targets.append(first.target)
-        found = {n for t in targets for n in graph.find_nodes(op="call_function", target=t)}
+        """Graph nodes with the distinctive op of pattern `index`, in graph order."""
+        found = {n for t in self.anchor_ops(index) for n in graph.find_nodes(op="call_function", target=t)}
         return [n for n in graph.nodes if n in found]
 
-    def match_one(self, index: int, anchor: fx.Node) -> MatchResult | MatchFailure:
-        return self._match_one(self.patterns[index], anchor)
-
-    def _match_one(self, pat: Pattern, anchor: fx.Node) -> MatchResult | MatchFailure:
-        failure = None
-        for gm in self._structural[pat.name]:
-            structural = _Matcher(gm, exact=False)
-            st = _State()
-            total = len(structural.call_nodes)
+    def _traces(self, pat: Pattern, bound: list) -> bool:
+        """pat traces with inputs shaped like `bound` (default free scalars); cached."""
+        args = [_fake_like(b) for b in bound]
+        key = (pat.name, tuple(_meta_key(a) for a in args))
+        if key not in self._shape_ok:
             try:
-                st = structural.run(anchor, st)
-                break
-            except _Fail as e:
-                progress = max(structural.progress(st), e.progress)
-                if failure is None or progress / total > failure.progress / failure.total:
-                    failure = MatchFailure(pat.name, anchor.name, progress, total, e.kind, e.reason, e.blocking and e.blocking.name)
-        else:
-            return failure
+                with quiet_fake_tensor():
+                    pat.trace(args)
+                self._shape_ok[key] = True
+            except Exception:
+                self._shape_ok[key] = False
+        return self._shape_ok[key]
+
+    def match_one(self, index: int, anchor: fx.Node, islands: bool = True) -> MatchResult | MatchFailure:
+        """Match pattern `index` at `anchor`; with `islands` False, only op for op (no part computed another way)."""
+        return self._match_one(self.patterns[index], anchor, islands)
+
+    def _structural_match(self, pat: Pattern, anchor: fx.Node, islands: bool):
+        """(structural matcher, state, output index, graph output node) of the first structural match whose region
+        holds the anchor, or the deepest failure."""
+        failure, best = None, None
+        for gm in self._structural[pat.name]:
+            structural = _Matcher(gm, exact=False, islands=islands, traces=lambda bound: self._traces(pat, bound))
+            total = len(structural.call_nodes)
+            anchor_ps = [n for n in structural.call_nodes if n.target == anchor.target]
+            if not anchor_ps:
+                continue
+            first = next((i for i, o in enumerate(structural.outputs)
+                          if any(a in _ancestors(o, stop=lambda n: False) for a in anchor_ps)), 0)
+            for cand in _cone([anchor], structural.outputs[first].target)[:_OUTPUTS]:
+                st = _State()
+                try:
+                    st = structural.run(first, cand, st)
+                except _Fail as e:
+                    progress = max(structural.progress(st), e.progress)
+                    if failure is None or progress / total > failure.progress / failure.total:
+                        failure = MatchFailure(pat.name, anchor.name, progress, total, e.kind, e.reason,
+                                               e.blocking and e.blocking.name)
+                    continue
+                if anchor not in st.t2p and anchor not in structural.island_nodes(st):
+                    continue
+                if not st.islands:
+                    return structural, st, first, cand
+                if best is None or (len(st.islands), -structural.progress(st)) < (len(best[1].islands), -structural.progress(best[1])):
+                    best = (structural, st, first, cand)
+        if best is not None:
+            return best
+        return failure or MatchFailure(pat.name, anchor.name, 0, 1, "wrong op",
+                                       f"no {_op_name(anchor.target)} output path of the pattern matches here")
+
+    def _match_one(self, pat: Pattern, anchor: fx.Node, islands: bool) -> MatchResult | MatchFailure:
+        found = self._structural_match(pat, anchor, islands)
+        if isinstance(found, MatchFailure):
+            return found
+        structural, st, first, out_node = found
+        total = len(structural.call_nodes)
         bound = [st.p2t.get(p) for p in structural.placeholders]
+        if pat.guard is not None and (why := pat.guard(bound)) is not None:
+            return MatchFailure(pat.name, anchor.name, structural.progress(st), total, "argument", why)
         symbolic = next((b for b in bound if isinstance(b, fx.Node) and isinstance(b.meta.get("val"), torch.Tensor)
                          and not all(isinstance(d, int) for d in b.meta["val"].shape)), None)
         if symbolic is not None:
@@ -285,7 +637,11 @@ class PatternSet:
         free = {}
         for name, (op, occurrence, path) in pat.free.items():
             carriers = [p for p in structural.call_nodes if p.target == op]
-            value = st.p2t[carriers[occurrence]].args
+            carrier = st.p2t.get(carriers[occurrence])
+            if not isinstance(carrier, fx.Node) or carrier.target != op:
+                return MatchFailure(pat.name, anchor.name, total, total, "check",
+                                    f"{name} is read from a {_op_name(op)} that the graph computes another way")
+            value = carrier.args
             for i in (path if isinstance(path, tuple) else (path,)):
                 value = value[i]
             if not isinstance(value, int):
@@ -295,17 +651,21 @@ class PatternSet:
         key = (pat.name, tuple(_meta_key(a) for a in args), tuple(sorted(free.items())))
         if key not in self._exact:
             try:
-                self._exact[key] = pat.trace(args, free)
+                with quiet_fake_tensor():
+                    self._exact[key] = pat.trace(args, free)
             except Exception as e:  # the search function rejects these shapes: not this pattern
-                return MatchFailure(pat.name, anchor.name, total, total, "check", f"re-trace with the matched shapes failed: {e}")
-        exact_gm = self._exact[key]
-        exact = _Matcher(exact_gm, exact=True)
+                return MatchFailure(pat.name, anchor.name, structural.progress(st), total, "inconsistent input",
+                                    f"re-trace with the matched shapes failed: {e}")
+        exact = _Matcher(self._exact[key], exact=True, islands=islands)
         st2 = _State()
+        for p_struct, p_exact in zip(structural.placeholders, exact.placeholders):  # the same inputs as before
+            if isinstance(st.p2t.get(p_struct), fx.Node):
+                st2.p2t[p_exact], st2.t2p[st.p2t[p_struct]] = st.p2t[p_struct], p_exact
         try:
-            st2 = exact.run(anchor, st2)
+            st2 = exact.run(first, out_node, st2)
         except _Fail as e:
             return MatchFailure(pat.name, anchor.name, exact.progress(st2), total, e.kind, e.reason, e.blocking and e.blocking.name)
-        inside = {t for p, t in st2.p2t.items() if p.op == "call_function"}
+        inside = {t for p, t in st2.p2t.items() if p.op == "call_function"} | exact.island_nodes(st2)
         outputs = [st2.p2t[o] for o in exact.outputs]
         for t in inside:
             if t in outputs:
@@ -315,5 +675,10 @@ class PatternSet:
                     return MatchFailure(pat.name, anchor.name, total, total, "extra user",
                                         f"{_fmt(t)} inside the pattern is also used by {_fmt(user)}", user.name)
         inputs = [st2.p2t.get(p) for p in exact.placeholders]
+        cyclic = next((v for v in inputs if isinstance(v, fx.Node) and _reaches(v, inside)), None)
+        if cyclic is not None:
+            return MatchFailure(pat.name, anchor.name, total, total, "inconsistent input",
+                                f"input {_fmt(cyclic)} depends on the matched region", cyclic.name)
         nodes = [n for n in anchor.graph.nodes if n in inside]
-        return MatchResult(pat, inputs, outputs, nodes, free)
+        found_islands = [(_op_name(p.target), t, why) for p, t, why in st2.islands]
+        return MatchResult(pat, inputs, outputs, nodes, free, found_islands)

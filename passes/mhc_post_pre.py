@@ -64,7 +64,8 @@ class MhcPostPrePass(FusionPass):
     name = "mhc_post_pre"
 
     def patterns(self):
-        return [Pattern("post_pre" + suffix, search, example_stream_inputs, variants=one_token_variant(suffix, example_stream_inputs))
+        return [Pattern("post_pre" + suffix, search, example_stream_inputs, variants=one_token_variant(suffix, example_stream_inputs),
+                        anchor=torch.ops.aten.rsqrt.default)
                 for suffix, search in stream_formulations(self.config.norm_eps)]
 
     def replacement(self, m):

@@ -34,6 +34,7 @@ def route_no_temperature(h, gate_w, bias, topk, route_scale):
 
 class MoeRoutePass(FusionPass):
     name = "moe_route"
+    tolerance = {torch.float32: (1e-7, 1e-6)}  # the weights, normalised in another fp32 order
 
     def patterns(self):
         c = self.config
@@ -45,9 +46,9 @@ class MoeRoutePass(FusionPass):
         def route_plain(h, gate_w, bias, topk):
             return route_no_temperature(h, gate_w, bias, topk, c.route_scale)
 
-        pats = [Pattern("route", route, _inputs, free, defaults)]
+        pats = [Pattern("route", route, _inputs, free, defaults, anchor=aten.topk.default)]
         if c.gate_temp == 1.0:
-            pats.append(Pattern("route_no_temperature", route_plain, _inputs, free, defaults))
+            pats.append(Pattern("route_no_temperature", route_plain, _inputs, free, defaults, anchor=aten.topk.default))
         return pats
 
     def replacement(self, m):

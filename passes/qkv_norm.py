@@ -6,15 +6,18 @@ fake quantisation of the window KV when they follow in the same chain.
   -> dsv41::qkv_norm(qkv, q_w, kv_w, cos, sin, eps, quant_block)
 
 Formulations: RMSNorm written out or as F.rms_norm; with RoPE + FP8 quantisation (the model with fake
-quantisation on), with RoPE only, or the bare pair of norms.
+quantisation on), with RoPE only, or the bare pair of norms; each from the merged output (sliced) or from two
+separate GEMM outputs q and kv (HF runs wq_a and wkv as two GEMMs), which the replacement joins with one cat into
+the op's qkv input.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 from dsv41.models import functional as fn
-from dsv41.passes.fusion import FusionPass, Replacement
+from dsv41.passes.fusion import Derived, FusionPass, Replacement
 from dsv41.passes.matcher import Pattern
 from dsv41.passes.mhc_post_pre import rms_norm_functional
 
@@ -27,8 +30,23 @@ def _inputs():
             torch.empty(T, RD // 2), torch.empty(T, RD // 2)]
 
 
+def _one_activation(inputs) -> str | None:
+    """Two GEMM outputs qualify only as the q and kv projections of one activation (mm of the same input)."""
+    q, kv = inputs[:2]
+    gemm = torch.ops.aten.mm.default
+    if isinstance(q, fx.Node) and isinstance(kv, fx.Node) and q.target == kv.target == gemm and q.args[0] is kv.args[0]:
+        return None
+    return "q and kv are not two GEMMs of one activation"
+
+
+def _split_inputs():
+    qkv, q_w, kv_w, cos, sin = _inputs()
+    return [qkv[:, :QD].clone(), qkv[:, QD:].clone(), q_w, kv_w, cos, sin]
+
+
 class QkvNormPass(FusionPass):
     name = "qkv_norm"
+    tolerance = {torch.bfloat16: (1e-6, 2.0**-7)}  # one bf16 ulp (a norm whose weight product rounds differently)
 
     def patterns(self):
         eps, block = self.config.norm_eps, self.config.fp8_block
@@ -46,15 +64,38 @@ class QkvNormPass(FusionPass):
                 qr, kv = rope(qkv, q_w, kv_w, cos, sin)
                 return qr, fn.fp8_fake_quant(kv, block)
 
-            out += [Pattern(f"q_kv_norm_rope_fp8{norm_name}", rope_fp8, _inputs),
-                    Pattern(f"q_kv_norm_rope{norm_name}", rope, _inputs),
-                    Pattern(f"q_kv_norm_none{norm_name}", bare, lambda: _inputs()[:3])]
+            def split_bare(q, kv, q_w, kv_w, norm=norm):
+                return norm(q, q_w, eps), norm(kv, kv_w, eps)
+
+            def split_rope(q, kv, q_w, kv_w, cos, sin, split_bare=split_bare):
+                qr, kv = split_bare(q, kv, q_w, kv_w)
+                return qr, fn.apply_rope_tail(kv, cos, sin)
+
+            def split_rope_fp8(q, kv, q_w, kv_w, cos, sin, split_rope=split_rope):
+                qr, kv = split_rope(q, kv, q_w, kv_w, cos, sin)
+                return qr, fn.fp8_fake_quant(kv, block)
+
+            rsqrt = torch.ops.aten.rsqrt.default
+            out += [Pattern(f"q_kv_norm_rope_fp8{norm_name}", rope_fp8, _inputs, anchor=rsqrt),
+                    Pattern(f"q_kv_norm_rope{norm_name}", rope, _inputs, anchor=rsqrt),
+                    Pattern(f"q_kv_norm_none{norm_name}", bare, lambda: _inputs()[:3], anchor=rsqrt),
+                    Pattern(f"q_kv_norm_rope_fp8_split{norm_name}", split_rope_fp8, _split_inputs, anchor=rsqrt,
+                            guard=_one_activation),
+                    Pattern(f"q_kv_norm_rope_split{norm_name}", split_rope, _split_inputs, anchor=rsqrt, guard=_one_activation),
+                    Pattern(f"q_kv_norm_none_split{norm_name}", split_bare, lambda: _split_inputs()[:4], anchor=rsqrt,
+                            guard=_one_activation)]
         return out
 
     def replacement(self, m):
         tail = m.pattern.name.split("q_kv_norm_")[1].removesuffix("_F_rms_norm")
-        qkv, q_w, kv_w = m.inputs[:3]
-        cos, sin = m.inputs[3:5] if tail != "none" else (None, None)
+        split = tail.endswith("_split")
+        tail = tail.removesuffix("_split")
+        if split:
+            q, kv, q_w, kv_w = m.inputs[:4]
+            qkv, rest = Derived(torch.ops.aten.cat.default, ([q, kv], 1)), m.inputs[4:6]
+        else:
+            (qkv, q_w, kv_w), rest = m.inputs[:3], m.inputs[3:5]
+        cos, sin = rest if tail != "none" else (None, None)
         block = self.config.fp8_block if tail == "rope_fp8" else 0
         op = torch.ops.dsv41.qkv_norm.default
         return Replacement(op, (qkv, q_w, kv_w, cos, sin, self.config.norm_eps, block, self.config.kernel), (0, 1))

@@ -124,7 +124,7 @@ def schedule_streams(graph: fx.Graph, max_tokens: int, result: PassResult | None
             continue
         t = _tokens(root)
         if not isinstance(t, int) or t > max_tokens:
-            result.declined.append(MatchFailure(kind, root.name, 0, 1, "token limit", f"token limit: T={t} > stream_max_tokens={max_tokens}"))
+            result.declined.append(MatchFailure(kind, root.name, 0, 1, "token limit", f"T={t} > stream_max_tokens={max_tokens}"))
             continue
         cone = exclusive_cone(root)
         if any(n.meta.get(STREAM, MAIN) != MAIN for n in cone):

@@ -46,11 +46,13 @@ def wo_a_bmm(o, cos, sin, w):
 
 class WoAPass(FusionPass):
     name = "wo_a"
+    tolerance = {torch.bfloat16: (1e-2, 2.0**-7)}  # a bf16 GEMM summed in another order: one bf16 ulp
 
     def patterns(self):
         variants = (_inputs(1, G), _inputs(T, 1), _inputs(1, 1))
-        return [Pattern("wo_a_einsum", wo_a_einsum, _inputs(T, G), variants=variants),
-                Pattern("wo_a_bmm", wo_a_bmm, _inputs(T, G), variants=variants)]
+        contraction = (torch.ops.aten.bmm.default, torch.ops.aten.mm.default)
+        return [Pattern("wo_a_einsum", wo_a_einsum, _inputs(T, G), variants=variants, anchor=contraction),
+                Pattern("wo_a_bmm", wo_a_bmm, _inputs(T, G), variants=variants, anchor=contraction)]
 
     def replacement(self, m):
         o, cos, sin, w = m.inputs

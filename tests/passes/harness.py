@@ -151,3 +151,14 @@ def gen(seed: int) -> torch.Generator:
 def rope_angles(g, t, half):
     angle = torch.rand(t, half, generator=g) * 2 * math.pi
     return angle.cos(), angle.sin()
+
+
+def assert_found_once(fn, inputs_of, fusion: str, **tol) -> CompileReport:
+    """A foreign formulation: run_passes with only `fusion` fuses exactly one site, no dsv41 op besides it, and
+    the fused graph equals eager fn on fresh inputs (inputs_of(1)) to `tol` (exact when none given); the report."""
+    gm, report = run_passes(fn, inputs_of(0), fusion)
+    assert report.matches == {fusion: 1}, report.declined
+    assert op_counts(gm)[f"dsv41.{fusion}"] == 1
+    x = inputs_of(1)
+    assert_close(gm(*x), fn(*x), **(tol or dict(atol=0, rtol=0)))
+    return report

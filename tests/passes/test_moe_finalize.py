@@ -55,6 +55,28 @@ FORMULATIONS = {"index_add_shared": with_shared(combine_index_add), "index_add_o
                 "scatter_add_only": combine_only(combine_scatter_add)}
 
 
+def weighted(combine):
+    """vLLM's order: each row times its routing weight in fp32 after the down projection, then the combine."""
+    def rows(out, w):
+        return out.float() * w.unsqueeze(-1)
+    return lambda out, w, token, t: combine(rows(out, w), token, t)
+
+
+WEIGHTED_FORMULATIONS = {
+    "index_add_weighted_shared": lambda out, token, w, shared: (weighted(combine_index_add)(out, w, token, shared.shape[0])
+                                                                + shared.float()).to(shared.dtype),
+    "index_add_weighted_only": lambda out, token, w: weighted(combine_index_add)(out, w, token, T),
+    "scatter_add_weighted_shared": lambda out, token, w, shared: (weighted(combine_scatter_add)(out, w, token, shared.shape[0])
+                                                                  + shared.float()).to(shared.dtype),
+    "scatter_add_weighted_only": lambda out, token, w: weighted(combine_scatter_add)(out, w, token, T),
+}
+
+
+def weighted_inputs(seed, shared=True):
+    out, token, *rest = inputs(seed, shared=shared)
+    return [out, token, torch.rand(out.shape[0], generator=gen(seed + 100))] + rest
+
+
 def tolerance(name):
     if name.startswith("index_add"):
         return dict(atol=0, rtol=0)
@@ -62,7 +84,18 @@ def tolerance(name):
 
 
 def test_every_formulation_has_a_test():
-    assert pattern_names(FUSION) == set(FORMULATIONS)
+    assert pattern_names(FUSION) == set(FORMULATIONS) | set(WEIGHTED_FORMULATIONS)
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHTED_FORMULATIONS))
+def test_weighted_formulation_is_fused(name):
+    """The weights after w2 become the op's `weights`; equal to eager (bit-exact for index_add)."""
+    f = WEIGHTED_FORMULATIONS[name]
+    shared = name.endswith("_shared")
+    gm, report, node = run_fused_once(f, weighted_inputs(0, shared=shared), FUSION, ("aten.index_put", "aten.scatter_add"))
+    assert report.passes[1].replaced[0]["pattern"] == name and node.args[5] is not None  # weights
+    x = weighted_inputs(1, shared=shared)
+    assert_close(gm(*x), f(*x), **tolerance(name))
 
 
 @pytest.mark.parametrize("name", sorted(FORMULATIONS))

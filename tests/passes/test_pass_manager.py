@@ -4,6 +4,7 @@ invariant checks, before/after snapshots, normalisation, defunctionalisation, an
 
 from __future__ import annotations
 
+import importlib.util
 import re
 
 import expecttest
@@ -238,7 +239,7 @@ def test_normalisation_removes_no_op_views():
     want = gm(x, y)
     pm = PassManager(config(fusions=frozenset()))
     report = pm.run(gm.graph, CompileReport(graph_id=0))
-    assert report.passes[0].name == "normalize" and report.passes[0].matches == 6  # 5 no-ops + 1 reshape form
+    assert report.passes[0].name == "normalize" and report.passes[0].matches == 7  # 5 no-ops + 1 reshape form + 1 default written out
     gm.recompile()
     assert_close(gm(x, y), want, atol=0, rtol=0)
     expecttest.assert_expected_inline(graph_text(gm), """\
@@ -250,7 +251,7 @@ def test_normalisation_removes_no_op_views():
 %div_tensor: f32[2, 4] = aten.div.Tensor(%x, 2)
 %mul_tensor_1: f32[2, 4] = aten.mul.Tensor(%y, 3)
 %_unsafe_view_default: f32[4, 2] = aten.view(%x, [4, 2])
-%sum_dim_int_list: f32[2] = aten.sum.dim_IntList(%_unsafe_view_default, [0])
+%sum_dim_int_list: f32[2] = aten.sum.dim_IntList(%_unsafe_view_default, [0], False)
 %slice_tensor_1: f32[2, 3] = aten.slice.Tensor(%x, 1, 1, 9223372036854775807)
 %neg_default: f32[2, 3] = aten.neg(%slice_tensor_1)
 %convert_element_type_default_1: bf16[2, 4] = prims.convert_element_type(%y, bf16)
@@ -385,3 +386,16 @@ def test_failing_pass_falls_back_to_plain_inductor(monkeypatch, caplog):
     x = wo_a_case.inputs(4)
     assert_close(compiled(*x), f(*x), atol=1.6e-2, rtol=1.6e-2)
     torch._dynamo.reset()
+
+
+# ---- the registry -------------------------------------------------------------------------------------------------
+def test_every_name_list_derives_from_the_registry():
+    import dsv41.lowerings
+    from dsv41.passes.registry import FUSIONS as DECLARED, FUSION_NAMES
+
+    assert FUSIONS == FUSION_ORDER == FUSION_NAMES == tuple(f.name for f in DECLARED)
+    assert tuple(dsv41.lowerings.ALL_OPS) == FUSION_NAMES
+    for f in DECLARED:
+        assert str(dsv41.lowerings.ALL_OPS[f.name].default._schema.name) == f.op
+        if f.kernel is not None:  # the kernel module of the op exists (imported on CUDA only)
+            assert importlib.util.find_spec(f"dsv41.kernels.{f.kernel}") is not None, f.kernel

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from dsv41.models import functional as fn
 
+from dsv41.passes.printing import op_name
+
 from .harness import BF16, F16, NORM_EPS, assert_close, assert_scalar_decline, compiled_matches, gen, graph_text, op_counts, \
     pattern_names, rand, rope_angles, run_declined, run_fused_once, run_passes
 
@@ -58,9 +60,53 @@ def make(norm, tail, eps=NORM_EPS, block=32):
     return {"none": bare, "rope": rope, "rope_fp8": rope_fp8}[tail]
 
 
+def split(f):
+    """The same math from two GEMM outputs q and kv (HF's wq_a and wkv) instead of one merged qkv."""
+    def from_two(q, kv, *rest):
+        return f(torch.cat((q, kv), dim=-1), *rest)
+    return from_two
+
+
 FORMULATIONS = {f"q_kv_norm_{tail}{suffix}": (make(norm, tail), tail)
                 for suffix, norm in (("", norm_written_out), ("_F_rms_norm", norm_functional))
                 for tail in ("rope_fp8", "rope", "none")}
+
+
+def split_norm(norm, tail, eps=NORM_EPS, block=32):
+    def bare(q, kv, q_w, kv_w):
+        return norm(q, q_w, eps), norm(kv, kv_w, eps)
+
+    def rope(q, kv, q_w, kv_w, cos, sin):
+        qr, kv = bare(q, kv, q_w, kv_w)
+        return qr, fn.apply_rope_tail(kv, cos, sin)
+
+    def rope_fp8(q, kv, q_w, kv_w, cos, sin):
+        qr, kv = rope(q, kv, q_w, kv_w, cos, sin)
+        return qr, fn.fp8_fake_quant(kv, block)
+
+    return {"none": bare, "rope": rope, "rope_fp8": rope_fp8}[tail]
+
+
+SPLIT_FORMULATIONS = {f"q_kv_norm_{tail}_split{suffix}": (split_norm(norm, tail), tail)
+                      for suffix, norm in (("", norm_written_out), ("_F_rms_norm", norm_functional))
+                      for tail in ("rope_fp8", "rope", "none")}
+
+
+def two_gemms(f):
+    """f of q = x @ wq^T and kv = x @ wkv^T: the two GEMMs of one activation (HF's wq_a and wkv)."""
+    def from_x(x, wq, wkv, *rest):
+        return f(F.linear(x, wq), F.linear(x, wkv), *rest)
+    return from_x
+
+
+SPLIT_FORMULATIONS = {name: (two_gemms(f), tail) for name, (f, tail) in SPLIT_FORMULATIONS.items()}
+
+
+def split_inputs(seed, rope=True):
+    """x [T, 64], wq [q_dim, 64], wkv [kv_dim, 64] bf16 (scaled so q and kv are O(1)), then the norm weights, cos, sin."""
+    g = gen(seed + 50)
+    _, *rest = inputs(seed, rope=rope)
+    return [rand(g, T, 64), rand(g, QD, 64, scale=0.125), rand(g, KVD, 64, scale=0.125)] + rest
 
 
 def check_result(got, want, name, fp8):
@@ -74,7 +120,19 @@ def check_result(got, want, name, fp8):
 
 
 def test_every_formulation_has_a_test():
-    assert pattern_names(FUSION) == set(FORMULATIONS)
+    assert pattern_names(FUSION) == set(FORMULATIONS) | set(SPLIT_FORMULATIONS)
+
+
+@pytest.mark.parametrize("name", sorted(SPLIT_FORMULATIONS))
+def test_split_formulation_is_fused(name):
+    """Two GEMM outputs: one dsv41.qkv_norm on their cat, equal to eager."""
+    f, tail = SPLIT_FORMULATIONS[name]
+    rope = tail != "none"
+    gm, _, node = run_fused_once(f, split_inputs(0, rope=rope), FUSION, ("aten.rsqrt", "aten.mean.dim"))
+    assert op_counts(gm)["aten.mm"] == 2  # the GEMMs stay
+    assert op_name(node.args[0].target) == "aten.cat" and node.args[6] == (32 if tail == "rope_fp8" else 0)
+    x = split_inputs(1, rope=rope)
+    check_result(gm(*x), f(*x), name, tail == "rope_fp8")
 
 
 @pytest.mark.parametrize("name", sorted(FORMULATIONS))

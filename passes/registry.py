@@ -1,0 +1,35 @@
+"""The fusions of the backend, each declared once: every list of fusion names derives from `FUSIONS`.
+
+A fusion `name` is the key of `report.matches`, its pass is `dsv41.passes.<name>` (the formulations it accepts,
+its patterns), its op is `dsv41::<name>` in `dsv41.lowerings.<name>`, and `kernel` is the CuTe DSL kernel module
+`dsv41.kernels.<kernel>` the op runs on Hopper (None: the reference only). `FUSIONS` is in run order, most specific
+first: moe_finalize takes the TP combine before allreduce_mhc claims the post + pre sites behind an all-reduce, and
+those before mhc_post_pre. This module imports nothing heavy, so `dsv41.config` can read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fusion:
+    name: str
+    kernel: str | None = None
+
+    @property
+    def op(self) -> str:
+        return f"dsv41::{self.name}"
+
+
+FUSIONS = (
+    Fusion("mhc_coeffs", kernel="mhc_coeffs"),
+    Fusion("moe_finalize"),
+    Fusion("allreduce_mhc", kernel="mhc_post_pre"),
+    Fusion("mhc_post_pre", kernel="mhc_post_pre"),
+    Fusion("qkv_norm"),
+    Fusion("wo_a"),
+    Fusion("indexer_topk"),
+    Fusion("moe_route"),
+)
+FUSION_NAMES = tuple(f.name for f in FUSIONS)

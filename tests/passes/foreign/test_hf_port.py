@@ -1,0 +1,49 @@
+"""The Hugging Face port of DeepSeek-V4.1 (transformers' models/deepseek_v41) through the backend: a tiny 7-layer
+config with every layer kind, batch 2, one decode step after a prefill, compiled with dynamic=False. Skipped until
+an installed transformers release ships deepseek_v41 (5.24.0 does not).
+
+Asserted: no graph falls back, every fusion but allreduce_mhc (no TP here) fires in the compiled graphs, and the
+logits agree with eager (bf16 model: atol=rtol=2e-2; the argmax exactly)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+modeling = pytest.importorskip("transformers.models.deepseek_v41.modeling_deepseek_v41")
+configuration = pytest.importorskip("transformers.models.deepseek_v41.configuration_deepseek_v41")
+
+from dsv41.backend import make_backend  # noqa: E402
+from dsv41.passes.registry import FUSION_NAMES  # noqa: E402
+
+
+def tiny_config():
+    return configuration.DeepseekV41TextConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=7, num_attention_heads=4, head_dim=32, q_lora_rank=32,
+        qk_rope_head_dim=16, sliding_window=8, compress_ratios=[0, 0, 2, 2, 1, 1, 1],
+        kv_source_layer_ids=[2, 4], index_source_layer_ids=[2, 4, 6], candidate_source_layer_id=4,
+        candidate_topk_blocks=2, candidate_block_size=4, index_n_heads=2, index_head_dim=32, index_topk=4, o_groups=2,
+        o_lora_rank=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, engram_layer_ids=[],
+        num_nextn_predict_layers=0, torch_dtype=torch.bfloat16)
+
+
+@torch.no_grad()
+def test_hf_port_decode_step_is_fused():
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config(), torch_dtype=torch.bfloat16).eval()
+    prompt = torch.randint(0, 256, (2, 12))
+    out = model(prompt, use_cache=True)
+    past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    want = model(nxt, past_key_values=past, use_cache=True).logits
+
+    out = model(prompt, use_cache=True)
+    backend = make_backend(mode="fx", streams=False)
+    step = torch.compile(model, backend=backend, dynamic=False)
+    got = step(nxt, past_key_values=out.past_key_values, use_cache=True).logits
+    assert all(r.fallback is None for r in backend.reports)
+    fired = {name for r in backend.reports for name, n in r.matches.items() if n}
+    assert fired == set(FUSION_NAMES) - {"allreduce_mhc"}, [r.declined for r in backend.reports]
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -1,0 +1,79 @@
+"""Foreign formulations of `indexer_topk` (index scores + top-k + ascending indices offset past the window), each
+differing from the project's model in one named way. Each must be found exactly once and equal eager exactly (the
+indices; scores are fp32 from random inputs, so there are no ties). Index validity written as `sel < n_c` equals
+the gathered score > -inf for an index source (every visible row has a finite score), the domain the semantic
+check samples (n_c in 0..Ncap)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ..harness import assert_found_once
+from ..test_indexer_topk import OFFSET, TOPK, inputs
+
+FUSION = "indexer_topk"
+
+
+def scores(q, w, keys, n_c):
+    s = (torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu() * w.unsqueeze(-1)).sum(dim=1)
+    visible = torch.arange(keys.shape[1], device=s.device) < n_c.unsqueeze(-1)
+    return s.masked_fill(~visible, -math.inf)
+
+
+def select(s, valid_of):
+    sel = torch.sort(torch.topk(s, min(TOPK, s.shape[1]), dim=-1, sorted=False).indices, dim=-1).values
+    return torch.where(valid_of(s, sel), sel + OFFSET, -1)
+
+
+def gathered(s, sel):
+    return s.gather(-1, sel) > -math.inf
+
+
+def validity_by_index(q, w, keys, n_c):
+    """equal math written differently: index validity as sel < n_c instead of the gathered score > -inf."""
+    return select(scores(q, w, keys, n_c), lambda s, sel: sel < n_c.unsqueeze(-1))
+
+
+def weights_first(q, w, keys, n_c):
+    """operand order: head weights times the relu scores."""
+    s = (w.unsqueeze(-1) * torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu()).sum(dim=1)
+    visible = torch.arange(keys.shape[1]) < n_c.unsqueeze(-1)
+    return select(s.masked_fill(~visible, -math.inf), gathered)
+
+
+def where_fill(q, w, keys, n_c):
+    """other spelling: torch.where(visible, s, -inf) instead of masked_fill, visibility by None-indexing."""
+    s = (torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu() * w[:, :, None]).sum(dim=1)
+    visible = torch.arange(keys.shape[1])[None, :] < n_c[:, None]
+    return select(torch.where(visible, s, -math.inf), gathered)
+
+
+def take_along_dim(q, w, keys, n_c):
+    """other spelling: torch.take_along_dim for the gathered scores."""
+    return select(scores(q, w, keys, n_c), lambda s, sel: torch.take_along_dim(s, sel, dim=-1) > -math.inf)
+
+
+def sorted_by_values(q, w, keys, n_c):
+    """other spelling: top-k sorted (the default), the ascending order by torch.sort(...)[0], defaults implicit."""
+    s = scores(q, w, keys, n_c)
+    sel = torch.sort(s.topk(min(TOPK, s.shape[1])).indices)[0]
+    return torch.where(s.gather(1, sel) > -math.inf, sel + OFFSET, -1)
+
+
+def bmm_scores(q, w, keys, n_c):
+    """contraction: the scores as a bmm of q by the transposed keys."""
+    s = (torch.bmm(q.float(), keys.float().transpose(1, 2)).relu() * w.unsqueeze(-1)).sum(dim=1)
+    visible = torch.arange(keys.shape[1]) < n_c.unsqueeze(-1)
+    return select(s.masked_fill(~visible, -math.inf), gathered)
+
+
+CASES = {f.__name__: f for f in (validity_by_index, weights_first, where_fill, take_along_dim, sorted_by_values,
+                                 bmm_scores)}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_found_once_and_equal_to_eager(name):
+    assert_found_once(CASES[name], inputs, FUSION)

@@ -1,0 +1,76 @@
+"""Foreign formulations of `moe_route` (router GEMM + sqrt-softplus + biased top-k + normalised weights), each
+differing from the project's model in one named way. Each must be found exactly once and agree with eager:
+experts as per-token sets with the tie rule of test_moe_route.assert_same_routing, weights within 1e-6 (a GEMM
+as a batched einsum rounds in another fp32 order).
+softplus written as log1p(exp(x)) equals torch's softplus (threshold 20) on logits below 20, the domain of the
+random inputs here (|logits| < 5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ..harness import run_passes
+from ..test_moe_route import K, ROUTE_SCALE, assert_same_routing, inputs
+
+FUSION = "moe_route"
+
+
+def normalise(w):
+    return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * ROUTE_SCALE
+
+
+def linear_router(h, gate_w, bias):
+    """contraction: F.linear for the router GEMM."""
+    scores = F.softplus(F.linear(h.float(), gate_w.float())).sqrt()
+    experts = torch.topk(scores + bias, K).indices
+    return normalise(scores.gather(1, experts)), experts
+
+
+def bias_first(h, gate_w, bias):
+    """operand order: bias + scores for the selection."""
+    scores = torch.sqrt(F.softplus(h.float() @ gate_w.float().t()))
+    experts = (bias + scores).topk(K, dim=-1).indices
+    return normalise(scores.gather(1, experts)), experts
+
+
+def take_along_dim(h, gate_w, bias):
+    """other spelling: torch.take_along_dim for the gather of the selected scores."""
+    scores = torch.sqrt(F.softplus(h.float() @ gate_w.float().t()))
+    _, experts = torch.topk(scores + bias, K, dim=1)
+    return normalise(torch.take_along_dim(scores, experts, dim=1)), experts
+
+
+def softplus_written_out(h, gate_w, bias):
+    """equal math written differently (on logits < 20): softplus as log1p(exp(x))."""
+    scores = torch.log1p(torch.exp(h.float() @ gate_w.float().t())).sqrt()
+    experts = torch.topk(scores + bias, K).indices
+    return normalise(scores.gather(1, experts)), experts
+
+
+def sqrt_as_power(h, gate_w, bias):
+    """other op: the square root as softplus(x) ** 0.5."""
+    scores = F.softplus(h.float() @ gate_w.float().t()) ** 0.5
+    experts = torch.topk(scores + bias, K).indices
+    return normalise(scores.gather(1, experts)), experts
+
+
+def einsum_router(h, gate_w, bias):
+    """contraction: the router GEMM as an einsum."""
+    scores = torch.sqrt(F.softplus(torch.einsum("td,ed->te", h.float(), gate_w.float())))
+    experts = torch.topk(scores + bias, K).indices
+    return normalise(scores.gather(1, experts)), experts
+
+
+CASES = {f.__name__: f for f in (linear_router, bias_first, take_along_dim, softplus_written_out,
+                                 sqrt_as_power, einsum_router)}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_found_once_and_equal_to_eager(name):
+    f = CASES[name]
+    gm, report = run_passes(f, inputs(0), FUSION)
+    assert report.matches == {FUSION: 1}, report.declined
+    x = inputs(1)
+    assert_same_routing(gm(*x), f(*x), *x)

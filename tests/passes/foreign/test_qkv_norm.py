@@ -1,0 +1,105 @@
+"""Foreign formulations of `qkv_norm` (q/kv RMSNorms + KV RoPE + FP8 fake quant), each differing from the
+project's model in one named way. Each must be found exactly once and equal eager: bit-exact where the foreign
+math is equal on the values it sees (the exp2 FP8 scale equals the bit-manipulated one on every bf16 amax, checked
+exhaustively in test_exp2_scale_equals_bit_scale_on_bf16), within one bf16 ulp for a mean written as sum / n
+(no FP8 tail there: a 1-ulp difference may move an FP8 bucket)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv41.models import functional as fn
+
+from ..harness import NORM_EPS, assert_found_once
+from ..test_qkv_norm import KVD, QD, inputs, split_inputs
+
+FUSION = "qkv_norm"
+EXACT, BF16_ULP = {}, dict(atol=1e-6, rtol=2.0**-7)
+
+
+def norm(x, w, eps=NORM_EPS):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+def fp8_exp2(x, block=32):
+    """The FP8 round trip with the scale as exp2(ceil(log2(amax / 448)))."""
+    xf = x.float().unflatten(-1, (-1, block))
+    amax = xf.abs().amax(-1, keepdim=True).clamp_min(1e-4)
+    s = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+    return ((xf / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s).flatten(-2).to(x.dtype)
+
+
+def rope_stride2(x, cos, sin):
+    """Interleaved RoPE on the tail by stride-2 slices (x[..., 0::2], x[..., 1::2])."""
+    rd = cos.shape[-1] * 2
+    tail = x[..., -rd:].float()
+    x0, x1 = tail[..., 0::2], tail[..., 1::2]
+    rot = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat((x[..., :-rd], rot), dim=-1)
+
+
+def exp2_fp8_scale(qkv, q_w, kv_w, cos, sin):
+    """equal math written differently: the FP8 scale by exp2/ceil/log2 instead of the exponent bits."""
+    qr, kv = norm(qkv[:, :QD], q_w), norm(qkv[:, QD:], kv_w)
+    return qr, fp8_exp2(fn.apply_rope_tail(kv, cos, sin))
+
+
+def stride2_rope(qkv, q_w, kv_w, cos, sin):
+    """equal math written differently: interleaved RoPE by stride-2 slicing instead of unflatten + select."""
+    qr, kv = norm(qkv[:, :QD], q_w), norm(qkv[:, QD:], kv_w)
+    return qr, fn.fp8_fake_quant(rope_stride2(kv, cos, sin), 32)
+
+
+def weight_times_normalised(qkv, q_w, kv_w, cos, sin, eps=NORM_EPS):
+    """operand order: w * (x * r) and a commuted mean-square add (eps + mean)."""
+    def norm_w_first(x, w):
+        xf = x.float()
+        return (w.float() * (xf * torch.rsqrt(eps + xf.pow(2).mean(-1, keepdim=True)))).to(x.dtype)
+    qr, kv = norm_w_first(qkv[:, :QD], q_w), norm_w_first(qkv[:, QD:], kv_w)
+    return qr, fn.fp8_fake_quant(fn.apply_rope_tail(kv, cos, sin), 32)
+
+
+def split_with_sizes(qkv, q_w, kv_w, cos, sin):
+    """layout: the merged output split by torch.split instead of slicing."""
+    q, kv = torch.split(qkv, [QD, KVD], dim=-1)
+    return norm(q, q_w), fn.fp8_fake_quant(fn.apply_rope_tail(norm(kv, kv_w), cos, sin), 32)
+
+
+def two_gemm_outputs(x, wq, wkv, q_w, kv_w, cos, sin):
+    """op contract: q and kv from two GEMMs (HF's wq_a and wkv) with the HF-style exp2 scale and stride-2 RoPE."""
+    q, kv = F.linear(x, wq), x @ wkv.t()
+    return norm(q, q_w), fp8_exp2(rope_stride2(norm(kv, kv_w), cos, sin))
+
+
+def mean_as_sum(qkv, q_w, kv_w, eps=NORM_EPS):
+    """other op: the mean square as sum(x^2) / n (no RoPE/FP8 tail)."""
+    def norm_sum(x, w):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) / xf.shape[-1] + eps) * w.float()).to(x.dtype)
+    return norm_sum(qkv[:, :QD], q_w), norm_sum(qkv[:, QD:], kv_w)
+
+
+CASES = {
+    "exp2_fp8_scale": (exp2_fp8_scale, inputs, EXACT),
+    "stride2_rope": (stride2_rope, inputs, EXACT),
+    "weight_times_normalised": (weight_times_normalised, inputs, EXACT),
+    "split_with_sizes": (split_with_sizes, inputs, EXACT),
+    "two_gemm_outputs": (two_gemm_outputs, split_inputs, EXACT),
+    "mean_as_sum": (mean_as_sum, lambda seed: inputs(seed, rope=False), BF16_ULP),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_found_once_and_equal_to_eager(name):
+    f, inputs_of, tol = CASES[name]
+    assert_found_once(f, inputs_of, FUSION, **tol)
+
+
+def test_exp2_scale_equals_bit_scale_on_bf16():
+    """The domain of the exp2 form: equal to the bit-manipulated power of two on every positive bf16 amax."""
+    b = torch.arange(2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    b = b[torch.isfinite(b) & (b > 0)].clamp_min(1e-4)
+    assert torch.equal(torch.exp2(torch.ceil(torch.log2(b / 448.0))), fn._pow2_ceil(b * (1.0 / 448.0)))
