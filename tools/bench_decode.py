@@ -58,11 +58,10 @@ def progress(what: str, every_s: float = 30.0):
 
 def fill_caches(model, context: int, gen: torch.Generator) -> None:
     """Caches as if `context` tokens had been decoded: random values of the model's scales in every slot."""
-    for name, buf in model.named_buffers():
-        if name.endswith(("window_kv", "compress_kv", "index_k", "kv_state")):
-            buf.copy_(torch.randn(buf.shape, generator=gen, device=buf.device, dtype=torch.float32).to(buf.dtype))
-        elif name.endswith("score_state"):
-            buf.copy_(torch.randn(buf.shape, generator=gen, device=buf.device))
+    from dsv41.models.agreement import caches
+
+    for buf in caches(model).values():
+        buf.copy_(torch.randn(buf.shape, generator=gen, device=buf.device, dtype=torch.float32).to(buf.dtype))
 
 
 def step_bytes(model, tokens, positions) -> tuple[int, dict]:

@@ -44,10 +44,6 @@ def expected_matches(cfg, layers) -> dict[str, int]:
             "indexer_topk": sum(1 for layer in layers if layer in cfg.index_source_layers), "allreduce_mhc": 0}
 
 
-def caches(model) -> dict[str, torch.Tensor]:
-    return {name: buf for name, buf in model.named_buffers() if not name.startswith("inv_freq")}
-
-
 def step_inputs(step: int):
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randint(0, TINY.vocab_size, (BATCH,), generator=g), START + step
@@ -80,8 +76,8 @@ class Run:
                 got = compiled(tokens, positions)
                 want = eager(tokens, positions)
                 self.logits.append((got, want))
-                self.caches.append(({k: v.clone() for k, v in caches(target).items()},
-                                    {k: v.clone() for k, v in caches(eager).items()}))
+                self.caches.append(({k: v.clone() for k, v in agreement.caches(target).items()},
+                                    {k: v.clone() for k, v in agreement.caches(eager).items()}))
                 self.diffs.append((got - want).abs().max().item())
             self.agreement = agreement.check(target, compiled, tokens)
         self.n_graphs = len(self.backend.reports)
