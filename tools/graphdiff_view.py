@@ -433,7 +433,9 @@ def why_data(rec: Recording, graphs: list[dict], fusion: str, layer: int | None 
                           "blocking_context": _context(lines, position.get(blocking)) if blocking else [],
                           "blocking_code": lines[position[blocking]] if blocking in position else None})
             cands.append(entry)
-        cands.sort(key=lambda c: position.get(c["anchor"], 1 << 30))
+        # the sites a user asks about first: declined candidates (the whole pattern matched, a check said no), then
+        # near misses by how much of their pattern matched, then in graph order
+        cands.sort(key=lambda c: (not c["declined"], -c["progress"] / max(c["total"], 1), position.get(c["anchor"], 1 << 30)))
         result["graphs"].append({"graph": g["graph"], "pass": {k: r[k] for k in ("index", "name", "changed", "matches", "declined", "attempts")},
                                  "before": f"{g['dir']}/{r['before']}", "matched": matched, "candidates": cands})
     return result
