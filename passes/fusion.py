@@ -15,7 +15,6 @@ check and the value domain it covered are recorded with the replacement.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import json
 import logging
@@ -36,10 +35,12 @@ log = logging.getLogger("dsv41")
 # user, the semantic check, the op's check or the token limit, reached a graph input (a graph break), or failed on a
 # dtype after four ops; a structural miss past the anchor's first ops is an attempt (`attempts`, the first
 # differing op named).
-_REPORTED_KINDS = ("scalar", "extra user", "check", "token limit", "semantic")
+_REPORTED_KINDS = ("scalar", "extra user", "check", "token limit", "symbolic shape", "semantic")
 _SEMANTIC_DRAWS = 2
+# (pass class, its config_key as JSON) -> its PatternSet: traced patterns and their shape caches
+_PATTERN_SETS: dict = {}
 # An op-for-op match that fails on these is a different computation (another eps, dtype, ...): not retried with islands.
-_FINAL_KINDS = ("scalar", "dtype", "extra user", "token limit")
+_FINAL_KINDS = ("scalar", "dtype", "extra user", "token limit", "symbolic shape")
 
 
 @dataclass(frozen=True)
@@ -98,17 +99,8 @@ class PassResult:
     note: str | None = None  # e.g. "no candidate: ..." when the graph holds none of the fusion's distinctive ops
 
 
-def source_hash(*objs, extra=None) -> str:
-    """sha256 over the source files of `objs` and a JSON dump of `extra` (the config a pass depends on)."""
-    h = hashlib.sha256()
-    for o in objs:
-        h.update(inspect.getsource(inspect.getmodule(o)).encode())
-    h.update(json.dumps(extra, sort_keys=True, default=str).encode())
-    return h.hexdigest()
-
-
 class GraphPass:
-    """A named graph transformation with a match counter and a cache-safe uuid."""
+    """A named graph transformation with a match counter."""
 
     name: str = ""
 
@@ -116,11 +108,9 @@ class GraphPass:
         self.config = config
 
     def config_key(self) -> dict:
-        """The part of the backend config this pass depends on (hashed into uuid)."""
+        """The part of the backend config this pass's behaviour depends on (passes with equal keys share their
+        traced patterns)."""
         return {}
-
-    def uuid(self) -> str:
-        return source_hash(type(self), GraphPass, extra={"pass": self.name, **self.config_key()})
 
     def __call__(self, graph: fx.Graph) -> PassResult:
         raise NotImplementedError
@@ -180,15 +170,10 @@ class FusionPass(GraphPass):
     def config_key(self) -> dict:
         return {"max_tokens": self.config.max_tokens, "kernel": self.config.kernel, "constants": self.config.constants()}
 
-    def uuid(self) -> str:
-        import dsv41.passes.matcher as matcher
-
-        return source_hash(type(self), FusionPass, matcher, extra={"pass": self.name, **self.config_key()})
-
     def token_check(self, t) -> str | None:
-        """The reason (kind "token limit") a token count is not fused, or None."""
+        """The reason (kind "token limit", or "symbolic shape" for a symbolic count) a token count is not fused, or None."""
         if not isinstance(t, int):
-            return f"the token count {t} is symbolic; decode fusions need a static batch"
+            return f"the token count {t} is symbolic; the decode fusions need static shapes: torch.compile(..., dynamic=False)"
         if t > self.config.max_tokens:
             return f"T={t} > max_tokens={self.config.max_tokens}"
         return None
@@ -227,8 +212,11 @@ class FusionPass(GraphPass):
         return None, f"{where}; checked on {domain}"
 
     def __call__(self, graph: fx.Graph) -> PassResult:
-        if self._patterns is None:
-            self._patterns = PatternSet(self.patterns())
+        if self._patterns is None:  # traced once per pass class and config in a process, for every backend
+            key = (type(self), json.dumps(self.config_key(), sort_keys=True, default=str))
+            if key not in _PATTERN_SETS:
+                _PATTERN_SETS[key] = PatternSet(self.patterns())
+            self._patterns = _PATTERN_SETS[key]
         result = PassResult(self.name)
         erased: set[fx.Node] = set()
         failures: dict[fx.Node, MatchFailure] = {}  # per anchor: the deepest op-for-op failure
@@ -276,7 +264,9 @@ class FusionPass(GraphPass):
 
     def _accept(self, m: MatchResult, anchor: fx.Node):
         """(match, replacement, fake output, what the semantic check verified) or the MatchFailure that declines it."""
-        kind, reason, verified, rep, value = "token limit", self.token_check(self.tokens(m)), None, None, None
+        tokens = self.tokens(m)
+        kind = "token limit" if isinstance(tokens, int) else "symbolic shape"
+        reason, verified, rep, value = self.token_check(tokens), None, None, None
         if reason is None:
             kind, reason = "check", self.check(m)
         if reason is None:

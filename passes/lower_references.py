@@ -17,10 +17,11 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dsv41.passes.fusion import GraphPass, PassResult
+from dsv41.passes.registry import FUSIONS
 from dsv41.passes.streams import STREAM
 
-# op -> the dsv41.kernels module that implements it on CUDA
-KERNEL_OF = {"mhc_coeffs": "mhc_coeffs", "mhc_post_pre": "mhc_post_pre", "allreduce_mhc": "mhc_post_pre"}
+# op -> the dsv41.kernels module that implements it on CUDA (declared in the registry)
+KERNEL_OF = {f.name: f.kernel for f in FUSIONS if f.kernel is not None}
 
 
 def kernel_available(op_name: str) -> bool:

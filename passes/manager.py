@@ -1,21 +1,19 @@
 """The dsv41 pass manager: normalisation, the fusions (most specific first), side-stream scheduling, and
 defunctionalisation last (nothing may remove "dead" nodes after it).
 
-It is an Inductor `CustomGraphPass`: `uuid()` hashes every pass's source and the config it depends on, so a
-cached graph is never stale. Snapshots of the graph before and after every pass are taken only when a recorder
-is attached (the graph-diff tool); in debug mode every pass is followed by invariant checks.
+It runs inside the backend's inference compiler, before code generation, so Inductor's FX graph cache keys on the
+rewritten graph itself (a warm start reruns the passes, then hits that cache). Snapshots of the graph before and
+after every pass are taken only when a recorder is attached (the graph-diff tool); in debug mode every pass is
+followed by invariant checks.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field
 
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from dsv41.passes.fusion import GraphPass, PassResult, source_hash
+from dsv41.passes.fusion import GraphPass, PassResult
 from dsv41.passes.normalize import normalize_graph
 
 # Recorders of `dsv41.tools.graphdiff.record(...)`: while one is active, every PassManager reports to it too.
@@ -44,7 +42,7 @@ class NormalizePass(GraphPass):
         return PassResult(self.name, matches=normalize_graph(graph))
 
 
-class PassManager(CustomGraphPass):
+class PassManager:
     def __init__(self, config):
         from dsv41.passes import build_passes
 
@@ -53,14 +51,6 @@ class PassManager(CustomGraphPass):
         # set by the graph-diff tool: recorder.begin_graph(graph_id, passes), then per pass
         # recorder.snapshot(graph_id, index, pass, recorder.capture(graph) before, ... after, result)
         self.recorder = None
-
-    def uuid(self) -> str:
-        h = hashlib.sha256(source_hash(PassManager).encode())
-        h.update(json.dumps([p.uuid() for p in self.passes]).encode())
-        return h.hexdigest()
-
-    def __call__(self, graph: fx.Graph) -> None:  # CustomGraphPass contract
-        self.run(graph, CompileReport(graph_id=-1))
 
     def run(self, graph: fx.Graph, report: CompileReport) -> CompileReport:
         recorders = [r for r in (self.recorder, *ACTIVE_RECORDERS) if r is not None]  # [] when off: no snapshots

@@ -205,6 +205,9 @@ class _Matcher:
             if p != t:
                 raise _Fail("dtype" if isinstance(p, torch.dtype) else "argument", f"{where}: expected {p!r}, found {t!r}")
             return
+        if isinstance(t, fx.Node) and isinstance(t.meta.get("val"), (torch.SymInt, torch.SymFloat)):
+            raise _Fail("symbolic shape", f"{where}: expected {p!r}, found the symbolic {t.meta['val']} ({_fmt(t)}); "
+                        "the decode fusions need static shapes: torch.compile(..., dynamic=False)", t)
         if isinstance(t, fx.Node):
             raise _Fail("argument", f"{where}: expected the constant {p!r}, found a tensor {_fmt(t)}", t)
         if not self.exact:
@@ -466,24 +469,37 @@ def _plausible(p, t) -> bool:
 
 def _ancestors(node: fx.Node, stop, limit: int | None = None) -> list[fx.Node]:
     """node and its ancestors, not walking past nodes where stop(n) (those are left out), breadth first."""
-    seen, order, queue = {node}, [node], [node]
-    while queue:
-        n = queue.pop(0)
-        for a in n.all_input_nodes:
+    seen, order = {node}, [node]
+    i = 0
+    while i < len(order):  # `order` is the queue too: nodes are appended once, read once
+        for a in order[i]._input_nodes:
             if a in seen or stop(a):
                 continue
             seen.add(a)
             order.append(a)
             if limit is not None and len(order) > limit:
                 return order
-            queue.append(a)
+        i += 1
     return order
 
 
 def _closed(t: fx.Node, bound: set) -> bool:
-    """t's ancestors reach no graph input before a bound value, within the island size limit."""
-    inside = _ancestors(t, stop=lambda n: n is not t and n in bound, limit=_ISLAND_NODES)
-    return len(inside) <= _ISLAND_NODES and not any(_is_input(n) for n in inside)
+    """t's ancestors reach no graph input before a bound value, within the island size limit (the walk of
+    `_ancestors(t, stop=bound, limit=_ISLAND_NODES)`, ending at the first input or past the limit)."""
+    if _is_input(t):
+        return False
+    seen, order = {t}, [t]
+    i = 0
+    while i < len(order):
+        for a in order[i]._input_nodes:
+            if a in seen or a in bound:
+                continue
+            if a.op in ("placeholder", "get_attr") or len(order) >= _ISLAND_NODES:
+                return False
+            seen.add(a)
+            order.append(a)
+        i += 1
+    return True
 
 
 def _fits(n: fx.Node, ph: fx.Node) -> bool:
@@ -631,9 +647,9 @@ class PatternSet:
         symbolic = next((b for b in bound if isinstance(b, fx.Node) and isinstance(b.meta.get("val"), torch.Tensor)
                          and not all(isinstance(d, int) for d in b.meta["val"].shape)), None)
         if symbolic is not None:
-            return MatchFailure(pat.name, anchor.name, total, total, "check",
-                                f"input {_fmt(symbolic)} has a symbolic shape {list(symbolic.meta['val'].shape)}: decode "
-                                "fusions need static shapes (compile with dynamic=False)", symbolic.name)
+            return MatchFailure(pat.name, anchor.name, total, total, "symbolic shape",
+                                f"input {_fmt(symbolic)} has a symbolic shape {list(symbolic.meta['val'].shape)}; the "
+                                "decode fusions need static shapes: torch.compile(..., dynamic=False)", symbolic.name)
         free = {}
         for name, (op, occurrence, path) in pat.free.items():
             carriers = [p for p in structural.call_nodes if p.target == op]

@@ -30,6 +30,6 @@ FUSIONS = (
     Fusion("qkv_norm"),
     Fusion("wo_a"),
     Fusion("indexer_topk"),
-    Fusion("moe_route"),
+    Fusion("moe_route", kernel="moe_route"),
 )
 FUSION_NAMES = tuple(f.name for f in FUSIONS)

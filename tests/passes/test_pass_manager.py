@@ -1,18 +1,16 @@
-"""The pass manager: order, uuid (Inductor's CustomGraphPass contract), the DSV41_DISABLE_PASSES override, debug
+"""The pass manager: order, each pass's config key (traced patterns shared per key), the DSV41_DISABLE_PASSES override, debug
 invariant checks, before/after snapshots, normalisation, defunctionalisation, and the fallback to plain Inductor.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import re
 
 import expecttest
 import pytest
 import torch
 import torch.fx as fx
 from torch import Tensor
-from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -42,26 +40,16 @@ def test_pass_order():
     # the choice of implementation (inlined nodes keep the op's stream)
 
 
-# ---- uuid ---------------------------------------------------------------------------------------------------------
-def uuids(**changes) -> dict[str, str]:
-    pm = PassManager(config(**changes))
-    return {"manager": pm.uuid(), **{p.name: p.uuid() for p in pm.passes}}
+# ---- config keys --------------------------------------------------------------------------------------------------
+def config_keys(**changes) -> dict[str, dict]:
+    return {p.name: p.config_key() for p in PassManager(config(**changes)).passes}
 
 
-def test_every_pass_has_a_name_and_uuid():
+def test_every_pass_has_a_name():
     pm = PassManager(config())
-    assert isinstance(pm, CustomGraphPass)
     names = [p.name for p in pm.passes]
-    assert all(names) and len(set(names)) == len(names)
-    for p in pm.passes:
-        assert isinstance(p, GraphPass) and re.fullmatch(r"[0-9a-f]{64}", p.uuid()), p.name
-    assert re.fullmatch(r"[0-9a-f]{64}", pm.uuid())
+    assert all(names) and len(set(names)) == len(names) and all(isinstance(p, GraphPass) for p in pm.passes)
     assert {name: fusion_pass_class(name).name for name in FUSIONS} == {name: name for name in FUSIONS}
-
-
-def test_same_config_same_uuid():
-    assert uuids() == uuids()
-    assert uuids(max_tokens=8) == uuids(max_tokens=8)
 
 
 @pytest.mark.parametrize("change, affected, unaffected", [
@@ -72,20 +60,21 @@ def test_same_config_same_uuid():
     (dict(route_scale=2.5), {"moe_route"}, {"normalize", "defunctionalize"}),
     (dict(mode="inductor"), {"defunctionalize"}, set(FUSIONS) | {"normalize"}),
 ])
-def test_config_change_changes_uuid(change, affected, unaffected):
-    base, changed = uuids(), uuids(**change)
-    assert changed["manager"] != base["manager"]
+def test_config_change_changes_the_key_of_the_passes_it_affects(change, affected, unaffected):
+    base, changed = config_keys(), config_keys(**change)
     for name in affected:
-        assert changed[name] != base[name], f"{name}'s uuid ignores {change}"
+        assert changed[name] != base[name], f"{name}'s config key ignores {change}"
     for name in unaffected:
-        assert changed[name] == base[name], f"{name}'s uuid depends on {change}"
+        assert changed[name] == base[name], f"{name}'s config key depends on {change}"
 
 
-def test_disabling_a_fusion_changes_uuid():
-    base = uuids()
-    fewer = uuids(fusions=frozenset(FUSIONS) - {"wo_a"})
-    assert "wo_a" not in fewer and fewer["manager"] != base["manager"]
-    assert {k: v for k, v in base.items() if k not in ("manager", "wo_a")} == {k: v for k, v in fewer.items() if k != "manager"}
+def test_traced_patterns_are_shared_by_passes_of_one_config_key():
+    graph = fx.Graph()
+    graph.output(None)
+    a, b, c = WoAPass(config()), WoAPass(config()), WoAPass(config(max_tokens=8))
+    for p in (a, b, c):
+        p(graph)
+    assert a._patterns is b._patterns and a._patterns is not c._patterns
 
 
 # ---- the environment override -------------------------------------------------------------------------------------

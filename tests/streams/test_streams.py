@@ -1,4 +1,4 @@
-"""The side-stream schedule on synthetic graphs (CPU): invariants, golden, execution, uuid."""
+"""The side-stream schedule on synthetic graphs (CPU): invariants, golden, execution, config key."""
 
 import torch
 import torch.fx as fx
@@ -224,9 +224,10 @@ def test_serialized_streams_nests_and_restores():
     assert not stream_executor._serialized
 
 
-def test_uuid_depends_on_streams_and_threshold():
-    base = PassManager(Dsv41Config()).uuid()
-    assert PassManager(Dsv41Config()).uuid() == base
-    assert PassManager(Dsv41Config(streams=False)).uuid() != base
-    assert PassManager(Dsv41Config(stream_max_tokens=8)).uuid() != base
-    assert PassManager(Dsv41Config(stream_branches=frozenset({"mhc_coeffs"}))).uuid() != base
+def test_config_key_depends_on_streams_and_threshold():
+    def key(**changes):
+        return next(p for p in PassManager(Dsv41Config(**changes)).passes if p.name == "streams").config_key()
+
+    base = key()
+    assert key() == base and key(streams=False) != base and key(stream_max_tokens=8) != base
+    assert key(stream_branches=frozenset({"mhc_coeffs"})) != base
