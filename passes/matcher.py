@@ -386,7 +386,8 @@ class _Matcher:
             bound = {n for n in st.t2p if isinstance(n, fx.Node)}
             if unbound:
                 cone = _ancestors(t, stop=lambda n: n is not t and n in bound, limit=_ISLAND_NODES)
-                choices = [[n for n in reversed(cone) if n is not t and _fits(n, ph) and n not in bound] for ph in unbound]
+                kinds = [(n, _kind(n)) for n in reversed(cone) if n is not t and n not in bound]
+                choices = [[n for n, kind in kinds if kind is not None and kind == _kind(ph)] for ph in unbound]
                 chosen = None
                 for combo in itertools.islice(itertools.product(*choices), 64):
                     if len(set(combo)) == len(combo) and _closed(t, bound | set(combo)) and self._traces_with(st, unbound, combo):
@@ -502,9 +503,10 @@ def _closed(t: fx.Node, bound: set) -> bool:
     return True
 
 
-def _fits(n: fx.Node, ph: fx.Node) -> bool:
-    a, b = n.meta.get("val"), ph.meta.get("val")
-    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.dim() == b.dim()
+def _kind(n: fx.Node) -> tuple | None:
+    """(dtype, rank) of a tensor value: what a graph value must share with the pattern input it may bind to."""
+    v = n.meta.get("val")
+    return (v.dtype, v.dim()) if isinstance(v, torch.Tensor) else None
 
 
 def _cone(starts: list[fx.Node], target) -> list[fx.Node]:
@@ -546,10 +548,11 @@ def _fake_like(v):
     return val
 
 
-def _meta_key(a):
-    if isinstance(a, torch.Tensor):
-        return (tuple(a.shape), tuple(a.stride()), a.dtype)
-    return a
+def _bound_key(bound: list) -> tuple:
+    """The metadata a pattern's trace depends on, of the graph values bound to its inputs: (shape, stride, dtype)
+    of tensors, other values as they are."""
+    vals = (b.meta.get("val") if isinstance(b, fx.Node) else b for b in bound)
+    return tuple((tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else v for v in vals)
 
 
 def _anchor_targets(pat: Pattern, gm: fx.GraphModule) -> tuple:
@@ -587,12 +590,11 @@ class PatternSet:
 
     def _traces(self, pat: Pattern, bound: list) -> bool:
         """pat traces with inputs shaped like `bound` (default free scalars); cached."""
-        args = [_fake_like(b) for b in bound]
-        key = (pat.name, tuple(_meta_key(a) for a in args))
+        key = (pat.name, _bound_key(bound))
         if key not in self._shape_ok:
             try:
                 with quiet_fake_tensor():
-                    pat.trace(args)
+                    pat.trace([_fake_like(b) for b in bound])
                 self._shape_ok[key] = True
             except Exception:
                 self._shape_ok[key] = False
@@ -663,12 +665,11 @@ class PatternSet:
             if not isinstance(value, int):
                 return MatchFailure(pat.name, anchor.name, total, total, "check", f"{name} is {value!r}, not a static int")
             free[name] = value
-        args = [_fake_like(b) for b in bound]
-        key = (pat.name, tuple(_meta_key(a) for a in args), tuple(sorted(free.items())))
+        key = (pat.name, _bound_key(bound), tuple(sorted(free.items())))
         if key not in self._exact:
             try:
                 with quiet_fake_tensor():
-                    self._exact[key] = pat.trace(args, free)
+                    self._exact[key] = pat.trace([_fake_like(b) for b in bound], free)
             except Exception as e:  # the search function rejects these shapes: not this pattern
                 return MatchFailure(pat.name, anchor.name, structural.progress(st), total, "inconsistent input",
                                     f"re-trace with the matched shapes failed: {e}")
