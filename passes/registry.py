@@ -31,5 +31,6 @@ FUSIONS = (
     Fusion("wo_a"),
     Fusion("indexer_topk"),
     Fusion("moe_route"),
+    Fusion("moe_experts", kernel="moe_experts"),
 )
 FUSION_NAMES = tuple(f.name for f in FUSIONS)
