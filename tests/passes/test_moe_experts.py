@@ -13,6 +13,7 @@ import torch
 
 from dsv41.lowerings.moe_experts import MAX_ROWS
 from dsv41.models import TINY, DSV41Model
+from dsv41.models import functional as fn
 from dsv41.passes.moe_experts import experts
 
 from .harness import BF16, assert_close, compile_fx, config, make_backend, gen, graph_text, op_counts, pattern_names, rand, \
@@ -81,7 +82,31 @@ return %moe_experts_default
 """)
 
 
+def foreign(x, token, w, offs, w13, w2, u_clamp=True):
+    """Another style: chunk instead of slices, silu as g * sigmoid(g), the weight by [:, None]."""
+    g, u = torch._grouped_mm(x[token], w13.transpose(1, 2), offs=offs).float().chunk(2, dim=-1)
+    g = torch.clamp(g, max=LIMIT)
+    u = torch.clamp(u, min=-LIMIT, max=LIMIT) if u_clamp else u
+    a = fn.fp8_fake_quant((g * torch.sigmoid(g) * u * w[:, None]).to(torch.bfloat16), BLOCK)
+    return torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
+
+
+def test_foreign_formulation_found_by_what_it_computes():
+    """Its parts written with other ops are islands: replaced once, after the semantic check on random inputs (valid
+    offsets), and equal to eager on fresh inputs."""
+    gm, report = run_passes(foreign, inputs(0), FUSION)
+    assert report.matches == {FUSION: 1} and op_counts(gm)["aten._grouped_mm"] == 0
+    assert "checked on 2 random draws" in report.passes[1].replaced[0]["verified"]
+    x = inputs(1)
+    assert_close(gm(*x), foreign(*x), atol=0, rtol=0)
+
+
 # ---- declines ---------------------------------------------------------------------------------------------------
+def test_decline_foreign_without_the_u_clamp():
+    """The same style without clamping u computes something else: the semantic check declines it."""
+    f = lambda *a: foreign(*a, u_clamp=False)  # noqa: E731
+    reasons = run_declined(f, inputs(0), FUSION)
+    assert "semantic" in reasons and "differs from dsv41::moe_experts's reference on random inputs" in reasons
 def test_decline_above_the_row_limit():
     """T = 65 tokens (within max_tokens=128) give 390 > 384 rows: declined at both GEMMs of the site, the
     _grouped_mm path left as it was and still equal to eager."""
