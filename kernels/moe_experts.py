@@ -39,8 +39,8 @@ from dsv41.kernels import cute_utils
 from dsv41.kernels.compile_cache import (cached_kernel, compile_tvm_ffi, env_stream, fake_tensor, hopper_reason,
                                          shape_reason)
 from dsv41.kernels.moe_route import _load_pairs, _mma_m16n8k16
+from dsv41.lowerings.moe_experts import MAX_ROWS  # the fusion's row limit is the kernel's
 
-MAX_ROWS = 384  # T * k; = dsv41.lowerings.moe_experts.MAX_ROWS (checked in tests)
 MAX_EXPERTS = 1024
 QUANT_BLOCK = 32  # the one FP8 block size the kernel fuses (a 32-column chunk)
 ROWS = 16  # weight rows per CTA: the MMA's M
