@@ -4,7 +4,8 @@ A fusion `name` is the key of `report.matches`, its pass is `dsv41.passes.<name>
 its patterns), its op is `dsv41::<name>` in `dsv41.lowerings.<name>`, and `kernel` is the CuTe DSL kernel module
 `dsv41.kernels.<kernel>` the op runs on Hopper (None: the reference only). `FUSIONS` is in run order, most specific
 first: moe_finalize takes the TP combine before allreduce_mhc claims the post + pre sites behind an all-reduce, and
-those before mhc_post_pre. This module imports nothing heavy, so `dsv41.config` can read it.
+those before mhc_post_pre; moe_experts may come after moe_finalize, which binds the expert rows as its input (the
+rows moe_experts' op then produces). This module imports nothing heavy, so `dsv41.config` can read it.
 """
 
 from __future__ import annotations
@@ -31,5 +32,6 @@ FUSIONS = (
     Fusion("wo_a"),
     Fusion("indexer_topk"),
     Fusion("moe_route", kernel="moe_route"),
+    Fusion("moe_experts", kernel="moe_experts"),
 )
 FUSION_NAMES = tuple(f.name for f in FUSIONS)

@@ -79,8 +79,17 @@ def moe_finalize(g, t=3, d=32, topk=6, shared=True):
                 shared=_rand(g, t, d) if shared else None, num_tokens=t)
 
 
+def moe_experts(g, t=3, d=64, inter=64, experts=8, topk=6, quant_block=32):
+    """Rows sorted by expert (tokens permuted); every other expert gets no rows."""
+    m = t * topk
+    counts = torch.bincount(torch.randint(0, experts // 2, (m,), generator=g) * 2, minlength=experts)
+    return dict(x=_rand(g, t, d), token=torch.randperm(m, generator=g) // topk, row_weights=torch.rand(m, generator=g),
+                offsets=torch.cumsum(counts, 0).to(torch.int32), w13=_rand(g, experts, 2 * inter, d, scale=d**-0.5),
+                w2=_rand(g, experts, d, inter, scale=inter**-0.5), swiglu_limit=10.0, quant_block=quant_block)
+
+
 BUILDERS = {f.__name__: f for f in (mhc_coeffs, mhc_post_pre, allreduce_mhc, qkv_norm, wo_a, indexer_topk, moe_route,
-                                    moe_finalize)}
+                                    moe_finalize, moe_experts)}
 
 
 @pytest.fixture

@@ -1,0 +1,102 @@
+"""`dsv41::moe_experts`: the routed experts of one MoE layer (spec 2.6) on the expert-sorted rows, GEMM1 (w1||w3),
+the clamped SwiGLU times the routing weight, (the FP8 fake quantisation,) GEMM2 (w2): the model's two
+`torch._grouped_mm` calls and what lies between them."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dsv41.lowerings import _checks, _kernels
+from dsv41.models import functional
+
+NAME = "moe_experts"
+MAX_ROWS = 384  # T * k rows the fusion takes (T = 64 at k = 6): above it the model's _grouped_mm path stays
+# Kernel vs reference (same inputs): the GEMMs sum in another order, so g, u and a may round to the neighbouring
+# bf16, and an FP8 fake quantisation step (1/8 relative) of one a element may then flip; each moves an output by a
+# small fraction of the row's magnitude. Outputs agree within KERNEL_RTOL * |want| + KERNEL_ATOL * rms(want row).
+KERNEL_RTOL, KERNEL_ATOL = 2.0**-6, 2.0**-5
+
+
+def _validate(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block, impl):
+    _checks.check_impl(NAME, impl)
+    device = _checks.check_devices(NAME, x=x, token=token, row_weights=row_weights, offsets=offsets, w13=w13, w2=w2)
+    dims = {}
+    _checks.check_tensor(NAME, "x", x, torch.bfloat16, "T D", dims)
+    _checks.check_tokens(NAME, "x", dims["T"])
+    _checks.check_tensor(NAME, "token", token, torch.int64, "M", dims)
+    _checks.check_tensor(NAME, "row_weights", row_weights, torch.float32, "M", dims)
+    _checks.check_tensor(NAME, "offsets", offsets, torch.int32, "E", dims)
+    if dims["E"] < 1:
+        raise ValueError(f"dsv41::{NAME}: argument 'offsets' must hold at least one expert (E >= 1), got E = 0")
+    _checks.check_tensor(NAME, "w2", w2, torch.bfloat16, "E D I", dims)
+    dims["2*I"] = 2 * dims["I"]
+    _checks.check_tensor(NAME, "w13", w13, torch.bfloat16, "E 2*I D", dims)
+    _checks.check_scalar(NAME, "swiglu_limit", swiglu_limit, 0 < swiglu_limit < float("inf"), "must be finite and > 0")
+    _checks.check_scalar(NAME, "quant_block", quant_block, quant_block >= 0, "must be >= 0")
+    if quant_block > 0:
+        _checks.check_scalar(NAME, "quant_block", quant_block, dims["I"] % quant_block == 0,
+                             f"must divide I = {dims['I']}")
+    if _checks.values_on_host(token, offsets):
+        _checks.check_range(NAME, "token", token, 0, dims["T"] - 1, "T - 1")
+        _checks.check_range(NAME, "offsets", offsets, 0, dims["M"], "M")
+        if (offsets.diff() < 0).any():
+            raise ValueError(f"dsv41::{NAME}: argument 'offsets' must be non-decreasing (the end of each expert's rows)")
+        if offsets[-1].item() != dims["M"]:
+            raise ValueError(f"dsv41::{NAME}: argument 'offsets' must end at M = {dims['M']} (every row belongs to an "
+                             f"expert), got offsets[-1] = {offsets[-1].item()}")
+    return device, dims
+
+
+def reference(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block):
+    """Plain torch, the model's own ops in the model's order (`MoE.forward` of `dsv41.models.model`)."""
+    inter = w2.shape[2]
+    gu = torch._grouped_mm(x[token], w13.transpose(1, 2), offs=offsets)
+    a = functional.swiglu_clamped(gu[:, :inter], gu[:, inter:], swiglu_limit) * row_weights.unsqueeze(-1)
+    a = a.to(x.dtype)
+    if quant_block > 0:
+        a = functional.fp8_fake_quant(a, quant_block)
+    return torch._grouped_mm(a, w2.transpose(1, 2), offs=offsets)
+
+
+def compare_kernel(got: Tensor, want: Tensor) -> str | None:
+    """None when the kernel's output is within the module's kernel tolerance of the reference's (NaN never is)."""
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"{got.dtype}{list(got.shape)} vs the reference's {want.dtype}{list(want.shape)}"
+    g, w = got.float(), want.float()
+    rms = w.pow(2).mean(dim=-1, keepdim=True).sqrt()
+    bad = ~((g - w).abs() <= KERNEL_RTOL * w.abs() + KERNEL_ATOL * rms) | g.isnan() | w.isnan()
+    if bool(bad.any()):
+        worst = int(((g - w).abs() - KERNEL_RTOL * w.abs()).nan_to_num(float("inf")).argmax())
+        return (f"{int(bad.sum())} of {w.numel()} entries beyond rtol={KERNEL_RTOL:g}, atol={KERNEL_ATOL:g} x row rms; "
+                f"worst {g.flatten()[worst].item():.6g} vs {w.flatten()[worst].item():.6g}")
+    return None
+
+
+@torch.library.custom_op("dsv41::moe_experts", mutates_args=())
+def moe_experts(x: Tensor, token: Tensor, row_weights: Tensor, offsets: Tensor, w13: Tensor, w2: Tensor,
+                swiglu_limit: float, quant_block: int, impl: str = "auto") -> Tensor:
+    """The routed experts on the M = T * k expert-sorted rows (row m: token token[m] at routing weight row_weights[m]).
+
+    x [T, D] bf16, token [M] int64 in [0, T), row_weights [M] fp32, offsets [E] int32 non-decreasing with
+    offsets[E - 1] = M (expert e owns rows [offsets[e - 1], offsets[e]), offsets[-1] = 0), w13 [E, 2I, D] bf16
+    (w1 rows then w3 rows), w2 [E, D, I] bf16, swiglu_limit > 0, quant_block >= 0 (0: none; else it divides I).
+    For row m of expert e:
+        g, u = bf16(x[token[m]] @ w13[e, :I]^T), bf16(x[token[m]] @ w13[e, I:]^T)       fp32 accumulation   [I]
+        a    = bf16(silu(min(g, limit)) * clamp(u, -limit, limit) * row_weights[m])     in fp32             [I]
+        a    = fp8_fake_quant(a, quant_block)                                           (if quant_block > 0)
+        out[m] = bf16(a @ w2[e]^T)                                                      fp32 accumulation   [D]
+    -> out [M, D] bf16 (the rows `moe_finalize` combines).
+    impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
+    """
+    device, _ = _validate(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block, impl)
+    args = (x, token, row_weights, offsets, w13, w2)
+    kwargs = dict(swiglu_limit=swiglu_limit, quant_block=quant_block)
+    kernel = _kernels.select(NAME, NAME, impl, device, args, kwargs) or reference
+    return kernel(*args, **kwargs)
+
+
+@moe_experts.register_fake
+def _(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block, impl="auto"):
+    _, dims = _validate(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block, impl)
+    return x.new_empty((dims["M"], dims["D"]))

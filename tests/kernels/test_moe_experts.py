@@ -1,0 +1,163 @@
+"""The routed-experts kernel (dsv41.kernels.moe_experts).
+
+CPU: both launches compile for sm_90a (Flash sizes with and without the FP8 fake quantisation and programmatic
+dependent launch, the tiny model's sizes); `supports` and the entry explain what they reject.
+GPU (H200), against the op's reference (`dsv41.lowerings.moe_experts.reference`: the model's torch._grouped_mm path)
+on the same inputs, outputs poisoned with NaN before each call, compared by the op's `compare_kernel` (|diff| <=
+2^-6 |want| + 2^-5 rms(want row): the GEMMs sum in another order, so a bf16 rounding of g, u or a and then an FP8
+step of a may differ): T in DSV41_TEST_TOKENS (default 1,2,3,5,8,16,31,64) at D=5120 I=2304 E=64 and D=128 I=64
+E=16 (the tiny model), with the model's SwiGLU limit and a limit of 0.75 that clamps often; routings with experts
+that get no rows and with every token on one expert (64 rows of one expert: 8 row passes); 500 CUDA-graph replays
+alternating two input sets (different routings) bit-identical to direct calls; the op with impl="cute" is the entry.
+When CUDA is present these tests fail (never skip) if the kernel cannot run.
+"""
+
+import os
+
+import pytest
+import torch
+
+try:
+    import cutlass.cute  # noqa: F401
+    import tvm_ffi  # noqa: F401
+except ImportError:
+    if torch.cuda.is_available():
+        raise
+    pytest.skip("CuTe DSL (nvidia-cutlass-dsl, apache-tvm-ffi) is not installed", allow_module_level=True)
+
+from dsv41.kernels import moe_experts as K  # noqa: E402
+from dsv41.lowerings import moe_experts as op_module  # noqa: E402
+
+TOKENS = [int(t) for t in os.environ.get("DSV41_TEST_TOKENS", "1,2,3,5,8,16,31,64").split(",")]
+SHAPES = [(5120, 2304, 64), (128, 64, 16)]  # (D, I, E)
+TOPK, LIMIT, BLOCK = 6, 10.0, 32
+
+
+def _routing(t, e, g, one_expert=False):
+    """token [M], offsets [E] of a routing as the model sorts it: each token picks TOPK distinct experts among the
+    first e // 2 (so half the experts get no rows), or all pick the same expert (one_expert)."""
+    if one_expert:
+        experts = torch.full((t, TOPK), e - 1)
+    else:
+        experts = torch.stack([torch.randperm(e // 2, generator=g)[:TOPK] for _ in range(t)])
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    return order // TOPK, torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
+
+
+def _inputs(t, d, inter, e, seed, one_expert=False, device="cuda"):
+    g = torch.Generator().manual_seed(seed)
+    token, offsets = _routing(t, e, g, one_expert)
+    m = token.shape[0]
+    x = torch.randn(t, d, generator=g).bfloat16()
+    row_weights = 0.5 * torch.rand(m, generator=g)
+    w13 = (torch.randn(e, 2 * inter, d, generator=g) / d**0.5).bfloat16()
+    w2 = (torch.randn(e, d, inter, generator=g) / inter**0.5).bfloat16()
+    return [a.to(device) for a in (x, token, row_weights, offsets, w13, w2)]
+
+
+def _run(inputs, limit=LIMIT, quant_block=BLOCK, **kw):
+    m, d = inputs[1].shape[0], inputs[0].shape[1]
+    out = torch.full((m, d), float("nan"), dtype=torch.bfloat16, device=inputs[0].device)
+    return K.moe_experts(*inputs, swiglu_limit=limit, quant_block=quant_block, out=out, **kw)
+
+
+def _assert_matches(got, inputs, limit=LIMIT, quant_block=BLOCK):
+    assert not got.isnan().any(), "rows left unwritten"
+    want = op_module.reference(*inputs, limit, quant_block)
+    mismatch = op_module.compare_kernel(got, want)
+    assert mismatch is None, mismatch
+
+
+@pytest.mark.parametrize("config", [(5120, 2304, 384, 32, True), (5120, 2304, 384, 0, False), (128, 64, 16, 32, True)],
+                         ids=lambda c: "D{}-I{}-E{}-q{}-pdl{}".format(*c))
+def test_compiles_for_sm90a(config, monkeypatch, tmp_path):
+    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path))  # a fresh cache: really run cute.compile
+    K._compile_moe_experts.cache_clear()
+    d, inter, e, quant_block, pdl = config
+    assert all(callable(f) for f in K.compile_for(d, inter, e, quant_block, pdl))
+    assert K._compile_moe_experts.object_path(d, inter, e, True, False, pdl).exists()
+    assert K._compile_moe_experts.object_path(inter, d, e, False, quant_block == 32, pdl).exists()
+    K._compile_moe_experts.cache_clear()
+
+
+def test_supports_explains():
+    x, token, w, offsets, w13, w2 = _inputs(2, 128, 64, 16, 0, device="cpu")
+    kw = dict(swiglu_limit=LIMIT, quant_block=BLOCK)
+    assert K.supports(x, token, w, offsets, w13, w2, **kw) == "x is not a CUDA tensor"
+    assert "x must be torch.bfloat16" in K.supports(x.float(), token, w, offsets, w13, w2, **kw)
+    assert "token must be torch.int64" in K.supports(x, token.int(), w, offsets, w13, w2, **kw)
+    assert "row_weights must have shape [12]" in K.supports(x, token, w[:-1], offsets, w13, w2, **kw)
+    assert "offsets must be torch.int32" in K.supports(x, token, w, offsets.long(), w13, w2, **kw)
+    assert "w13 must have shape [16, 128, 128]" in K.supports(x, token, w, offsets, w13[:, :-1], w2, **kw)
+    assert "D and I must be multiples of 32, got D = 128, I = 48" in K.supports(
+        x, token, w, offsets, w13[:, :96], w2[:, :, :48], **kw)
+    assert "quant_block must be 0 or 32, got 16" in K.supports(x, token, w, offsets, w13, w2, **{**kw, "quant_block": 16})
+    big = torch.zeros(385, dtype=torch.int64)
+    assert "M = 385 rows, the kernel takes 1 to 384" in K.supports(x, big, torch.zeros(385), offsets, w13, w2, **kw)
+    assert "must be 2-D, 1-D and 3-D" in K.supports(x[0], token, w, offsets, w13, w2, **kw)
+    with pytest.raises(ValueError, match="moe_experts: row_weights must have shape"):
+        K.moe_experts(x, token, w[:-1], offsets, w13, w2, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("limit", [LIMIT, 0.75], ids=lambda v: f"limit{v}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "D{}-I{}-E{}".format(*s))
+@pytest.mark.parametrize("t", TOKENS, ids=lambda t: f"T{t}")
+def test_matches_reference(t, shape, limit):
+    for seed in range(2):
+        inputs = _inputs(t, *shape, seed)
+        _assert_matches(_run(inputs, limit), inputs, limit)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "D{}-I{}-E{}".format(*s))
+@pytest.mark.parametrize("t", [1, 8, 64], ids=lambda t: f"T{t}")
+def test_every_token_on_one_expert(t, shape):
+    inputs = _inputs(t, *shape, 3, one_expert=True)
+    _assert_matches(_run(inputs), inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16], ids=lambda t: f"T{t}")
+def test_without_quantisation_and_pdl(t):
+    inputs = _inputs(t, *SHAPES[0], 4)
+    _assert_matches(_run(inputs, quant_block=0, pdl=False), inputs, quant_block=0)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay():
+    """500 replays alternating two input sets (different routings) are bit-identical to direct calls."""
+    sets = [_inputs(16, *SHAPES[0], seed) for seed in (10, 11)]
+    direct = [_run(s) for s in sets]
+    for out, s in zip(direct, sets, strict=True):
+        assert torch.equal(out, _run(s)), "direct calls are not deterministic"
+        _assert_matches(out, s)
+    assert not torch.equal(sets[0][3], sets[1][3]), "the two input sets should route differently"
+    static = [x.clone() for x in sets[0]]
+    out = torch.empty_like(direct[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        K.moe_experts(*static, swiglu_limit=LIMIT, quant_block=BLOCK, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        K.moe_experts(*static, swiglu_limit=LIMIT, quant_block=BLOCK, out=out)
+    for i in range(500):
+        for dst, src in zip(static, sets[i % 2], strict=True):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, direct[i % 2]), f"replay {i}"
+
+
+@pytest.mark.gpu
+def test_op_runs_the_kernel():
+    """dsv41::moe_experts with impl="cute" (and "auto" on Hopper) calls this kernel: bit-identical to the entry."""
+    import dsv41.lowerings  # noqa: F401  (registers the ops)
+
+    inputs = _inputs(4, *SHAPES[0], 12)
+    want = K.moe_experts(*inputs, swiglu_limit=LIMIT, quant_block=BLOCK)
+    for impl in ("cute", "auto"):
+        assert torch.equal(torch.ops.dsv41.moe_experts(*inputs, LIMIT, BLOCK, impl), want), impl

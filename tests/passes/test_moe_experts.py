@@ -1,0 +1,196 @@
+"""`moe_experts`: the routed experts' grouped GEMMs + clamped SwiGLU x routing weight (+ FP8 fake quantisation)
+-> dsv41::moe_experts, found on synthetic graphs and in the tiny model (fx mode), declined above MAX_ROWS rows.
+
+Every formulation the pass lists has a test. The op's reference runs the model's own ops, so the fused graph is
+bit-exact with eager on CPU (atol=rtol=0).
+"""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+
+from dsv41.lowerings.moe_experts import MAX_ROWS
+from dsv41.models import TINY, DSV41Model
+from dsv41.models import functional as fn
+from dsv41.passes.moe_experts import experts
+
+from .harness import BF16, assert_close, compile_fx, config, make_backend, gen, graph_text, op_counts, pattern_names, rand, \
+    run_declined, run_fused_once, run_passes
+
+FUSION, OP = "moe_experts", "dsv41.moe_experts"
+D, I, E, K, LIMIT, BLOCK = 64, 64, 8, 6, 10.0, 32
+
+
+def inputs(seed, t=3, dtype=BF16):
+    """x [T, D], token [M] (rows sorted by expert: tokens permuted), row weights [M], offsets [E] (some experts
+    empty), w13 [E, 2I, D], w2 [E, D, I]."""
+    g = gen(seed)
+    m = t * K
+    counts = torch.bincount(torch.randint(0, E // 2, (m,), generator=g) * 2, minlength=E)  # odd experts get 0 rows
+    return [rand(g, t, D, dtype=dtype), torch.randperm(m, generator=g) // K, torch.rand(m, generator=g),
+            torch.cumsum(counts, 0).to(torch.int32), rand(g, E, 2 * I, D, dtype=dtype, scale=D**-0.5),
+            rand(g, E, D, I, dtype=dtype, scale=I**-0.5)]
+
+
+FORMULATIONS = {
+    "experts_fp8": lambda x, token, w, offs, w13, w2: experts(x, token, w, offs, w13, w2, LIMIT, BLOCK),
+    "experts": lambda x, token, w, offs, w13, w2: experts(x, token, w, offs, w13, w2, LIMIT, 0),
+}
+
+
+def test_every_formulation_has_a_test():
+    assert pattern_names(FUSION) == set(FORMULATIONS)
+
+
+@pytest.mark.parametrize("name", sorted(FORMULATIONS))
+def test_formulation_is_fused(name):
+    f = FORMULATIONS[name]
+    gm, report, node = run_fused_once(f, inputs(0), FUSION, ("aten._grouped_mm", "aten.index.Tensor", "aten.exp"))
+    assert report.passes[1].replaced[0]["pattern"] == name
+    assert node.args[6:] == (LIMIT, BLOCK if name == "experts_fp8" else 0, "auto")
+    for seed in (1, 2):  # fresh random inputs, other routings
+        x = inputs(seed)
+        assert_close(gm(*x), f(*x), atol=0, rtol=0)
+
+
+def two_layers(x, token, w, offs, w13, w2):
+    y1 = FORMULATIONS["experts_fp8"](x, token, w, offs, w13, w2)
+    y2 = FORMULATIONS["experts_fp8"](x * 2, token, w, offs, w13, w2)  # expert weights shared between layers
+    return y1, y2
+
+
+def test_two_sites_two_matches():
+    gm, report = run_passes(two_layers, inputs(0), FUSION)
+    assert report.matches[FUSION] == 2 and op_counts(gm)[OP] == 2 and op_counts(gm)["aten._grouped_mm"] == 0
+    x = inputs(3)
+    assert_close(gm(*x), two_layers(*x), atol=0, rtol=0)
+
+
+def test_golden():
+    gm, _ = run_passes(FORMULATIONS["experts_fp8"], inputs(0, t=2), FUSION)
+    expecttest.assert_expected_inline(graph_text(gm), """\
+%arg0_1: bf16[2, 64] = input
+%arg1_1: i64[12] = input
+%arg2_1: f32[12] = input
+%arg3_1: i32[8] = input
+%arg4_1: bf16[8, 128, 64] = input
+%arg5_1: bf16[8, 64, 64] = input
+%moe_experts_default: bf16[12, 64] = dsv41.moe_experts(%arg0_1, %arg1_1, %arg2_1, %arg3_1, %arg4_1, %arg5_1, 10.0, 32, 'auto')
+return %moe_experts_default
+""")
+
+
+def foreign(x, token, w, offs, w13, w2, u_clamp=True):
+    """Another style: chunk instead of slices, silu as g * sigmoid(g), the weight by [:, None]."""
+    g, u = torch._grouped_mm(x[token], w13.transpose(1, 2), offs=offs).float().chunk(2, dim=-1)
+    g = torch.clamp(g, max=LIMIT)
+    u = torch.clamp(u, min=-LIMIT, max=LIMIT) if u_clamp else u
+    a = fn.fp8_fake_quant((g * torch.sigmoid(g) * u * w[:, None]).to(torch.bfloat16), BLOCK)
+    return torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
+
+
+def test_foreign_formulation_found_by_what_it_computes():
+    """Its parts written with other ops are islands: replaced once, after the semantic check on random inputs (valid
+    offsets), and equal to eager on fresh inputs."""
+    gm, report = run_passes(foreign, inputs(0), FUSION)
+    assert report.matches == {FUSION: 1} and op_counts(gm)["aten._grouped_mm"] == 0
+    assert "checked on 2 random draws" in report.passes[1].replaced[0]["verified"]
+    x = inputs(1)
+    assert_close(gm(*x), foreign(*x), atol=0, rtol=0)
+
+
+# ---- declines ---------------------------------------------------------------------------------------------------
+def test_decline_foreign_without_the_u_clamp():
+    """The same style without clamping u computes something else: the semantic check declines it."""
+    f = lambda *a: foreign(*a, u_clamp=False)  # noqa: E731
+    reasons = run_declined(f, inputs(0), FUSION)
+    assert "semantic" in reasons and "differs from dsv41::moe_experts's reference on random inputs" in reasons
+def test_decline_above_the_row_limit():
+    """T = 65 tokens (within max_tokens=128) give 390 > 384 rows: declined at both GEMMs of the site, the
+    _grouped_mm path left as it was and still equal to eager."""
+    t = MAX_ROWS // K + 1
+    f = FORMULATIONS["experts_fp8"]
+    gm, report = run_passes(f, inputs(0, t=t), FUSION, max_tokens=128)
+    assert report.matches[FUSION] == 0 and op_counts(gm)["aten._grouped_mm"] == 2
+    reason = f"check: rows: M = T*k = {t * K} > {MAX_ROWS} (small-row kernel); the _grouped_mm path stays"
+    assert report.declined[FUSION] == [f"experts_fp8 at %_grouped_mm: {reason}", f"experts_fp8 at %_grouped_mm_1: {reason}"]
+    x = inputs(1, t=t)
+    assert_close(gm(*x), f(*x), atol=0, rtol=0)
+
+
+def test_at_the_row_limit_fused():
+    _, report = run_passes(FORMULATIONS["experts_fp8"], inputs(0, t=MAX_ROWS // K), FUSION)
+    assert report.matches[FUSION] == 1 and not report.declined[FUSION]
+
+
+def test_decline_token_limit():
+    assert "token limit: T=3 > max_tokens=2" in run_declined(FORMULATIONS["experts"], inputs(0), FUSION, max_tokens=2)
+
+
+def test_decline_other_limit():
+    """A model with another SwiGLU limit computes something else: a scalar decline naming both limits."""
+    f = lambda x, token, w, offs, w13, w2: experts(x, token, w, offs, w13, w2, 7.0, BLOCK)  # noqa: E731
+    reasons = run_declined(f, inputs(0), FUSION)
+    assert "scalar" in reasons and "expected 10.0, found 7.0" in reasons
+
+
+# ---- the tiny model, fx mode --------------------------------------------------------------------------------------
+def compile_static(fn, **changes):
+    """fn through the real backend (fx mode, only this fusion) with static shapes: one graph per token count."""
+    backend = make_backend(config(FUSION, **changes))
+    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False), backend
+
+
+@pytest.fixture(scope="module")
+def moe_layer():
+    """The tiny model's layer-0 MoE module (routing, experts, finalize, shared expert)."""
+    torch.manual_seed(0)
+    return DSV41Model(TINY, [0], max_batch=8, max_context=128).layers["0"].ffn
+
+
+@pytest.mark.parametrize("fake_quant", [True, False])
+@torch.no_grad()
+def test_tiny_moe_layer(moe_layer, fake_quant):
+    """The model's own MoE (fp8 fake quantisation on: the model's default; off: the bf16 formulation) fuses once
+    through the real backend and equals eager bit for bit at T = 1, 5, 8."""
+    layer = moe_layer
+    layer.cfg = TINY.with_(fake_quant=fake_quant)
+    try:
+        compiled, backend = compile_static(layer.forward)
+        for t in (1, 5, 8):
+            h = rand(gen(t), t, TINY.dim)
+            assert_close(compiled(h), layer(h), atol=0, rtol=0)
+        reports = backend.reports
+        assert len(reports) == 3 and all(r.matches == {FUSION: 1} and r.fallback is None for r in reports)
+        want = "experts_fp8" if fake_quant else "experts"
+        assert all(r.passes[1].replaced[0]["pattern"] == want for r in reports)
+    finally:
+        layer.cfg = TINY
+
+
+@torch.no_grad()
+def test_tiny_moe_layer_above_the_row_limit(moe_layer):
+    """At T = 65 (390 rows, max_tokens raised to 128) the pass declines with the row reason and the compiled
+    layer still equals eager."""
+    compiled, backend = compile_static(moe_layer.forward, max_tokens=128)
+    h = rand(gen(0), 65, TINY.dim)
+    assert_close(compiled(h), moe_layer(h), atol=0, rtol=0)
+    report = backend.reports[-1]
+    assert report.matches == {FUSION: 0}
+    assert len(report.declined[FUSION]) == 2 and all("rows: M = T*k = 390 > 384" in r for r in report.declined[FUSION])
+
+
+def test_tiny_model_counts():
+    """The two-layer tiny model in fx mode with every fusion on: one moe_experts per layer, nothing declined."""
+    torch.manual_seed(0)
+    model = DSV41Model(TINY, [0, 1], max_batch=4, max_context=128)
+    compiled, backend = compile_fx(model)
+    tokens, positions = torch.tensor([1, 2, 3]), torch.tensor([5, 9, 17])
+    with torch.no_grad():
+        got = compiled(tokens, positions)
+    report = backend.reports[-1]
+    assert report.matches[FUSION] == 2 and report.fallback is None and not report.declined[FUSION]
+    assert got.shape == (3, TINY.vocab_size) and not got.isnan().any()
+
