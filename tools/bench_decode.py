@@ -409,10 +409,16 @@ def main(argv: list[str] | None = None) -> int:
                 after = cache_counters()
                 row["cache_counters"] = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
                 layer_step = None if compile_fn is None else agreement.CompiledLayers(compile_fn)
+                layer_failure = None
                 if layer_step is not None:  # compile the per-layer graphs now, outside the GPU lock (a check discarded)
-                    with progress(f"batch {batch}: {name}: compiling the per-layer step"), torch.no_grad():
-                        agreement.check(model, step, tokens_pool[0], layers=layer_step)
-                    row["layer_graphs"] = layer_step.graphs
+                    try:
+                        with progress(f"batch {batch}: {name}: compiling the per-layer step"), torch.no_grad():
+                            agreement.check(model, step, tokens_pool[0], layers=layer_step)
+                        row["layer_graphs"] = layer_step.graphs
+                    except Exception as e:  # the step is still checked by the other tiers, timed, and marked
+                        layer_failure = f"the per-layer step failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                        layer_step = None
+                        _log(f"batch {batch}: {name}: {layer_failure}")
                 with gpu_turn(args.gpu_lock):
                     t1 = time.perf_counter()
                     with progress(f"batch {batch}: {name}: capturing"):
@@ -425,9 +431,10 @@ def main(argv: list[str] | None = None) -> int:
                         check = agreement.check(model, step, tokens_pool[0], replay=runner, layers=layer_step)
                     row["check"] = check.as_dict()
                     row.update(layer_rel_l2_max=check.forced_max, layer_rel_l2_at=check.forced_layer)
-                    row["status"] = "ok" if check.ok else f"disagrees: {check.reason}"
-                    if not check.ok:
-                        _log(f"batch {batch}: {name}: DISAGREES with eager ({check.reason}); timed all the same, "
+                    reason = layer_failure or check.reason
+                    row["status"] = "ok" if reason is None else f"disagrees: {reason}"
+                    if reason is not None:
+                        _log(f"batch {batch}: {name}: DISAGREES with eager ({reason}); timed all the same, "
                              "and left out of the plot")
                     us = timed_replays(runner, batch, tokens_pool, positions, args.replays)
                     row.update(step_us=round(us, 2), per_layer_us=round((us - outside_us) / n_layers, 2))

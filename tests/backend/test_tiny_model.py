@@ -15,8 +15,9 @@ The same compiled step then passes the benchmark's agreement check (`dsv41.model
 state, every fused-op call against its reference, each layer compiled by the same backend on eager's inputs of that
 layer within LAYER_REL_L2 of eager's output of it, and the logits), which tests/models/test_agreement.py shows to
 catch planted bugs. The per-layer tier runs in `fx` mode only: its 6 layer-kind graphs cost ~170 s to compile there
-(the passes' matcher, ~17 s a graph), and measured ~15 min through Inductor on this 2-core CPU, so the `inductor`
-run checks its step with the other two tiers (without a per-layer step, tier 1 gates at any depth).
+(the passes' matcher, ~17 s a graph), and measured ~15 min through Inductor on this 2-core CPU (beside another
+compile), so the `inductor` run checks its step with the other two tiers (without a per-layer step, tier 1 gates at
+any depth).
 
 Compiling: each mode is compiled once (module-scoped fixture).
 """
