@@ -2,10 +2,13 @@
 
 Variants, all in one process on the same weights and caches, each captured by `DecodeGraphRunner`: eager;
 `inductor` (torch.compile); `dsv41`; `dsv41-nostreams`; `dsv41-streams=KIND+KIND`. Each variant is first checked
-by `dsv41.models.agreement.check` (a conditioned state of the same weights in which no discrete decision is near a
-tie: compiled logits within `agreement.AGREE_REL_L2` of eager's, every fused-op call against its reference); a variant that
-disagrees records why in its row and is timed all the same (the plot leaves it out), one that fails records why
-and the others go on. Timing: median of `--replays`
+by `dsv41.models.agreement.check` in a conditioned state of the same weights in which no discrete decision is near a
+tie: every fused-op call of the timed step against its reference, each layer compiled by the variant's own
+`torch.compile` settings (one graph per layer kind) on eager's inputs of that layer against eager's output of it
+(within `agreement.LAYER_REL_L2`), and the timed graph's logits against eager's (a gate within
+`agreement.AGREE_REL_L2` up to `agreement.TIER1_GATE_LAYERS` layers, recorded beyond). A variant that disagrees
+records why in its row and is timed all the same (the plot crosses it out), one that fails records why and the
+others go on. Timing: median of `--replays`
 graph replays after warm-up, the token inputs rotated between replays. Per step and per layer: the per-layer time
 is the step less the part outside the layers (embedding, final norm, fp32 head: timed on its own, eager ops under a
 CUDA graph) over the number of layers. The floor is the bytes the step reads — every dense weight once, the
@@ -352,13 +355,15 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth = copy_bandwidth(device)
     _log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
 
-    def make_step(name: str):
+    def compiler(name: str):
+        """The variant's `torch.compile` of a function or module (None for eager): the timed step and the
+        per-layer step of the agreement check are compiled alike."""
         if name == "eager":
-            return model
+            return None
         if name == "inductor":
             mode = None if args.inductor_mode == "default" else args.inductor_mode
-            return torch.compile(model, mode=mode, fullgraph=True, dynamic=False)
-        return torch.compile(model, backend=make_backend(**variant_config(name)), fullgraph=True, dynamic=False)
+            return lambda f: torch.compile(f, mode=mode, fullgraph=True, dynamic=False)
+        return lambda f: torch.compile(f, backend=make_backend(**variant_config(name)), fullgraph=True, dynamic=False)
 
     rows, floors, breakdown, overlap = [], {}, {}, {}
 
@@ -366,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         """Write the JSON and plot so far (a long run that is cut short keeps what it measured)."""
         result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": layers, "context": args.context,
                   "config": args.config, "inductor_mode": args.inductor_mode, "start": args.start,
-                  "agreement_bound": agreement.AGREE_REL_L2, "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
+                  "agreement_bound": agreement.AGREE_REL_L2, "layer_bound": agreement.LAYER_REL_L2,
+                  "tier1_gate_layers": agreement.TIER1_GATE_LAYERS, "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
                   "rows": rows, "floors": {str(k): v for k, v in floors.items()},
                   "breakdown": {str(k): v for k, v in breakdown.items()},
                   "stream_overlap": {str(k): v for k, v in overlap.items()}}
@@ -394,13 +400,25 @@ def main(argv: list[str] | None = None) -> int:
             before = cache_counters()
             try:
                 t0 = time.perf_counter()
-                step = make_step(name)
+                compile_fn = compiler(name)
+                step = model if compile_fn is None else compile_fn(model)
                 with progress(f"batch {batch}: {name}: compiling ({args.start} start)"), torch.no_grad():
                     step(tokens_pool[0], positions)  # the first call compiles
                     torch.cuda.synchronize()
                 compile_s = time.perf_counter() - t0
                 after = cache_counters()
                 row["cache_counters"] = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+                layer_step = None if compile_fn is None else agreement.CompiledLayers(compile_fn)
+                layer_failure = None
+                if layer_step is not None:  # compile the per-layer graphs now, outside the GPU lock (a check discarded)
+                    try:
+                        with progress(f"batch {batch}: {name}: compiling the per-layer step"), torch.no_grad():
+                            agreement.check(model, step, tokens_pool[0], layers=layer_step)
+                        row["layer_graphs"] = layer_step.graphs
+                    except Exception as e:  # the step is still checked by the other tiers, timed, and marked
+                        layer_failure = f"the per-layer step failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                        layer_step = None
+                        _log(f"batch {batch}: {name}: {layer_failure}")
                 with gpu_turn(args.gpu_lock):
                     t1 = time.perf_counter()
                     with progress(f"batch {batch}: {name}: capturing"):
@@ -410,17 +428,21 @@ def main(argv: list[str] | None = None) -> int:
                         torch.cuda.synchronize()
                     row.update(compile_s=round(compile_s, 1), start_s=round(compile_s + time.perf_counter() - t1, 1))
                     with progress(f"batch {batch}: {name}: agreement check"):
-                        check = agreement.check(model, step, tokens_pool[0], replay=runner)
+                        check = agreement.check(model, step, tokens_pool[0], replay=runner, layers=layer_step)
                     row["check"] = check.as_dict()
-                    row["status"] = "ok" if check.ok else f"disagrees: {check.reason}"
-                    if not check.ok:
-                        _log(f"batch {batch}: {name}: DISAGREES with eager ({check.reason}); timed all the same, "
+                    row.update(layer_rel_l2_max=check.forced_max, layer_rel_l2_at=check.forced_layer)
+                    reason = layer_failure or check.reason
+                    row["status"] = "ok" if reason is None else f"disagrees: {reason}"
+                    if reason is not None:
+                        _log(f"batch {batch}: {name}: DISAGREES with eager ({reason}); timed all the same, "
                              "and left out of the plot")
                     us = timed_replays(runner, batch, tokens_pool, positions, args.replays)
                     row.update(step_us=round(us, 2), per_layer_us=round((us - outside_us) / n_layers, 2))
                     _log(f"batch {batch}: {name}: {us:.1f} us (floor {floor_us:.1f}), {row['per_layer_us']:.1f} us per "
-                         f"layer (floor {layer_floor_us:.1f}); agreement rel L2 {check.rel_l2:.2g}, {check.kernel_calls} "
-                         f"fused-op calls checked; start {row['start_s']:.0f} s {row['cache_counters']}")
+                         f"layer (floor {layer_floor_us:.1f}); agreement: logits rel L2 {check.rel_l2:.2g} "
+                         f"({'gate' if check.tier1_gate else 'recorded'}), per layer at most {check.forced_max} "
+                         f"(layer {check.forced_layer}), {check.kernel_calls} fused-op calls checked; start "
+                         f"{row['start_s']:.0f} s {row['cache_counters']}")
                     if name == "dsv41" and not args.no_profile:
                         breakdown[batch] = profile_breakdown(step, tokens_pool[0], positions, model)
                         if batch in (1, 8):
@@ -428,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                             os.makedirs(args.out, exist_ok=True)
                             replay_trace(runner.graphs[batch][0], trace)
                             overlap[batch] = stream_overlap(trace)
-                del runner, step
+                del runner, step, layer_step
             except Exception as e:  # a variant that fails is recorded and the others go on
                 row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:400] if str(e) else ''}"
                 _log(f"batch {batch}: {name}: FAILED ({row['status']})")
@@ -459,7 +481,7 @@ def merge(parts: list[dict]) -> dict:
     pairs = [(r["batch"], r["variant"]) for p in parts for r in p["rows"]]
     if len(set(pairs)) != len(pairs):
         raise ValueError(f"merged results must cover disjoint (batch, variant) pairs, got {sorted(pairs)}")
-    result = {k: parts[0].get(k) for k in same + ("agreement_bound",)}
+    result = {k: parts[0].get(k) for k in same + ("agreement_bound", "layer_bound", "tier1_gate_layers")}
     result["copy_bandwidth_GBps"] = min(p["copy_bandwidth_GBps"] for p in parts)
     result["copy_bandwidth_GBps_by_part"] = [{"pairs": sorted({(r["batch"], r["variant"]) for r in p["rows"]}),
                                               "GBps": p["copy_bandwidth_GBps"]} for p in parts]
@@ -476,15 +498,17 @@ def print_table(result: dict) -> None:
     """Per batch and variant: step and per-layer microseconds (or why the variant was not timed), the floors, the
     ratios of dsv41 to Inductor and to the floor, the agreement distance and the start time."""
     print(f"\nlayers {result['layers']}, context {result['context']}, {result['gpu']}, copy {result['copy_bandwidth_GBps']} "
-          f"GB/s, {result.get('start', 'cold')} start, agreement bound rel L2 {result.get('agreement_bound')}")
+          f"GB/s, {result.get('start', 'cold')} start, agreement bound rel L2 {result.get('agreement_bound')} (logits), "
+          f"{result.get('layer_bound')} (per layer)")
     print(f"{'batch':>5} {'variant':>16} {'step us':>9} {'layer us':>9} {'floor':>8} {'l.floor':>8} {'rel L2':>8} "
-          f"{'start s':>8}  status")
+          f"{'layer L2':>9} {'start s':>8}  status")
     timed = defaultdict(dict)
     for r in result["rows"]:
         check = r.get("check") or {}
-        rel = check.get("rel_l2")
+        rel, layer_rel = check.get("rel_l2"), r.get("layer_rel_l2_max")
         print(f"{r['batch']:>5} {r['variant']:>16} {r.get('step_us', float('nan')):>9.1f} {r.get('per_layer_us', float('nan')):>9.1f} "
               f"{r['floor_us']:>8.1f} {r['per_layer_floor_us']:>8.1f} {rel if rel is not None else float('nan'):>8.2g} "
+              f"{layer_rel if layer_rel is not None else float('nan'):>9.2g} "
               f"{r.get('start_s', float('nan')):>8.0f}  {r.get('status', 'not run')}")
         if "step_us" in r:
             timed[r["batch"]][r["variant"]] = r
