@@ -245,7 +245,28 @@ class FusionPass(GraphPass):
         if not any(self._patterns.anchors(graph, i) for i in range(len(self._patterns.patterns))) and not result.matches:
             ops = sorted({_op(t) for i in range(len(self._patterns.patterns)) for t in self._patterns.anchor_ops(i)})
             result.note = f"no candidate: the graph has no {' or '.join(ops)}"
+        split = self._split_by_graph_break(graph, result, failures, erased)
+        if split:
+            result.note = f"{result.note}; {split}" if result.note else split
         return result
+
+    def _split_by_graph_break(self, graph: fx.Graph, result: PassResult, failures: dict, erased: set) -> str | None:
+        """When Dynamo has recorded graph breaks: the sites of this fusion whose region ends at this graph's
+        boundary, and the breaks by name (`dynamo_graph_breaks`); None when there is none of either. A fused op
+        whose result is a graph output counts only in the graph compiled as the break was recorded (the graph that
+        ends there); a candidate that reaches a graph input, in any graph after a break."""
+        breaks, ends_here = dynamo_graph_breaks(graph)
+        if not breaks:
+            return None
+        outputs = set(leaves(next(n for n in reversed(graph.nodes) if n.op == "output").args))
+        names = {n.name: n for n in graph.nodes}
+        sites = [f"%{name} ({r['pattern']}) is an output of this graph" for r in result.replaced for name in r["created"]
+                 if ends_here and names.get(name) in outputs]
+        sites += [f"the candidate at %{anchor.name} reaches an input of this graph ({f.reason})"
+                  for anchor, f in failures.items() if anchor not in erased and f.kind == "graph break"]
+        if not sites:
+            return None
+        return f"split by a graph break? {'; '.join(sites)}; Dynamo's latest graph breaks: {'; '.join(breaks)}"
 
     def _accept(self, m: MatchResult, anchor: fx.Node):
         """(match, replacement, fake output, what the semantic check verified) or the MatchFailure that declines it;
@@ -324,6 +345,26 @@ class FusionPass(GraphPass):
             "stack_trace": anchor.meta.get("stack_trace"),
             "module": module_path(anchor.meta.get("nn_module_stack")),
         }
+
+
+# Dynamo's graph-break counts at the last look, the breaks then new, and the graph in which they were first seen
+_BREAKS_SEEN: dict = {"counts": {}, "latest": [], "graph": None}
+
+
+def dynamo_graph_breaks(graph: fx.Graph) -> tuple[list[str], bool]:
+    """The graph breaks Dynamo recorded most recently in this process (`torch._dynamo.utils.counters["graph_break"]`:
+    those whose count rose since the last look), each by the first line of its reason, and whether they were first
+    seen while compiling `graph` (Dynamo compiles the graph that ends at a break right after recording it)."""
+    from torch._dynamo.utils import counters
+
+    counts = dict(counters["graph_break"])
+    new = [r for r, c in counts.items() if c > _BREAKS_SEEN["counts"].get(r, 0)]
+    _BREAKS_SEEN["counts"] = counts
+    if new:
+        _BREAKS_SEEN.update(latest=list(dict.fromkeys(str(r).strip().splitlines()[0] for r in new)), graph=id(graph))
+    elif not counts:
+        _BREAKS_SEEN.update(latest=[], graph=None)
+    return _BREAKS_SEEN["latest"], _BREAKS_SEEN["graph"] == id(graph)
 
 
 def _fake_output(rep: Replacement):
