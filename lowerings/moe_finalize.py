@@ -11,7 +11,7 @@ from dsv41.lowerings import _checks, _kernels
 NAME = "moe_finalize"
 
 
-def _validate(expert_out, token, shared, num_tokens, impl, weights=None):
+def _validate(expert_out, token, shared, num_tokens, weights, impl):
     _checks.check_impl(NAME, impl)
     device = _checks.check_devices(NAME, expert_out=expert_out, token=token, shared=shared, weights=weights)
     _checks.check_scalar(NAME, "num_tokens", num_tokens, num_tokens >= 0, "must be >= 0")
@@ -35,7 +35,7 @@ def reference(expert_out, token, shared, num_tokens, weights=None):
 
 @torch.library.custom_op("dsv41::moe_finalize", mutates_args=())
 def moe_finalize(expert_out: Tensor, token: Tensor, shared: Tensor | None, num_tokens: int,
-                 impl: str = "auto", weights: Tensor | None = None) -> Tensor:
+                 weights: Tensor | None = None, impl: str = "auto") -> Tensor:
     """Sum each token's expert rows (times their routing weight when `weights` is given), then add the shared expert.
 
     expert_out [M, D] bf16 (rows already scaled by their routing weight, or scaled here), token [M] int64 in
@@ -44,7 +44,7 @@ def moe_finalize(expert_out: Tensor, token: Tensor, shared: Tensor | None, num_t
     -> bf16(y + fp32(shared)) [num_tokens, D] if shared is given, else y in fp32 (for a TP all-reduce that follows).
     impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
     """
-    device, _ = _validate(expert_out, token, shared, num_tokens, impl, weights)
+    device, _ = _validate(expert_out, token, shared, num_tokens, weights, impl)
     args, kwargs = (expert_out, token, shared), dict(num_tokens=num_tokens)
     if weights is not None:  # the kernel contract has no weights: the reference applies them
         return reference(*args, weights=weights, **kwargs)
@@ -53,7 +53,7 @@ def moe_finalize(expert_out: Tensor, token: Tensor, shared: Tensor | None, num_t
 
 
 @moe_finalize.register_fake
-def _(expert_out, token, shared, num_tokens, impl="auto", weights=None):
-    _, dims = _validate(expert_out, token, shared, num_tokens, impl, weights)
+def _(expert_out, token, shared, num_tokens, weights=None, impl="auto"):
+    _, dims = _validate(expert_out, token, shared, num_tokens, weights, impl)
     dtype = torch.float32 if shared is None else torch.bfloat16
     return expert_out.new_empty((num_tokens, dims["D"]), dtype=dtype)

@@ -15,18 +15,15 @@ check and the value domain it covered are recorded with the replacement.
 
 from __future__ import annotations
 
-import inspect
-import json
 import logging
 import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from dsv41.passes.matcher import MatchFailure, MatchResult, PatternSet, quiet_fake_tensor
+from dsv41.passes.matcher import Derived, MatchFailure, MatchResult, PatternSet, evaluate, fake_value, leaves, quiet_fake_tensor
 from dsv41.passes.printing import module_path
 
 log = logging.getLogger("dsv41")
@@ -37,46 +34,11 @@ log = logging.getLogger("dsv41")
 # differing op named).
 _REPORTED_KINDS = ("scalar", "extra user", "check", "token limit", "symbolic shape", "semantic")
 _SEMANTIC_DRAWS = 2
-# (pass class, its config_key as JSON) -> its PatternSet: traced patterns and their shape caches
+# Traced patterns per (fusion pass class, config constants), shared by every backend of the process: a pass's
+# patterns depend on nothing else, and tracing them is most of a small graph's pass time.
 _PATTERN_SETS: dict = {}
 # An op-for-op match that fails on these is a different computation (another eps, dtype, ...): not retried with islands.
 _FINAL_KINDS = ("scalar", "dtype", "extra user", "token limit", "symbolic shape")
-
-
-@dataclass(frozen=True)
-class Derived:
-    """A value the replacement computes from matched values just before the op: `op(*args)` (e.g. the cat that
-    joins two GEMM outputs into the op's one input); args may hold Nodes and other Derived values."""
-
-    op: torch._ops.OpOverload
-    args: tuple
-
-
-def _leaves(args) -> list[fx.Node]:
-    """The graph nodes inside args (through Derived values)."""
-    out: list[fx.Node] = []
-
-    def walk(a):
-        if isinstance(a, Derived):
-            walk(a.args)
-        elif isinstance(a, (tuple, list)):
-            for b in a:
-                walk(b)
-        elif isinstance(a, fx.Node):
-            out.append(a)
-    walk(args)
-    return out
-
-
-def _evaluate(args, leaf):
-    """args with every Node replaced by leaf(node) and every Derived by its op applied to its evaluated args."""
-    if isinstance(args, Derived):
-        return args.op(*_evaluate(args.args, leaf))
-    if isinstance(args, tuple):
-        return tuple(_evaluate(a, leaf) for a in args)
-    if isinstance(args, list):
-        return [_evaluate(a, leaf) for a in args]
-    return leaf(args) if isinstance(args, fx.Node) else args
 
 
 @dataclass
@@ -142,12 +104,16 @@ class FusionPass(GraphPass):
     tolerance: dict = {}
 
     def sample_inputs(self, m: MatchResult, g: torch.Generator) -> dict:
-        """Fresh random values for the semantic check: graph input node -> tensor (the domain: see the module)."""
+        """Fresh random values for the semantic check: graph input node -> tensor (the domain: see the module). An
+        input the op takes reshaped (a Derived value) is drawn at its graph node's shape; its range is read from the
+        op's shape."""
         names = m.pattern.input_names()
-        metas = {name: v.meta["val"] for name, v in zip(names, m.inputs) if isinstance(v, fx.Node)}
+        metas = {name: v.meta["val"] for name, v in zip(names, m.inputs) if isinstance(v, (fx.Node, Derived))}
         values: dict = {}
         for name, v in zip(names, m.inputs):
-            if not isinstance(v, fx.Node):
+            if isinstance(v, Derived):
+                v = leaves(v)[0]
+            if not isinstance(v, fx.Node) or v in values:
                 continue
             val = v.meta["val"]
             if val.dtype.is_floating_point:
@@ -195,7 +161,7 @@ class FusionPass(GraphPass):
             values = self.sample_inputs(m, g)
             try:
                 got = region(*[values[v] for v in region.inputs])
-                args = _evaluate(rep.args, values.__getitem__)
+                args = evaluate(rep.args, values.__getitem__)
                 args = tuple("reference" if i == len(args) - 1 and a in ("auto", "cute") else a for i, a in enumerate(args))
                 want = rep.op(*args)
             except Exception as e:
@@ -212,8 +178,8 @@ class FusionPass(GraphPass):
         return None, f"{where}; checked on {domain}"
 
     def __call__(self, graph: fx.Graph) -> PassResult:
-        if self._patterns is None:  # traced once per pass class and config in a process, for every backend
-            key = (type(self), json.dumps(self.config_key(), sort_keys=True, default=str))
+        if self._patterns is None:
+            key = (type(self), tuple(sorted(self.config.constants().items())))
             if key not in _PATTERN_SETS:
                 _PATTERN_SETS[key] = PatternSet(self.patterns())
             self._patterns = _PATTERN_SETS[key]
@@ -260,10 +226,41 @@ class FusionPass(GraphPass):
         if not any(self._patterns.anchors(graph, i) for i in range(len(self._patterns.patterns))) and not result.matches:
             ops = sorted({_op(t) for i in range(len(self._patterns.patterns)) for t in self._patterns.anchor_ops(i)})
             result.note = f"no candidate: the graph has no {' or '.join(ops)}"
+        split = self._split_by_graph_break(graph, result, failures, erased)
+        if split:
+            result.note = f"{result.note}; {split}" if result.note else split
         return result
 
+    def _split_by_graph_break(self, graph: fx.Graph, result: PassResult, failures: dict, erased: set) -> str | None:
+        """When Dynamo has recorded graph breaks: the sites of this fusion whose region ends at this graph's
+        boundary, and the breaks by name (`dynamo_graph_breaks`); None when there is none of either. A fused op
+        whose result is a graph output counts only in the graph compiled as the break was recorded (the graph that
+        ends there); a candidate that reaches a graph input, in any graph after a break."""
+        breaks, ends_here = dynamo_graph_breaks(graph)
+        if not breaks:
+            return None
+        outputs = set(leaves(next(n for n in reversed(graph.nodes) if n.op == "output").args))
+        names = {n.name: n for n in graph.nodes}
+        sites = [f"%{name} ({r['pattern']}) is an output of this graph" for r in result.replaced for name in r["created"]
+                 if ends_here and names.get(name) in outputs]
+        sites += [f"the candidate at %{anchor.name} reaches an input of this graph ({f.reason})"
+                  for anchor, f in failures.items() if anchor not in erased and f.kind == "graph break"]
+        if not sites:
+            return None
+        return f"split by a graph break? {'; '.join(sites)}; Dynamo's latest graph breaks: {'; '.join(breaks)}"
+
     def _accept(self, m: MatchResult, anchor: fx.Node):
-        """(match, replacement, fake output, what the semantic check verified) or the MatchFailure that declines it."""
+        """(match, replacement, fake output, what the semantic check verified) or the MatchFailure that declines it;
+        when the semantic check rejects the match, its alternatives (other bindings of island inputs) in order."""
+        accepted = self._accept_one(m, anchor)
+        if isinstance(accepted, MatchFailure) and accepted.kind == "semantic" and m.alternatives is not None:
+            for alternative in m.alternatives():
+                found = self._accept_one(alternative, anchor)
+                if not isinstance(found, MatchFailure):
+                    return found
+        return accepted
+
+    def _accept_one(self, m: MatchResult, anchor: fx.Node):
         tokens = self.tokens(m)
         kind = "token limit" if isinstance(tokens, int) else "symbolic shape"
         reason, verified, rep, value = self.token_check(tokens), None, None, None
@@ -292,13 +289,13 @@ class FusionPass(GraphPass):
         from torch._inductor.pattern_matcher import stable_topological_sort
 
         position = {n: i for i, n in enumerate(graph.nodes)}
-        last_input = max(_leaves(rep.args), key=position.__getitem__)
+        last_input = max(leaves(rep.args), key=position.__getitem__)
         anchor = m.outputs[0]
         derived = []
 
         def emit(d: Derived) -> fx.Node:
             node = graph.call_function(d.op, tuple(emit(a) if isinstance(a, Derived) else a for a in d.args))
-            node.meta["val"] = _fake_value(d)
+            node.meta["val"] = fake_value(d)
             derived.append(node)
             return node
 
@@ -333,24 +330,38 @@ class FusionPass(GraphPass):
         }
 
 
+# Dynamo's graph-break counts at the last look, the breaks then new, and the graph in which they were first seen
+_BREAKS_SEEN: dict = {"counts": {}, "latest": [], "graph": None}
+
+
+def dynamo_graph_breaks(graph: fx.Graph) -> tuple[list[str], bool]:
+    """The graph breaks Dynamo recorded most recently in this process (`torch._dynamo.utils.counters["graph_break"]`:
+    those whose count rose since the last look), each by the first line of its reason, and whether they were first
+    seen while compiling `graph` (Dynamo compiles the graph that ends at a break right after recording it)."""
+    from torch._dynamo.utils import counters
+
+    counts = dict(counters["graph_break"])
+    new = [r for r, c in counts.items() if c > _BREAKS_SEEN["counts"].get(r, 0)]
+    _BREAKS_SEEN["counts"] = counts
+    if new:
+        _BREAKS_SEEN.update(latest=list(dict.fromkeys(str(r).strip().splitlines()[0] for r in new)), graph=id(graph))
+    elif not counts:
+        _BREAKS_SEEN.update(latest=[], graph=None)
+    return _BREAKS_SEEN["latest"], _BREAKS_SEEN["graph"] == id(graph)
+
+
 def _fake_output(rep: Replacement):
     """The op's output on the fake values of its arguments (runs the op's validation; a rejection is a decline, so
     fake-tensor dispatch does not log it)."""
     with quiet_fake_tensor():
-        return _fake_value(Derived(rep.op, rep.args))
-
-
-def _fake_value(d: Derived):
-    """d evaluated on the fake values of its graph nodes."""
-    with detect_fake_mode([n.meta["val"] for n in _leaves(d.args)]):
-        return _evaluate(d, lambda n: n.meta["val"])
+        return fake_value(Derived(rep.op, rep.args))
 
 
 def _region_module(m: MatchResult) -> fx.GraphModule:
     """The matched region as a module of the graph values it reads (`.inputs`), returning the pattern outputs."""
     g = fx.Graph()
     env: dict = {}
-    inputs = [v for v in dict.fromkeys(m.inputs) if isinstance(v, fx.Node)]
+    inputs = list(dict.fromkeys(leaves(m.inputs)))
     for v in inputs:
         env[v] = g.placeholder(v.name)
     for n in m.nodes:

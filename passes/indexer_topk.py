@@ -5,10 +5,11 @@ without materialising the [T, H, N] scores (spec 3a).
     layer 20:            cand = candidate blocks of s (newest pinned)       -> second output
     re-index layers:     s = -inf where not cand                            (cand is an input)
     sel = sort(topk(s, k)); idx = where(s[sel] > -inf, sel + offset, -1)
-  -> dsv41::indexer_topk(q, w, keys, n_c, cand?, k, offset, cand_block, cand_topk_blocks)
+      or, as an additive mask:  mask = full(-inf).scatter(sel, 0), -inf where s == -inf     (offset 0, mask=True)
+  -> dsv41::indexer_topk(q, w, keys, n_c, cand?, k, offset, cand_block, cand_topk_blocks, mask)
 
 k, offset and the candidate block size and count are read from the matched graph. Formulations: the three
-layer kinds, each with top-k unsorted (the model's) or sorted, followed by the ascending sort.
+layer kinds, each with top-k unsorted (the model's) or sorted, the selection as ascending indices or as a mask.
 """
 
 from __future__ import annotations
@@ -46,30 +47,38 @@ def select(s, topk, offset, sorted_topk):
     return torch.where(valid, sel + offset, -1)
 
 
-def make_patterns(sorted_topk: bool):
-    tag = "_sorted" if sorted_topk else ""
+def select_mask(s, topk, sorted_topk):
+    sel = torch.topk(s, min(topk, s.shape[1]), dim=-1, sorted=sorted_topk).indices
+    mask = torch.full_like(s, -math.inf).scatter(-1, sel, 0.0)
+    return mask.masked_fill(s == -math.inf, -math.inf)
 
-    def plain(q, w, keys, n_c, topk, offset):
-        return select(scores(q, w, keys, n_c), topk, offset, sorted_topk)
 
-    def candidates(q, w, keys, n_c, topk, offset, cand_block, cand_topk):
+def make_patterns(sorted_topk: bool, mask: bool):
+    tag = ("_mask" if mask else "") + ("_sorted" if sorted_topk else "")
+    sel_free = {"topk": (aten.topk.default, -1, 1)} if mask else {"topk": (aten.topk.default, -1, 1), "offset": (aten.add.Tensor, -1, 1)}
+    defaults = {"topk": 8} if mask else {"topk": 8, "offset": 8}
+
+    def selection(s, topk, offset=0):
+        return select_mask(s, topk, sorted_topk) if mask else select(s, topk, offset, sorted_topk)
+
+    def plain(q, w, keys, n_c, **free):
+        return selection(scores(q, w, keys, n_c), **free)
+
+    def candidates(q, w, keys, n_c, cand_block, cand_topk, **free):
         s = scores(q, w, keys, n_c)
         cand = select_candidate_blocks(s, n_c, cand_block, cand_topk)
-        return select(s, topk, offset, sorted_topk), cand
+        return selection(s, **free), cand
 
-    def reindex(q, w, keys, n_c, cand, topk, offset):
-        s = scores(q, w, keys, n_c).masked_fill(~cand, -math.inf)
-        return select(s, topk, offset, sorted_topk)
+    def reindex(q, w, keys, n_c, cand, **free):
+        return selection(scores(q, w, keys, n_c).masked_fill(~cand, -math.inf), **free)
 
-    sel_free = {"topk": (aten.topk.default, -1, 1), "offset": (aten.add.Tensor, -1, 1)}
-    sort = (aten.sort.default, aten.sort.stable)
-    defaults = {"topk": 8, "offset": 8}
+    anchor = aten.scatter.value if mask else (aten.sort.default, aten.sort.stable)
     return [
         Pattern("candidate_source" + tag, candidates, _inputs(False),
                 {**sel_free, "cand_topk": (aten.topk.default, 0, 1), "cand_block": (aten.view.default, 2, (1, 2))},
-                {**defaults, "cand_block": 4, "cand_topk": 2}, anchor=sort),
-        Pattern("reindex" + tag, reindex, _inputs(True), sel_free, defaults, anchor=sort),
-        Pattern("index_source" + tag, plain, _inputs(False), sel_free, defaults, anchor=sort),
+                {**defaults, "cand_block": 4, "cand_topk": 2}, anchor=anchor),
+        Pattern("reindex" + tag, reindex, _inputs(True), sel_free, defaults, anchor=anchor),
+        Pattern("index_source" + tag, plain, _inputs(False), sel_free, defaults, anchor=anchor),
     ]
 
 
@@ -78,13 +87,14 @@ class IndexerTopkPass(FusionPass):
     int_ranges = {"n_c": lambda metas, free: (0, metas["keys"].shape[1] + 1)}  # valid rows: 0 .. Ncap
 
     def patterns(self):
-        return make_patterns(False) + make_patterns(True)
+        return [p for mask in (False, True) for sorted_topk in (False, True) for p in make_patterns(sorted_topk, mask)]
 
     def replacement(self, m):
-        kind = m.pattern.name.removesuffix("_sorted")
+        kind = m.pattern.name.removesuffix("_sorted").removesuffix("_mask")
         q, w, keys, n_c = m.inputs[:4]
         cand = m.inputs[4] if kind == "reindex" else None
         cand_block, cand_topk = m.free.get("cand_block", 0), m.free.get("cand_topk", 0)
         outputs = (0, 1) if kind == "candidate_source" else (0,)
-        args = (q, w, keys, n_c, cand, m.free["topk"], m.free["offset"], cand_block, cand_topk, self.config.kernel)
+        mask = "_mask" in m.pattern.name
+        args = (q, w, keys, n_c, cand, m.free["topk"], m.free.get("offset", 0), cand_block, cand_topk, mask, self.config.kernel)
         return Replacement(torch.ops.dsv41.indexer_topk.default, args, outputs)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -51,6 +52,8 @@ _ISLAND_NODES = 160  # graph nodes one island may hold
 _STEPS = 20_000      # node comparisons one match attempt may make
 _SEPARATE = 48       # candidates (nearest in graph order) for an output that shares no input with the rest
 _OUTPUTS = 12        # graph nodes (nearest downstream of the anchor) tried as the pattern's first output
+_NEAR_TRIES = 16     # bindings nearest to an island tried when none farthest from it fits
+_ALTERNATIVES = 12   # other bindings of an island's unbound inputs kept for the semantic check to choose among
 
 
 @dataclass
@@ -88,7 +91,8 @@ class Pattern:
 
     def input_names(self) -> list[str]:
         """The search function's tensor parameter names, in placeholder order."""
-        return [n for n in inspect.signature(self.search).parameters if n not in self.free_defaults]
+        return [n for n, p in inspect.signature(self.search).parameters.items()
+                if n not in self.free_defaults and p.kind is not p.VAR_KEYWORD]
 
 
 @dataclass
@@ -104,6 +108,9 @@ class MatchResult:
     nodes: list[fx.Node]
     free: dict
     islands: list = field(default_factory=list)
+    # () -> further MatchResults of the same site, an island's unbound inputs bound to other graph values that fit
+    # (nearest to the island first); the semantic check tries them in order when this binding disagrees
+    alternatives: Callable | None = None
 
 
 @dataclass
@@ -130,12 +137,13 @@ class _State:
     p2t: dict = field(default_factory=dict)  # pattern node -> graph node/value
     t2p: dict = field(default_factory=dict)  # graph node -> pattern node
     islands: list = field(default_factory=list)  # (pattern node, graph node, the failure that opened it)
+    rebindings: list = field(default_factory=list)  # per island with unbound inputs: (inputs, island, bound, choices)
 
     def copy(self) -> "_State":
-        return _State(dict(self.p2t), dict(self.t2p), list(self.islands))
+        return _State(dict(self.p2t), dict(self.t2p), list(self.islands), list(self.rebindings))
 
     def assign(self, other: "_State") -> None:
-        self.p2t, self.t2p, self.islands = other.p2t, other.t2p, other.islands
+        self.p2t, self.t2p, self.islands, self.rebindings = other.p2t, other.t2p, other.islands, other.rebindings
 
 
 def _fmt(n) -> str:
@@ -246,11 +254,51 @@ class _Matcher:
             raise _Fail("argument", f"{_fmt(t)}: {len(t.args)} arguments, pattern has {len(p.args)}", t)
         if p.target in COMMUTATIVE and len(p.args) == 2 and not p.kwargs and all(isinstance(a, fx.Node) for a in t.args):
             self._match_unordered(p, t, st)
+        elif p.target is aten.where.self and self.islands_on:
+            self._match_where(p, t, st)
         else:
             for i, (pa, ta) in enumerate(zip(p.args, t.args)):
                 self._match_arg(pa, ta, st, f"{_fmt(t)} argument {i}")
         for k, pa in p.kwargs.items():
             self._match_arg(pa, t.kwargs.get(k), st, f"{_fmt(t)} keyword {k}")
+
+    def _match_where(self, p: fx.Node, t: fx.Node, st: _State):
+        """where(c, a, b) as written, or as where(c', b, a) with the graph's condition c' an island standing for
+        the pattern's c (`x > -inf` written for `x == -inf`, the branches swapped; the semantic check decides):
+        the form that matches with the fewest islands, the written one first."""
+        saved, best, first = self.islands_on, None, None
+        cond = t.args[0]
+        for islands in (False, True):
+            for swap in (False, True):
+                if swap and (not isinstance(cond, fx.Node) or cond.op != "call_function" or cond in st.t2p
+                             or p.args[0] in st.p2t):
+                    continue
+                trial = st.copy()
+                self.islands_on = islands
+                try:
+                    if swap:
+                        self._match_arg(p.args[1], t.args[2], trial, f"{_fmt(t)} argument 2")
+                        self._match_arg(p.args[2], t.args[1], trial, f"{_fmt(t)} argument 1")
+                        if cond in trial.t2p or p.args[0] in trial.p2t:
+                            continue
+                        trial.p2t[p.args[0]], trial.t2p[cond] = cond, p.args[0]
+                        trial.islands.append((p.args[0], cond, _Fail(
+                            "wrong op", f"{_fmt(t)}: the branches swapped, the condition written as {_fmt(cond)}", cond)))
+                    else:
+                        for i, (pa, ta) in enumerate(zip(p.args, t.args)):
+                            self._match_arg(pa, ta, trial, f"{_fmt(t)} argument {i}")
+                except _Fail as e:
+                    first = first or e
+                    continue
+                finally:
+                    self.islands_on = saved
+                if best is None or len(trial.islands) < len(best.islands):
+                    best = trial
+            if best is not None or not saved:
+                break
+        if best is None:
+            raise first
+        st.assign(best)
 
     def _skip_match(self, p: fx.Node, t: fx.Node, st: _State) -> _State | None:
         """The state after matching, op for op, one of p's operands at t (the graph lacks p's op) or p at one of
@@ -379,29 +427,49 @@ class _Matcher:
 
     def _close_islands(self, st: _State):
         """Each island's graph ancestors down to bound values become part of the region; a pattern input reached
-        only through an island binds to the nearest-to-the-inputs graph value of its dtype and rank."""
+        only through an island binds to the nearest-to-the-inputs graph value of its dtype and rank (the other
+        values that fit are kept in `st.rebindings`, for `rebindings` to offer the semantic check)."""
         for p, t, why in st.islands:
             p_inside = _ancestors(p, stop=lambda n: n is not p and n in st.p2t)
             unbound = [n for n in p_inside if n.op == "placeholder" and n not in st.p2t]
             bound = {n for n in st.t2p if isinstance(n, fx.Node)}
             if unbound:
                 cone = _ancestors(t, stop=lambda n: n is not t and n in bound, limit=_ISLAND_NODES)
-                kinds = [(n, _kind(n)) for n in reversed(cone) if n is not t and n not in bound]
-                choices = [[n for n, kind in kinds if kind is not None and kind == _kind(ph)] for ph in unbound]
-                chosen = None
-                for combo in itertools.islice(itertools.product(*choices), 64):
-                    if len(set(combo)) == len(combo) and _closed(t, bound | set(combo)) and self._traces_with(st, unbound, combo):
-                        chosen = combo
-                        break
+                kinds = [(n, _kind(n)) for n in cone if n is not t and n not in bound]
+                near = [[n for n, kind in kinds if kind is not None and kind == _kind(ph)] for ph in unbound]
+                far = [c[::-1] for c in near]
+                chosen = next(itertools.chain(self.fitting(st, unbound, t, bound, far),
+                                              self.fitting(st, unbound, t, bound, near, tries=_NEAR_TRIES)), None)
                 if chosen is None:
                     raise _Fail(why.kind, f"{why.reason}; the graph's part there reaches inputs the pattern does not bind",
                                 why.blocking, self.progress(st))
                 for ph, n in zip(unbound, chosen):
                     st.p2t[ph], st.t2p[n] = n, ph
-                    bound.add(n)
+                st.rebindings.append((unbound, t, frozenset(bound), near))
+                bound.update(chosen)
             if not _closed(t, bound):
                 raise _Fail(why.kind, f"{why.reason}; the graph's part there reaches values outside the pattern",
                             why.blocking, self.progress(st))
+
+    def fitting(self, st: _State, unbound: list, t: fx.Node, bound, choices, tries: int = 64):
+        """The bindings of `unbound` (one graph node each from `choices`, in product order, the first `tries`
+        tried) that close island `t` and at whose shapes the pattern runs."""
+        for combo in itertools.islice(itertools.product(*choices), tries):
+            if len(set(combo)) == len(combo) and _closed(t, bound | set(combo)) and self._traces_with(st, unbound, combo):
+                yield combo
+
+    def rebindings(self, st: _State):
+        """Other states of the match `st`: one island's unbound inputs bound to other values that fit (nearest to
+        the island first, at most _ALTERNATIVES per island)."""
+        for unbound, t, bound, near in st.rebindings:
+            current = tuple(st.p2t[ph] for ph in unbound)
+            for combo in itertools.islice((c for c in self.fitting(st, unbound, t, set(bound), near) if c != current),
+                                          _ALTERNATIVES):
+                alt = st.copy()
+                for ph, n in zip(unbound, combo):
+                    alt.t2p.pop(alt.p2t[ph], None)
+                    alt.p2t[ph], alt.t2p[n] = n, ph
+                yield alt
 
     def _traces_with(self, st: _State, unbound, combo) -> bool:
         """The pattern traces at the shapes of its inputs bound so and by combo (when all are then bound)."""
@@ -542,17 +610,18 @@ def _same_number(a, b) -> bool:
 
 
 def _fake_like(v):
-    val = v.meta.get("val") if isinstance(v, fx.Node) else v
+    val = v.meta.get("val") if isinstance(v, (fx.Node, Derived)) else v
     if isinstance(val, torch.Tensor):
         return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
     return val
 
 
-def _bound_key(bound: list) -> tuple:
-    """The metadata a pattern's trace depends on, of the graph values bound to its inputs: (shape, stride, dtype)
-    of tensors, other values as they are."""
-    vals = (b.meta.get("val") if isinstance(b, fx.Node) else b for b in bound)
-    return tuple((tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else v for v in vals)
+def _meta_key(v):
+    """What a trace at v's fake value depends on: shape, strides and dtype (v itself when not a tensor)."""
+    val = v.meta.get("val") if isinstance(v, (fx.Node, Derived)) else v
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), tuple(val.stride()), val.dtype)
+    return val
 
 
 def _anchor_targets(pat: Pattern, gm: fx.GraphModule) -> tuple:
@@ -589,12 +658,13 @@ class PatternSet:
         return [n for n in graph.nodes if n in found]
 
     def _traces(self, pat: Pattern, bound: list) -> bool:
-        """pat traces with inputs shaped like `bound` (default free scalars); cached."""
-        key = (pat.name, _bound_key(bound))
+        """pat's search runs on fake inputs shaped like `bound` (default free scalars; no graph is built); cached."""
+        key = (pat.name, tuple(_meta_key(b) for b in bound))
         if key not in self._shape_ok:
             try:
-                with quiet_fake_tensor():
-                    pat.trace([_fake_like(b) for b in bound])
+                with quiet_fake_tensor(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                    pat.search(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                 for a in (_fake_like(b) for b in bound)], **pat.free_defaults)
                 self._shape_ok[key] = True
             except Exception:
                 self._shape_ok[key] = False
@@ -665,14 +735,33 @@ class PatternSet:
             if not isinstance(value, int):
                 return MatchFailure(pat.name, anchor.name, total, total, "check", f"{name} is {value!r}, not a static int")
             free[name] = value
-        key = (pat.name, _bound_key(bound), tuple(sorted(free.items())))
+        result = self._exact_match(pat, anchor, structural, st, first, out_node, islands, free)
+        if isinstance(result, MatchResult) and st.rebindings:
+            def alternatives():
+                for alt in structural.rebindings(st):
+                    m = self._exact_match(pat, anchor, structural, alt, first, out_node, islands, free)
+                    if isinstance(m, MatchResult):
+                        yield m
+            result.alternatives = alternatives
+        return result
+
+    def _exact_match(self, pat: Pattern, anchor: fx.Node, structural: _Matcher, st: _State, first: int,
+                     out_node: fx.Node, islands: bool, free: dict) -> MatchResult | MatchFailure:
+        """The exact phase on the structural match `st`: re-trace at the bound shapes (an input bound through a
+        layout chain at the shape the pattern declares, see `_layout_derived`), match comparing every number,
+        check the region's boundary."""
+        total = len(structural.call_nodes)
+        bound = [_layout_derived(p, st) or st.p2t.get(p) for p in structural.placeholders]
+        key = (pat.name, tuple(_meta_key(b) for b in bound), tuple(sorted(free.items())))
         if key not in self._exact:
             try:
                 with quiet_fake_tensor():
                     self._exact[key] = pat.trace([_fake_like(b) for b in bound], free)
             except Exception as e:  # the search function rejects these shapes: not this pattern
-                return MatchFailure(pat.name, anchor.name, structural.progress(st), total, "inconsistent input",
-                                    f"re-trace with the matched shapes failed: {e}")
+                self._exact[key] = e
+        if isinstance(self._exact[key], Exception):
+            return MatchFailure(pat.name, anchor.name, structural.progress(st), total, "inconsistent input",
+                                f"re-trace with the matched shapes failed: {self._exact[key]}")
         exact = _Matcher(self._exact[key], exact=True, islands=islands)
         st2 = _State()
         for p_struct, p_exact in zip(structural.placeholders, exact.placeholders):  # the same inputs as before
@@ -691,11 +780,83 @@ class PatternSet:
                 if user not in inside:
                     return MatchFailure(pat.name, anchor.name, total, total, "extra user",
                                         f"{_fmt(t)} inside the pattern is also used by {_fmt(user)}", user.name)
-        inputs = [st2.p2t.get(p) for p in exact.placeholders]
-        cyclic = next((v for v in inputs if isinstance(v, fx.Node) and _reaches(v, inside)), None)
+        inputs = [d if isinstance(d, Derived) else st2.p2t.get(p) for p, d in zip(exact.placeholders, bound)]
+        cyclic = next((v for v in leaves(inputs) if _reaches(v, inside)), None)
         if cyclic is not None:
             return MatchFailure(pat.name, anchor.name, total, total, "inconsistent input",
                                 f"input {_fmt(cyclic)} depends on the matched region", cyclic.name)
         nodes = [n for n in anchor.graph.nodes if n in inside]
         found_islands = [(_op_name(p.target), t, why) for p, t, why in st2.islands]
         return MatchResult(pat, inputs, outputs, nodes, free, found_islands)
+
+
+def _layout_derived(ph: fx.Node, st: _State) -> "Derived | None":
+    """The op input that pattern placeholder `ph` stands for when the graph reaches it through a layout chain from
+    a value of another shape: `ph` is read only by views in the pattern, each matched to a graph view of the bound
+    value `b`, and those views only insert or drop size-1 dims; then the input is `b` reshaped to the pattern's
+    shape as seen from the graph's view output (`weights.flatten()[:, None]` of a [T, k] tensor: [T*k]). None
+    when the bound value already has that shape or no such shape exists."""
+    b = st.p2t.get(ph)
+    val = b.meta.get("val") if isinstance(b, fx.Node) else None
+    users = list(ph.users)
+    if not isinstance(val, torch.Tensor) or not users or any(u.target is not aten.view.default for u in users):
+        return None
+    shapes = set()
+    for u in users:
+        g = st.p2t.get(u)
+        g_out = g.meta.get("val") if isinstance(g, fx.Node) and g.target is aten.view.default else None
+        p_in, p_out = ph.meta["val"].shape, u.meta["val"].shape
+        if not isinstance(g_out, torch.Tensor) or g_out.dim() != len(p_out) or [d for d in p_in if d != 1] != [d for d in p_out if d != 1]:
+            return None
+        kept = iter(d for d, p in zip(g_out.shape, p_out) if p != 1)  # the graph's sizes at the pattern's non-1 dims
+        shapes.add(tuple(1 if d == 1 else next(kept) for d in p_in))
+    if len(shapes) != 1 or (shape := shapes.pop()) == tuple(val.shape) or math.prod(shape) != val.numel():
+        return None
+    return Derived(aten.reshape.default, (b, list(shape)))
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A value the replacement computes from matched values just before the op: `op(*args)` (the cat that joins
+    two GEMM outputs into the op's one input, an input reshaped to the op's declared shape); args may hold Nodes
+    and other Derived values. `meta["val"]` is its fake value, as for a node."""
+
+    op: torch._ops.OpOverload
+    args: tuple
+
+    @property
+    def meta(self) -> dict:
+        return {"val": fake_value(self)}
+
+
+def leaves(args) -> list[fx.Node]:
+    """The graph nodes inside args (through Derived values)."""
+    out: list[fx.Node] = []
+
+    def walk(a):
+        if isinstance(a, Derived):
+            walk(a.args)
+        elif isinstance(a, (tuple, list)):
+            for b in a:
+                walk(b)
+        elif isinstance(a, fx.Node):
+            out.append(a)
+    walk(args)
+    return out
+
+
+def evaluate(args, leaf):
+    """args with every Node replaced by leaf(node) and every Derived by its op applied to its evaluated args."""
+    if isinstance(args, Derived):
+        return args.op(*evaluate(args.args, leaf))
+    if isinstance(args, tuple):
+        return tuple(evaluate(a, leaf) for a in args)
+    if isinstance(args, list):
+        return [evaluate(a, leaf) for a in args]
+    return leaf(args) if isinstance(args, fx.Node) else args
+
+
+def fake_value(d: Derived):
+    """d evaluated on the fake values of its graph nodes."""
+    with detect_fake_mode([n.meta["val"] for n in leaves(d.args)]):
+        return evaluate(d, lambda n: n.meta["val"])

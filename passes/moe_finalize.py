@@ -78,5 +78,5 @@ class MoeFinalizePass(FusionPass):
         weighted = "_weighted" in m.pattern.name
         weights = m.inputs[2] if weighted else None
         shared = m.inputs[3 if weighted else 2] if m.pattern.name.endswith("_shared") else None
-        args = (out, token, shared, m.free["num_tokens"], self.config.kernel) + ((weights,) if weighted else ())
+        args = (out, token, shared, m.free["num_tokens"], weights, self.config.kernel)
         return Replacement(torch.ops.dsv41.moe_finalize.default, args, (None,))

@@ -1,5 +1,9 @@
 """dsv41::indexer_topk: bit-exact with the tail of the model's Indexer.forward on CPU, for a plain index source,
-the candidate source (which also returns the candidate blocks) and a re-index layer; argument errors."""
+the candidate source (which also returns the candidate blocks) and a re-index layer; the mask form equal to the
+index form scattered into an additive mask; argument errors."""
+
+import math
+
 
 import pytest
 import torch
@@ -48,6 +52,23 @@ def test_reference_matches_model(layer, n_cap):
         assert cand.shape == (5, 0) and cand.dtype == torch.bool
 
 
+@pytest.mark.parametrize("variant", [dict(), dict(candidates=True), dict(cand_topk_blocks=2), dict(n_cap=4, topk=6)],
+                         ids=["index-source", "re-index", "candidate-source", "topk>Ncap"])
+def test_mask_form_is_the_scattered_indices(samples, variant):
+    """mask[t, n] = 0 exactly where n + offset is among the valid indices of the index form, -inf elsewhere, in fp32;
+    the candidate output is the same; the fake gives the same shape and dtype."""
+    kw = samples("indexer_topk", seed=7, **variant)
+    kw["n_c"][1] = min(2, kw["keys"].shape[1])  # a row with fewer visible rows than k: -1 indices, no zero for them
+    idx, cand = op(**kw, impl="reference")
+    mask, cand_m = op(**kw, mask=True, impl="reference")
+    want = torch.full(mask.shape, -math.inf)
+    for r, row in enumerate(idx):
+        want[r, row[row >= 0] - kw["offset"]] = 0.0
+    assert mask.dtype == torch.float32 and torch.equal(mask, want) and torch.equal(cand, cand_m)
+    fake, _ = op(**{k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kw.items()}, mask=True)
+    assert fake.shape == mask.shape and fake.dtype == torch.float32
+
+
 BAD = {
     "w T": (lambda kw: dict(w=kw["w"][:-1]), r"'w' must have shape \[T, IH\] = \[3, 4\], got \[2, 4\]"),
     "w IH": (lambda kw: dict(w=kw["w"][:, :-1]), r"'w' must have shape \[T, IH\] = \[3, 4\]"),
@@ -66,3 +87,8 @@ def test_bad_inputs(samples, rejects, change):
     kw = samples("indexer_topk", candidates=True, cand_topk_blocks=2)
     changes, match = change
     rejects(op, kw, ValueError, match, **changes(kw))
+
+
+def test_mask_must_be_a_bool(samples, rejects):
+    """The schema's bool: the dispatcher rejects another type, naming the argument."""
+    rejects(op, samples("indexer_topk"), RuntimeError, r"type 'bool' for argument 'mask'", mask="yes")

@@ -2,14 +2,17 @@
 -> dsv41::indexer_topk.
 
 Every formulation the pass lists (the index-source, candidate-source and re-index layer kinds, each with
-`topk(sorted=False)` then an ascending sort (the model's) or a sorted `topk` then the sort) has a user-written
-function here; k, the offset and the candidate block size / count are read from the graph.
+`topk(sorted=False)` then an ascending sort (the model's) or a sorted `topk` then the sort, or either top-k
+scattered into an additive -inf mask) has a user-written function here; k, the offset and the candidate block
+size / count are read from the graph.
 
 Comparison: the selected indices are compared per row as index sets (valid entries, offset removed), with the
 tie rule: indices whose score equals the row's k-th largest score are interchangeable (any of them is a correct
 top-k), so the sets may differ only by such indices; everything scoring strictly above the k-th is in both. Rows
 with fewer than k visible rows give -1 for the rest, compared as a count. The candidate mask (a set of blocks) is
-compared exactly. (In practice the fused op runs the same torch.topk on the same scores and is bit-identical.)
+compared exactly. A mask is compared as the ascending index set of its zeros (padded with -1 to k), by the same
+rule, and its other entries must be -inf. (In practice the fused op runs the same torch.topk on the same scores and
+is bit-identical.)
 """
 
 from __future__ import annotations
@@ -60,6 +63,15 @@ def sorted_topk(s, k=TOPK, offset=OFFSET):
     return torch.where(s.gather(-1, sel) > -math.inf, sel + offset, -1)
 
 
+def topk_mask(s, k=TOPK, sorted_topk=False):
+    sel = torch.topk(s, min(k, s.shape[1]), dim=-1, sorted=sorted_topk).indices
+    return torch.full_like(s, -math.inf).scatter(-1, sel, 0.0).masked_fill(s == -math.inf, -math.inf)
+
+
+def sorted_topk_mask(s, k=TOPK):
+    return topk_mask(s, k, sorted_topk=True)
+
+
 def index_source(select):
     def f(q, w, keys, n_c):
         return select(index_scores(q, w, keys, n_c))
@@ -80,7 +92,8 @@ def reindex(select):
 
 
 FORMULATIONS = {f"{kind}{tag}": (make(select), kind)
-                for tag, select in (("", topk_then_sort), ("_sorted", sorted_topk))
+                for tag, select in (("", topk_then_sort), ("_sorted", sorted_topk), ("_mask", topk_mask),
+                                    ("_mask_sorted", sorted_topk_mask))
                 for kind, make in (("index_source", index_source), ("candidate_source", candidate_source),
                                    ("reindex", reindex))}
 
@@ -105,12 +118,24 @@ def assert_same_selection(got, want, s, offset=OFFSET, k=TOPK):
         assert all(s[r, i] == kth for i in differ), f"row {r}: {sorted(differ)} differ and are not ties at {kth}"
 
 
-def check(kind, got, want, x):
+def mask_indices(mask, k=TOPK):
+    """The ascending indices of a mask's zeros per row, padded with -1 to min(k, N); its other entries are -inf."""
+    assert mask.dtype == torch.float32 and bool(((mask == 0) | (mask == -math.inf)).all())
+    width = min(k, mask.shape[1])
+    rows = [torch.nonzero(r == 0).flatten() for r in mask]
+    assert all(len(r) <= width for r in rows)
+    return torch.stack([torch.cat([r, r.new_full((width - len(r),), -1)]) for r in rows])
+
+
+def check(kind, got, want, x, mask=False):
     if kind != "candidate_source":
         got, want = (got,), (want,)
     cand = x[4] if kind == "reindex" else None
     s = scores_of(kind, *x[:4], cand)
-    assert_same_selection(got[0], want[0], s)
+    if mask:
+        assert_same_selection(mask_indices(got[0]), mask_indices(want[0]), s, offset=0)
+    else:
+        assert_same_selection(got[0], want[0], s)
     if kind == "candidate_source":
         assert got[1].dtype == torch.bool and torch.equal(got[1], want[1])
 
@@ -124,12 +149,12 @@ def test_formulation_is_fused(name):
     f, kind = FORMULATIONS[name]
     gone = ("aten.topk", "aten.sort", "aten.bmm", "aten.relu", "aten.gather")
     gm, _, node = run_fused_once(f, inputs(0, with_cand=kind == "reindex"), FUSION, gone)
-    topk, offset, cand_block, cand_blocks = node.args[5:9]
-    assert (topk, offset) == (TOPK, OFFSET)
+    topk, offset, cand_block, cand_blocks, mask = node.args[5:10]
+    assert (topk, offset, mask) == ((TOPK, 0, True) if "_mask" in name else (TOPK, OFFSET, False))
     assert (cand_block, cand_blocks) == ((CAND_BLOCK, CAND_BLOCKS) if kind == "candidate_source" else (0, 0))
     assert (node.args[4] is None) == (kind != "reindex")
     x = inputs(1, with_cand=kind == "reindex")
-    check(kind, gm(*x), f(*x), x)
+    check(kind, gm(*x), f(*x), x, mask="_mask" in name)
 
 
 @pytest.mark.parametrize("k, offset, n", [(5, 3, N), (8, 128, 6)])
@@ -179,7 +204,7 @@ def test_golden():
 %arg1_1: f32[2, 4] = input
 %arg2_1: bf16[2, 8, 32] = input
 %arg3_1: i64[2] = input
-%indexer_topk_default: (i64[2, 8], b8[2, 8]) = dsv41.indexer_topk(%arg0_1, %arg1_1, %arg2_1, %arg3_1, None, 8, 8, 4, 2, 'auto')
+%indexer_topk_default: (i64[2, 8], b8[2, 8]) = dsv41.indexer_topk(%arg0_1, %arg1_1, %arg2_1, %arg3_1, None, 8, 8, 4, 2, False, 'auto')
 %getitem_7: b8[2, 8] = getitem(%indexer_topk_default, 1)
 %getitem_6: i64[2, 8] = getitem(%indexer_topk_default, 0)
 return [%getitem_6, %getitem_7]

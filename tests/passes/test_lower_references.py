@@ -63,3 +63,24 @@ def test_pass_applies_only_to_inductor_mode_on_cuda():
     for mode in ("inductor", "fx"):
         assert LowerReferencesPass(Dsv41Config(mode=mode))(gm.graph).matches == 0  # CPU graph
     assert len(gm.graph.nodes) == len(before.nodes)
+
+
+def test_ops_with_arguments_after_the_tensors_lower():
+    """moe_finalize with and without its routing weights and indexer_topk in mask form (optional arguments before
+    `impl`): the lowered graph holds no dsv41 op and computes what the ops compute, bit-exact."""
+    def f(out, token, shared, weights, q, w, keys, n_c):
+        return (ops.moe_finalize(out, token, shared, T, weights, "auto"), ops.moe_finalize(out, token, None, T, None, "auto"),
+                ops.indexer_topk(q, w, keys, n_c, None, 4, 0, 0, 0, True, "auto")[0])
+
+    g = torch.Generator().manual_seed(1)
+    bf = torch.bfloat16
+    args = (torch.randn(2 * T, D, generator=g).to(bf), torch.arange(T).repeat_interleave(2), torch.randn(T, D, generator=g).to(bf),
+            torch.rand(2 * T, generator=g), torch.randn(T, 2, 16, generator=g).to(bf), torch.rand(T, 2, generator=g),
+            torch.randn(T, 12, 16, generator=g).to(bf), torch.tensor([12, 3, 0]))
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    want = gm(*args)
+    lower_references(gm.graph, set())
+    gm.recompile()
+    assert dsv41_ops(gm) == []
+    for got, ref in zip(gm(*args), want):
+        assert torch.equal(got, ref)

@@ -145,7 +145,7 @@ def test_golden():
 %arg0_1: bf16[12, 32] = input
 %arg1_1: i64[12] = input
 %arg2_1: bf16[2, 32] = input
-%moe_finalize_default: bf16[2, 32] = dsv41.moe_finalize(%arg0_1, %arg1_1, %arg2_1, 2, 'auto')
+%moe_finalize_default: bf16[2, 32] = dsv41.moe_finalize(%arg0_1, %arg1_1, %arg2_1, 2, None, 'auto')
 return %moe_finalize_default
 """)
 

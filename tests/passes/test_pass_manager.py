@@ -68,10 +68,10 @@ def test_config_change_changes_the_key_of_the_passes_it_affects(change, affected
         assert changed[name] == base[name], f"{name}'s config key depends on {change}"
 
 
-def test_traced_patterns_are_shared_by_passes_of_one_config_key():
+def test_traced_patterns_are_shared_by_passes_of_the_same_model_constants():
     graph = fx.Graph()
     graph.output(None)
-    a, b, c = WoAPass(config()), WoAPass(config()), WoAPass(config(max_tokens=8))
+    a, b, c = WoAPass(config()), WoAPass(config(max_tokens=8)), WoAPass(config(fp8_block=64))
     for p in (a, b, c):
         p(graph)
     assert a._patterns is b._patterns and a._patterns is not c._patterns

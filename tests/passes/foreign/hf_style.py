@@ -1,10 +1,11 @@
 """A tiny two-sublayer DeepSeek-V4.1 decode block written in the style of the Hugging Face port (our own code):
 separate wq_a / wkv GEMMs, einsum stream mixing, multiply-then-sum collapse, stride-2 RoPE, the exp2 FP8 scale,
-index validity as `idx < n_c`, and the routing weights applied after w2 (vLLM's order). Attention itself is
+the indexer's selection as an additive -inf mask over the compressed rows (its validity by position, n >= n_c), and
+the routing weights applied after w2 (vLLM's order). Attention itself is
 reduced to a projection of q (its sites are the ones around it); the MoE runs every routed (token, expert) pair.
 
 forward(x [T, hc, D] bf16, pre_mix [T, hc] fp32, cos/sin [T, rd/2] fp32, keys [T, N, ihd] bf16, n_c [T] int64)
-  -> (h [T, D] bf16, x_new [T, hc, D] bf16, idx [T, k] int64)
+  -> (h [T, D] bf16, x_new [T, hc, D] bf16, index_mask [T, N] fp32: 0 at the selected rows, -inf elsewhere)
 
 Sites (each a fusion when the backend finds it): mhc_coeffs x2, qkv_norm, indexer_topk, wo_a, mhc_post_pre x2,
 moe_route, moe_finalize.
@@ -103,12 +104,13 @@ class HFStyleBlock(nn.Module):
         w_idx = F.linear(h, self.index_w).float()
         s = (torch.einsum("thd,tnd->thn", q_idx.float(), keys.float()).relu() * w_idx.unsqueeze(-1)).sum(dim=1)
         s = s.masked_fill(~(torch.arange(keys.shape[1]) < n_c.unsqueeze(-1)), -math.inf)
-        sel = torch.topk(s, min(self.index_topk, s.shape[1]), dim=-1, sorted=False).indices.sort(dim=-1).values
-        idx = torch.where(sel < n_c.unsqueeze(-1), sel + 8, -1)
+        sel = torch.topk(s, min(self.index_topk, s.shape[1]), dim=-1).indices
+        index_mask = torch.full_like(s, -math.inf).scatter_(-1, sel, 0.0)
+        index_mask = index_mask.masked_fill(torch.arange(keys.shape[1]) >= n_c.unsqueeze(-1), -math.inf)
         o = F.linear(qr, self.wq_b).view(t, self.heads, -1) + kv[:, None, :1]  # attention reduced to a projection
         o = rotate_stride2(o, cos, -sin)  # undo the RoPE
         z = torch.einsum("tgd,grd->tgr", o.view(t, self.groups, -1), self.wo_a.view(self.groups, self.o_rank, -1)).flatten(1)
-        return F.linear(z, self.wo_b), idx
+        return F.linear(z, self.wo_b), index_mask
 
     def moe(self, h):
         t, k = h.shape[0], self.topk
@@ -129,9 +131,9 @@ class HFStyleBlock(nn.Module):
     def forward(self, x, pre_mix, cos, sin, keys, n_c):
         pre_a, post_a, comb_a = self.mixes(x, "attn")
         h = rms_norm(self.collapse(x, pre_mix), self.attn_norm)
-        y, idx = self.attention(h, cos, sin, keys, n_c)
+        y, index_mask = self.attention(h, cos, sin, keys, n_c)
         x = self.post(y, x, post_a, comb_a)
         pre_f, post_f, comb_f = self.mixes(x, "ffn")
         h = rms_norm(self.collapse(x, pre_a), self.ffn_norm)
         x = self.post(self.moe(h), x, post_f, comb_f)
-        return rms_norm(self.collapse(x, pre_f), self.out_norm), x, idx
+        return rms_norm(self.collapse(x, pre_f), self.out_norm), x, index_mask

@@ -1,12 +1,9 @@
 """The HF-style block (hf_style.py) through the real backend (fx mode): outputs equal to eager (h and x_new bf16
 within one bf16 ulp of the fp32 reordering: atol=rtol=1.6e-2 on at least 99% of elements, since the FP8 round trip
-may move a bucket; the indices exactly), and the sites it fuses: 7 of its 9 today. Not fused:
-- moe_finalize: the routing weights come flattened from [T, k] (`weights.flatten()[:, None]`), whose layout chain
-  collapses onto the [T, k] tensor, so the op's `weights` [M] input does not bind (layout-derived inputs are not
-  re-derived yet);
-- the ffn-side mhc_post_pre (einsum post mixing with a multiply-then-sum collapse): its region closes on the wrong
-  inputs and the semantic check declines it.
-`test_every_site_is_fused` states the goal and is expected to fail until both are fixed."""
+may move a bucket; the indexer's -inf mask exactly), and every one of its 9 sites fused, among them the two that need more than
+op-for-op matching: moe_finalize, whose routing weights reach the combine as `weights.flatten()[:, None]` of a
+[T, k] tensor (bound through the layout chain, reshaped to the op's [M]), and the ffn-side mhc_post_pre, whose
+einsum mixing is an island whose comb input is chosen among the values that fit by the semantic check."""
 
 from __future__ import annotations
 
@@ -40,21 +37,11 @@ def compiled():
     return block, backend, runs
 
 
-FUSED_TODAY = {**T_SITES, "mhc_post_pre": 1}
-del FUSED_TODAY["moe_finalize"]
-
-
-def test_fused_sites(compiled):
+def test_every_site_is_fused(compiled):
     _, backend, _ = compiled
     report = backend.reports[-1]
     assert len(backend.reports) == 1 and report.fallback is None
-    assert {k: v for k, v in report.matches.items() if v} == FUSED_TODAY, report.declined
-
-
-@pytest.mark.xfail(strict=True, reason="moe_finalize weights bound through a layout chain; ffn-side mhc_post_pre")
-def test_every_site_is_fused(compiled):
-    _, backend, _ = compiled
-    assert {k: v for k, v in backend.reports[-1].matches.items() if v} == T_SITES
+    assert {k: v for k, v in report.matches.items() if v} == T_SITES, report.declined
 
 
 def test_agrees_with_eager(compiled):

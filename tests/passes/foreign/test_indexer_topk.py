@@ -2,7 +2,8 @@
 differing from the project's model in one named way. Each must be found exactly once and equal eager exactly (the
 indices; scores are fp32 from random inputs, so there are no ties). Index validity written as `sel < n_c` equals
 the gathered score > -inf for an index source (every visible row has a finite score), the domain the semantic
-check samples (n_c in 0..Ncap)."""
+check samples (n_c in 0..Ncap). The mask-style formulations return the selection as an additive fp32 mask over the
+compressed rows (0 where selected, -inf elsewhere: Hugging Face's form), compared exactly too."""
 
 from __future__ import annotations
 
@@ -70,8 +71,26 @@ def bmm_scores(q, w, keys, n_c):
     return select(s.masked_fill(~visible, -math.inf), gathered)
 
 
+def mask_by_visibility(q, w, keys, n_c):
+    """mask form, equal math written differently: the selected rows' validity by the position test n >= n_c, not
+    s == -inf."""
+    s = scores(q, w, keys, n_c)
+    sel = torch.topk(s, min(TOPK, s.shape[1]), dim=-1).indices
+    hidden = torch.arange(keys.shape[1])[None, :] >= n_c[:, None]
+    return torch.full_like(s, -math.inf).scatter(-1, sel, 0.0).masked_fill(hidden, -math.inf)
+
+
+def mask_in_place(q, w, keys, n_c):
+    """mask form, other spelling: an in-place scatter_ into a new_full buffer, validity by torch.where."""
+    s = scores(q, w, keys, n_c)
+    sel = s.topk(min(TOPK, s.shape[1]), sorted=False).indices
+    mask = s.new_full(s.shape, -math.inf)
+    mask.scatter_(1, sel, 0.0)
+    return torch.where(s > -math.inf, mask, -math.inf)
+
+
 CASES = {f.__name__: f for f in (validity_by_index, weights_first, where_fill, take_along_dim, sorted_by_values,
-                                 bmm_scores)}
+                                 bmm_scores, mask_by_visibility, mask_in_place)}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

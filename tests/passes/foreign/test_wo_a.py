@@ -63,9 +63,20 @@ def flatten_by_reshape(o, cos, sin, w):
     return z.contiguous().view(t, g, R).reshape(t, g * R)
 
 
+def rope_stride2(o, cos, sin, w):
+    """equal math written differently: the interleaved pairs of the inverse RoPE by stride-2 slicing instead of
+    unflatten + select."""
+    rd = cos.shape[-1] * 2
+    tail = o[..., -rd:].float()
+    x0, x1 = tail[..., 0::2], tail[..., 1::2]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    rot = torch.stack((x0 * c + x1 * s, x1 * c - x0 * s), dim=-1).flatten(-2).to(o.dtype)
+    return project(torch.cat((o[..., :-rd], rot), dim=-1), w)
+
+
 CASES = {f.__name__: (f, tol) for f, tol in (
     (einsum_letters, EXACT), (transposed_bmm, BF16_ULP), (permuted_bmm, BF16_ULP),
-    (rope_negated_sin_first, EXACT), (flatten_by_reshape, EXACT))}
+    (rope_negated_sin_first, EXACT), (flatten_by_reshape, EXACT), (rope_stride2, EXACT))}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
