@@ -2,8 +2,15 @@
 config with every layer kind, batch 2, one decode step after a prefill, compiled with dynamic=False. Skipped until
 an installed transformers release ships deepseek_v41 (5.24.0 does not).
 
-Asserted: no graph falls back, every fusion but allreduce_mhc (no TP here) fires in the compiled graphs, and the
-logits agree with eager (bf16 model: atol=rtol=2e-2; the argmax exactly)."""
+Asserted: no graph falls back, every fusion but allreduce_mhc (no TP here) and moe_experts fires in the compiled
+graphs, and the logits agree with eager (bf16 model: atol=rtol=2e-2; the argmax exactly).
+
+Measured on 2026-12-01 with the port's source from the transformers repository dropped into transformers 5.24.0
+(plus its cache-type registration in cache_utils), not committed: no fallback, logits bit-equal to eager, but only
+moe_route fires (7 of 7 sites, one graph reused). The other sites miss on the port's [B, S=1, ...] layout (a
+GEMM output viewed to [B, 1, N] before the ops a pattern expects) and its RMSNorm, which rounds to bf16 before the
+weight multiply; the MoE combine and the ffn-side mHC post run in eager frames behind a bincount graph break and
+a data-dependent expert loop. So this test fails today on that source; it states the goal."""
 
 from __future__ import annotations
 
@@ -30,9 +37,8 @@ def tiny_config():
 @torch.no_grad()
 def test_hf_port_decode_step_is_fused():
     torch.manual_seed(0)
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(tiny_config(), torch_dtype=torch.bfloat16).eval()
+    # the port's own class: AutoModelForCausalLM does not map DeepseekV41TextConfig (measured on its source)
+    model = modeling.DeepseekV41ForCausalLM._from_config(tiny_config(), dtype=torch.bfloat16).eval()
     prompt = torch.randint(0, 256, (2, 12))
     out = model(prompt, use_cache=True)
     past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
@@ -44,6 +50,6 @@ def test_hf_port_decode_step_is_fused():
     got = step(nxt, past_key_values=out.past_key_values, use_cache=True).logits
     assert all(r.fallback is None for r in backend.reports)
     fired = {name for r in backend.reports for name, n in r.matches.items() if n}
-    assert fired == set(FUSION_NAMES) - {"allreduce_mhc"}, [r.declined for r in backend.reports]
+    assert fired == set(FUSION_NAMES) - {"allreduce_mhc", "moe_experts"}, [r.declined for r in backend.reports]
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
