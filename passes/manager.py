@@ -23,13 +23,16 @@ ACTIVE_RECORDERS: list = []
 @dataclass
 class CompileReport:
     """One compiled graph: `matches[fusion]` = replacements made, `declined[fusion]` = reasons for the candidate
-    subgraphs that were not replaced, `notes[fusion]` = "no candidate: ..." when the graph holds none of the
-    fusion's distinctive ops, `passes` = per-pass results in order, `fallback` = why the backend handed the graph
-    to plain Inductor (None when it did not)."""
+    subgraphs that matched but were not replaced (a check, the token limit, the semantic check, ...),
+    `near_misses[fusion]` = the sites found by the fusion's distinctive op that stopped matching past the first
+    pattern ops, each with the first differing op, `notes[fusion]` = "no candidate: ..." when the graph holds none
+    of the fusion's distinctive ops (or a graph-break note), `passes` = per-pass results in order, `fallback` = why
+    the backend handed the graph to plain Inductor (None when it did not)."""
 
     graph_id: int
     matches: dict[str, int] = field(default_factory=dict)
     declined: dict[str, list[str]] = field(default_factory=dict)
+    near_misses: dict[str, list[str]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
     passes: list[PassResult] = field(default_factory=list)
     fallback: str | None = None
@@ -64,6 +67,9 @@ class PassManager:
             if p.name in self.config.fusions:
                 report.matches[p.name] = result.matches
                 report.declined[p.name] = [f"{d.pattern} at %{d.anchor}: {d.kind}: {d.reason}" for d in result.declined]
+                report.near_misses[p.name] = [
+                    f"{a.pattern} at %{a.anchor}: {a.kind} after {a.progress} of {a.total} pattern ops: {a.reason}"
+                    for a in result.attempts if not any(a is d for d in result.declined)]
                 if result.note:
                     report.notes[p.name] = result.note
             for r, before in zip(recorders, befores):

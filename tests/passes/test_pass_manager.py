@@ -5,6 +5,7 @@ invariant checks, before/after snapshots, normalisation, defunctionalisation, an
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import expecttest
 import pytest
@@ -75,6 +76,25 @@ def test_traced_patterns_are_shared_by_passes_of_the_same_model_constants():
     for p in (a, b, c):
         p(graph)
     assert a._patterns is b._patterns and a._patterns is not c._patterns
+
+
+# ---- the report ---------------------------------------------------------------------------------------------------
+def test_report_names_each_near_miss_with_its_first_differing_op():
+    """A lone RMSNorm then relu: the sites that qkv_norm and mhc_post_pre find by their distinctive op (rsqrt) stop
+    after two pattern ops; the report lists each with the op that differed, and declines none (nothing matched)."""
+    def norm_relu(x, w):
+        xf = x.float()
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-20)
+        return ((xf * r).to(torch.bfloat16) * w).relu()
+
+    x, w = torch.randn(2, 64).bfloat16(), torch.randn(64).bfloat16()
+    _, report = run_passes(norm_relu, [x, w])
+    misses = {name: m for name, m in report.near_misses.items() if m}
+    assert set(misses) == {"qkv_norm", "mhc_post_pre"} and all(len(m) == 1 for m in misses.values()), misses
+    for m in misses.values():
+        assert re.fullmatch(r"\w+ at %rsqrt: wrong op after 2 of \d+ pattern ops: expected aten::mul\.Tensor, "
+                            r"found %rsqrt = rsqrt\.default", m[0]), m[0]
+    assert not any(report.declined.values()) and not any(report.matches.values())
 
 
 # ---- the environment override -------------------------------------------------------------------------------------
