@@ -1,4 +1,4 @@
-"""Device helpers shared by the dsv41 CuTe DSL kernels: vector copies and reductions.
+"""Device helpers shared by the dsv41 CuTe DSL kernels: vector copies, reductions and warp-level bf16 MMA.
 
 All helpers are ``@cute.jit`` functions traced into the calling kernel; none launches anything.
 """
@@ -132,3 +132,24 @@ def init_cluster_mbarrier(mbar_ptr: cute.Pointer):
         cute.arch.mbarrier_init(mbar_ptr, 1)
     cute.arch.mbarrier_init_fence()
     cute.arch.cluster_arrive_relaxed()
+
+
+@cute.jit
+def load_bf16_pairs(src: cute.Tensor, pred=None) -> list:
+    """The 8 bf16 of a 16-byte global vector `src` as 4 Int32 registers (bf16 pairs, the lower address in the low
+    half), as ``mma.sync`` takes its operands; zeros where ``pred`` is False."""
+    r = cute.make_rmem_tensor(src.shape, src.element_type)
+    r.store(load_vec(src, pred=pred))
+    pairs = cute.recast_tensor(r, Int32)
+    return [pairs[i] for i in range(8 // 2)]
+
+
+@cute.jit
+def mma_m16n8k16(acc: list, a: list, b: list) -> list:
+    """acc += A @ B for one warp: A 16 x 16 and B 16 x 8 bf16 fragments (4 and 2 pair registers per lane), acc the
+    16 x 8 fp32 fragment (4 per lane), in the PTX ISA's fragment layouts for ``mma.m16n8k16``."""
+    d = cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
+        "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
+        write_only_types=[Float32] * 4, read_only_args=[*a, *b, *acc])
+    return list(d)

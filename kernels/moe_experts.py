@@ -38,7 +38,6 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from dsv41.kernels import cute_utils
 from dsv41.kernels.compile_cache import (cached_kernel, compile_tvm_ffi, env_stream, fake_tensor, hopper_reason,
                                          shape_reason)
-from dsv41.kernels.moe_route import _load_pairs, _mma_m16n8k16
 from dsv41.lowerings.moe_experts import MAX_ROWS  # the fusion's row limit is the kernel's
 
 MAX_EXPERTS = 1024
@@ -135,15 +134,15 @@ class ExpertGemm:
                     a_lo, a_hi, b = [], [], []
                     for c in cutlass.range_constexpr(self.group):
                         v = (warp * self.chunks + g * self.group + c) * (_CHUNK // _VEC) + q
-                        a_lo.append(_load_pairs(gW_lo[None, v]))
-                        a_hi.append(_load_pairs(gW_hi[None, v]))
+                        a_lo.append(cute_utils.load_bf16_pairs(gW_lo[None, v]))
+                        a_hi.append(cute_utils.load_bf16_pairs(gW_hi[None, v]))
                         if const_expr(self.quant):
                             b.append(_quantised_pairs(gB[None, v], valid))
                         else:
-                            b.append(_load_pairs(gB[None, v], valid))
+                            b.append(cute_utils.load_bf16_pairs(gB[None, v], valid))
                     for c in cutlass.range_constexpr(self.group):
                         for j in cutlass.range_constexpr(2):  # the chunk's two k-steps of 16 (relabelled) columns
-                            acc = _mma_m16n8k16(acc, [a_lo[c][2 * j], a_hi[c][2 * j], a_lo[c][2 * j + 1],
+                            acc = cute_utils.mma_m16n8k16(acc, [a_lo[c][2 * j], a_hi[c][2 * j], a_lo[c][2 * j + 1],
                                                       a_hi[c][2 * j + 1]], [b[c][2 * j], b[c][2 * j + 1]])
                 # accumulator fragment: (weight row r, expert rows 2q, 2q + 1) and (weight row r + 8, the same)
                 for i in cutlass.range_constexpr(4):

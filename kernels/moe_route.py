@@ -110,8 +110,8 @@ class MoeRoute:
                 for c in range(_CHUNKS)]
         gW_lo = cute.tiled_divide(mW[group * ROWS + r, None], vec)
         gW_hi = cute.tiled_divide(mW[group * ROWS + r + 8, None], vec)
-        a_lo = [_load_pairs(gW_lo[None, vecs[c]]) for c in range(_CHUNKS)]
-        a_hi = [_load_pairs(gW_hi[None, vecs[c]]) for c in range(_CHUNKS)]
+        a_lo = [cute_utils.load_bf16_pairs(gW_lo[None, vecs[c]]) for c in range(_CHUNKS)]
+        a_hi = [cute_utils.load_bf16_pairs(gW_hi[None, vecs[c]]) for c in range(_CHUNKS)]
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
         bias = [mBias[lane + 32 * j] for j in range(self.experts // 32)]  # for the selection, in flight with h
@@ -121,14 +121,14 @@ class MoeRoute:
             for n in cutlass.range_constexpr(_TILES):
                 tok = t0 + n * _TILE_N + r
                 gH = cute.tiled_divide(mH[cutlass.min(tok, n_tok - 1), None], vec)
-                b_tiles.append([_load_pairs(gH[None, vecs[c]], tok < n_tok) for c in range(_CHUNKS)])
+                b_tiles.append([cute_utils.load_bf16_pairs(gH[None, vecs[c]], tok < n_tok) for c in range(_CHUNKS)])
             for n in cutlass.range_constexpr(_TILES):
                 if t0 + n * _TILE_N < n_tok:  # (tiles past the last token are never read back)
                     b = b_tiles[n]
                     acc = [Float32(0.0)] * 4
                     for c in cutlass.range_constexpr(_CHUNKS):
                         for j in cutlass.range_constexpr(2):  # the chunk's two k-steps of 16 (relabelled) columns
-                            acc = _mma_m16n8k16(acc, [a_lo[c][2 * j], a_hi[c][2 * j], a_lo[c][2 * j + 1],
+                            acc = cute_utils.mma_m16n8k16(acc, [a_lo[c][2 * j], a_hi[c][2 * j], a_lo[c][2 * j + 1],
                                                       a_hi[c][2 * j + 1]], [b[c][2 * j], b[c][2 * j + 1]])
                     # accumulator fragment: (row r, tokens 2q, 2q + 1) and (row r + 8, the same tokens)
                     for i in cutlass.range_constexpr(4):
@@ -209,27 +209,6 @@ class MoeRoute:
             for k in cutlass.range_constexpr(self.topk):
                 mExperts[t, k] = Int64(experts[k])
                 mWeights[t, k] = scores[k] / total * route_scale
-
-
-@cute.jit
-def _load_pairs(src: cute.Tensor, pred=None) -> list:
-    """The 8 bf16 of a 16-byte global vector as 4 Int32 registers (bf16 pairs, the lower address in the low half),
-    as ``mma.sync`` takes its operands; zeros where ``pred`` is False."""
-    r = cute.make_rmem_tensor(src.shape, src.element_type)
-    r.store(cute_utils.load_vec(src, pred=pred))
-    pairs = cute.recast_tensor(r, Int32)
-    return [pairs[i] for i in range(_VEC // 2)]
-
-
-@cute.jit
-def _mma_m16n8k16(acc: list, a: list, b: list) -> list:
-    """acc += A @ B for one warp: A 16 x 16 and B 16 x 8 bf16 fragments (4 and 2 pair registers per lane), acc the
-    16 x 8 fp32 fragment (4 per lane), in the PTX ISA's fragment layouts for ``mma.m16n8k16``."""
-    d = cute.arch.inline_ptx(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
-        "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
-        write_only_types=[Float32] * 4, read_only_args=[*a, *b, *acc])
-    return list(d)
 
 
 @cute.jit
