@@ -21,9 +21,6 @@ from dsv41.passes.fusion import GraphPass, PassResult
 class DefunctionalizePass(GraphPass):
     name = "defunctionalize"
 
-    def config_key(self) -> dict:
-        return {"mode": self.config.mode}
-
     def __call__(self, graph: fx.Graph) -> PassResult:
         result = PassResult(self.name)
         if self.config.mode != "fx":

@@ -69,11 +69,6 @@ class GraphPass:
     def __init__(self, config):
         self.config = config
 
-    def config_key(self) -> dict:
-        """The part of the backend config this pass's behaviour depends on (passes with equal keys share their
-        traced patterns)."""
-        return {}
-
     def __call__(self, graph: fx.Graph) -> PassResult:
         raise NotImplementedError
 
@@ -132,9 +127,6 @@ class FusionPass(GraphPass):
 
     def replacement(self, m: MatchResult) -> Replacement:
         raise NotImplementedError
-
-    def config_key(self) -> dict:
-        return {"max_tokens": self.config.max_tokens, "kernel": self.config.kernel, "constants": self.config.constants()}
 
     def token_check(self, t) -> str | None:
         """The reason (kind "token limit", or "symbolic shape" for a symbolic count) a token count is not fused, or None."""

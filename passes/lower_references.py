@@ -39,9 +39,6 @@ def _reference(op_name: str):
 class LowerReferencesPass(GraphPass):
     name = "lower_references"
 
-    def config_key(self) -> dict:
-        return {"mode": self.config.mode, "kernel": self.config.kernel, "kernels": sorted(k for k in KERNEL_OF if kernel_available(k))}
-
     def __call__(self, graph: fx.Graph) -> PassResult:
         result = PassResult(self.name)
         if self.config.mode != "inductor":

@@ -95,10 +95,6 @@ def exclusive_cone(root: fx.Node) -> list[fx.Node]:
 class StreamSchedulePass(GraphPass):
     name = "streams"
 
-    def config_key(self) -> dict:
-        return {"streams": self.config.streams, "stream_max_tokens": self.config.stream_max_tokens,
-                "stream_branches": sorted(self.config.stream_branches)}
-
     def __call__(self, graph: fx.Graph) -> PassResult:
         result = PassResult(self.name)
         if not self.config.streams:

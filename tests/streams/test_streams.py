@@ -1,4 +1,4 @@
-"""The side-stream schedule on synthetic graphs (CPU): invariants, golden, execution, config key."""
+"""The side-stream schedule on synthetic graphs (CPU): invariants, golden, execution."""
 
 import torch
 import torch.fx as fx
@@ -6,8 +6,6 @@ from expecttest import assert_expected_inline
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dsv41.lowerings  # noqa: F401
-from dsv41.config import Dsv41Config
-from dsv41.passes.manager import PassManager
 from dsv41.passes.printing import graph_code
 from dsv41.passes.streams import STREAM, check_schedule, record_event, schedule_streams, wait_event
 from dsv41 import stream_executor
@@ -222,12 +220,3 @@ def test_serialized_streams_nests_and_restores():
     except KeyError:
         pass
     assert not stream_executor._serialized
-
-
-def test_config_key_depends_on_streams_and_threshold():
-    def key(**changes):
-        return next(p for p in PassManager(Dsv41Config(**changes)).passes if p.name == "streams").config_key()
-
-    base = key()
-    assert key() == base and key(streams=False) != base and key(stream_max_tokens=8) != base
-    assert key(stream_branches=frozenset({"mhc_coeffs"})) != base
