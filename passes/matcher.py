@@ -436,7 +436,7 @@ class _Matcher:
             if unbound:
                 cone = _ancestors(t, stop=lambda n: n is not t and n in bound, limit=_ISLAND_NODES)
                 kinds = [(n, _kind(n)) for n in cone if n is not t and n not in bound]
-                near = [[n for n, kind in kinds if kind is not None and kind == _kind(ph)] for ph in unbound]
+                near = [[n for n, kind in kinds if kind is not None and kind == want] for want in map(_kind, unbound)]
                 far = [c[::-1] for c in near]
                 chosen = next(itertools.chain(self.fitting(st, unbound, t, bound, far),
                                               self.fitting(st, unbound, t, bound, near, tries=_NEAR_TRIES)), None)
