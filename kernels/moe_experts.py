@@ -120,8 +120,12 @@ class ExpertGemm:
             if const_expr(self.swiglu):
                 row_hi = self.n_out + n0 + r  # the w3 row of w1 row row_lo
             vec = (_VEC,)
-            gW_lo = cute.tiled_divide(mW[expert, row_lo, None], vec)
-            gW_hi = cute.tiled_divide(mW[expert, row_hi, None], vec)
+            # the expert's [rows, K] slice from a 64-bit offset: E x 2I x D passes 2^31 at Flash sizes
+            rows, k = mW.shape[1], mW.shape[2]
+            mWe = cute.make_tensor(mW.iterator + cute.assume(Int64(expert) * Int64(rows * k), divby=_VEC),
+                                   cute.make_layout((rows, k), stride=(k, 1)))
+            gW_lo = cute.tiled_divide(mWe[row_lo, None], vec)
+            gW_hi = cute.tiled_divide(mWe[row_hi, None], vec)
             for t0 in cutlass.range(first, end, _TILE_N):
                 m = t0 + r
                 valid = m < end
@@ -274,8 +278,6 @@ def supports(x: torch.Tensor, token: torch.Tensor, row_weights: torch.Tensor, of
         return reason
     if not 1 <= m <= MAX_ROWS:
         return f"M = {m} rows, the kernel takes 1 to {MAX_ROWS}"
-    if e * 2 * inter * d >= 2**31:
-        return "w13 has 2^31 or more elements (the kernel's 32-bit indexing)"
     return hopper_reason(x=x, token=token, row_weights=row_weights, offsets=offsets, w13=w13, w2=w2)
 
 

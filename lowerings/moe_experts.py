@@ -13,9 +13,13 @@ from dsv41.models import functional
 NAME = "moe_experts"
 MAX_ROWS = 384  # T * k rows the fusion takes (T = 64 at k = 6): above it the model's _grouped_mm path stays
 # Kernel vs reference (same inputs): the GEMMs sum in another order, so g, u and a may round to the neighbouring
-# bf16, and an FP8 fake quantisation step (1/8 relative) of one a element may then flip; each moves an output by a
-# small fraction of the row's magnitude. Outputs agree within KERNEL_RTOL * |want| + KERNEL_ATOL * rms(want row).
+# bf16. Outputs agree within KERNEL_RTOL * |want| + KERNEL_ATOL * rms(want row), except in rows where such a bf16
+# step then flips the FP8 fake quantisation of an a element by one e4m3 step (1/16..1/8 of it): that moves every
+# entry of the row by (step) * w2[:, i], up to amax(a) / (8 rms(a) sqrt(I)) of the row's magnitude in relative L2
+# (~2^-5 at Flash sizes; measured on the H200: 1 row in 96 and 1 in 384). Such rows pass when their relative L2
+# distance is within FLIPPED_ROW_REL_L2 (twice that estimate), and at most one row in FLIPPED_ROWS_PER does.
 KERNEL_RTOL, KERNEL_ATOL = 2.0**-6, 2.0**-5
+FLIPPED_ROW_REL_L2, FLIPPED_ROWS_PER = 2.0**-4, 16
 
 
 def _validate(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block, impl):
@@ -66,10 +70,17 @@ def compare_kernel(got: Tensor, want: Tensor) -> str | None:
     g, w = got.float(), want.float()
     rms = w.pow(2).mean(dim=-1, keepdim=True).sqrt()
     bad = ~((g - w).abs() <= KERNEL_RTOL * w.abs() + KERNEL_ATOL * rms) | g.isnan() | w.isnan()
-    if bool(bad.any()):
+    rows = bad.any(dim=-1)
+    row_rel_l2 = ((g - w).norm(dim=-1) / w.norm(dim=-1)).nan_to_num(float("inf"))
+    flipped = rows & (row_rel_l2 <= FLIPPED_ROW_REL_L2)
+    allowed = -(-w.shape[0] // FLIPPED_ROWS_PER)
+    if bool((rows & ~flipped).any()) or int(flipped.sum()) > allowed:
         worst = int(((g - w).abs() - KERNEL_RTOL * w.abs()).nan_to_num(float("inf")).argmax())
-        return (f"{int(bad.sum())} of {w.numel()} entries beyond rtol={KERNEL_RTOL:g}, atol={KERNEL_ATOL:g} x row rms; "
-                f"worst {g.flatten()[worst].item():.6g} vs {w.flatten()[worst].item():.6g}")
+        return (f"{int(bad.sum())} of {w.numel()} entries in {int(rows.sum())} of {w.shape[0]} rows beyond "
+                f"rtol={KERNEL_RTOL:g}, atol={KERNEL_ATOL:g} x row rms ({int(flipped.sum())} of them within a flipped "
+                f"FP8 step's relative L2 {FLIPPED_ROW_REL_L2:g}, at most {allowed} allowed); worst "
+                f"{g.flatten()[worst].item():.6g} vs {w.flatten()[worst].item():.6g}, row relative L2 up to "
+                f"{row_rel_l2[rows].max().item():.3g}")
     return None
 
 

@@ -1,5 +1,5 @@
-"""Out-of-range positions and token ids inside an Inductor-compiled decode step (the default mode): the process
-survives and no other request's cache row changes.
+"""Out-of-range positions and token ids inside an Inductor-compiled decode step (the default mode; on the CPU, and on
+CUDA where present): the process survives and no other request's cache row changes.
 
 Before the guard, such a step aborted the whole process (SIGABRT, exit 134: an index out of bounds in
 Inductor's generated code), so the check runs in a subprocess and asserts its exit code. Set-up: the whole TINY
@@ -15,6 +15,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = r'''
 import json, sys
 import torch
@@ -22,8 +24,9 @@ from dsv41.backend import make_backend
 from dsv41.models import TINY, DSV41Model
 
 MAX_CONTEXT = 64
-model = DSV41Model(TINY, max_batch=4, max_context=MAX_CONTEXT)
-tokens, positions = torch.tensor([5, 7, 11]), torch.tensor([10, 30, 50])
+device = sys.argv[1]
+model = DSV41Model(TINY, max_batch=4, max_context=MAX_CONTEXT, device=device)
+tokens, positions = torch.tensor([5, 7, 11], device=device), torch.tensor([10, 30, 50], device=device)
 backend = make_backend(mode="inductor")
 step = torch.compile(model, backend=backend, fullgraph=True)
 
@@ -62,8 +65,10 @@ print(json.dumps({"results": results, "graphs": len(backend.reports), "fallback"
 '''
 
 
-def test_out_of_range_values_under_inductor_do_not_abort_nor_touch_other_rows():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=900)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_out_of_range_values_under_inductor_do_not_abort_nor_touch_other_rows(device):
+    """On CUDA an out-of-bounds index in generated code is a device-side assert, which poisons the CUDA context."""
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, device], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["graphs"] == 1 and out["fallback"] is None, out
