@@ -7,11 +7,12 @@
 #               doing both ran past 330 s in batch 8's dsv41 cold compile), batch 1 at 131072 and at 524288 (cold
 #               starts); then batch 1 at 4096 again in a second process on its caches (warm start).
 #   PART=deep:  all 40 layers at context 4096, batch $BATCH (default 1): eager + inductor in one process, dsv41 in
-#               another. One call does not hold it: on 2026-12-01 building the model took 145 s and the cold
-#               compile of the step 321 s (dsv41) and 331 s (inductor), and the per-layer step was still compiling
-#               when the 525 s limit cut both. So the deep part keeps its caches under /tmp: call it twice back to
-#               back (the machine stays warm between calls only for its idle release, 30 s); the second call finds
-#               the first's caches and runs as a warm start (its rows say so).
+#               another. On 2026-12-01 it did not finish in one call: the cold compile of the step took 321 s
+#               (dsv41) and 331 s (inductor), but both processes had first waited 145 s for the GPU lock, held by a
+#               kernel test run sharing that call, and the per-layer step was still compiling at the 525 s limit.
+#               Alone it should fit; if a call is cut short, call it again at once (the machine stays warm between
+#               calls only for its idle release, 30 s): the second call finds the first's caches under /tmp and runs
+#               as a warm start (its rows say so).
 # Every compiled variant is checked by dsv41.models.agreement with all three tiers (per fused op, per layer teacher
 # forced, logits): its rows carry layer_rel_l2_max / layer_rel_l2_at and check.forced_rel_l2 per layer. The per-layer
 # tier compiles one more graph per layer kind (4 at layers 2,3,20,24, 7 at 40 layers), outside the GPU lock.
