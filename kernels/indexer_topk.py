@@ -323,11 +323,12 @@ def _order_key(x: Float32) -> Int32:
 @cute.jit
 def _histogram_add(sHist: cute.Tensor, digit: Int32, live):
     """sHist[digit] += 1 for every live lane of the warp: one shared atomic per distinct digit (the lowest lane of
-    the lanes that share it adds their count)."""
-    peers = cute.arch.match_sync(-1, cutlass.select_(live, digit, Int32(-1)))
-    leader = (peers & cute.arch.lanemask_lt()) == 0
-    if live & leader:
-        cute.arch.atomic_add(sHist.iterator + digit, Int32(cute.arch.popc(peers)))
+    the lanes that share it adds their count); nothing when no lane is live (most warps after the first round)."""
+    if cute.arch.vote_any_sync(live):
+        peers = cute.arch.match_sync(-1, cutlass.select_(live, digit, Int32(-1)))
+        leader = (peers & cute.arch.lanemask_lt()) == 0
+        if live & leader:
+            cute.arch.atomic_add(sHist.iterator + digit, Int32(cute.arch.popc(peers)))
 
 
 @cute.jit

@@ -364,3 +364,19 @@ def test_cuda_graph_replay(blocks):
         outs[1].fill_(i % 2 == 0)
         graph.replay()
         assert torch.equal(outs[0], direct[i % 2][0]) and torch.equal(outs[1], direct[i % 2][1]), f"replay {i}"
+
+
+def test_bench_table_and_plot_per_width(tmp_path):
+    """`dsv41 bench kernels --op indexer_topk` rows carry their width: one table line per (width, T), the further
+    variants listed after, and the plot over the widths."""
+    from dsv41.tools import bench_kernels
+
+    rows = [{"op": "indexer_topk", "tokens": 1, "columns": n, "variant": v, "us": us * n / 4096, "floor_us": n / 4096}
+            for n in (4096, 65536) for v, us in (("dsv41", 3.0), ("eager", 30.0), ("inductor", 20.0), ("select", 2.0))]
+    result = {"gpu": "H200", "torch": "2.11", "copy_gbps": 4274.0, "rows": rows}
+    text = bench_kernels.table(result)
+    assert "indexer_topk     65536   1    48.00" in text and "x ind" in text
+    assert "further variants:" in text and "indexer_topk      4096   1  select             2.00 us" in text
+    pytest.importorskip("matplotlib")
+    assert bench_kernels.plot(result, tmp_path / "kernels.png") and (tmp_path / "kernels.png").stat().st_size > 0
+    assert [op.columns for op in bench_kernels._built_ops(["indexer_topk"], [4096, 65536])] == [4096, 65536]
