@@ -360,8 +360,8 @@ def config_reason(heads: int, head_dim: int, n_cap: int, topk: int, cand_block: 
                        ("cand_topk_blocks", min(cand_topk_blocks, -(-n_cap // BLOCK)), -(-n_cap // BLOCK))):
         if k > MAX_K:
             return f"min({name}, {n}) = {k} is above the kernel's {MAX_K}"
-        if k and _slices(n) > 1 and _slices(n) * k > MAX_CANDIDATES:
-            return f"{_slices(n)} slices x {name} {k} exceed the merge's {MAX_CANDIDATES} candidates"
+        if k and _merge_reason(n, k) is not None:
+            return f"{name}: {_merge_reason(n, k)}"
     if cand_topk_blocks > 0 and cand_block != BLOCK:
         return f"cand_block must be {BLOCK} in candidate-block mode, got {cand_block}"
     if cand_topk_blocks > 0 and masked:
@@ -393,6 +393,13 @@ def supports(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_c: torch.Te
 
 def _slices(n: int) -> int:
     return -(-n // SLICE)
+
+
+def _merge_reason(n: int, k: int) -> str | None:
+    """Why the merge cannot take the candidates of a row of n columns at k (None when it can)."""
+    if _slices(n) > 1 and _slices(n) * k > MAX_CANDIDATES:
+        return f"{_slices(n)} slices x k = {k} exceed the merge's {MAX_CANDIDATES} candidates"
+    return None
 
 
 def _per_thread(count: int) -> int:
@@ -441,9 +448,7 @@ def select_reason(scores: torch.Tensor, k: int) -> str | None:
         return f"N must be in [1, {MAX_COLUMNS}], got {n}"
     if not 1 <= k <= min(n, MAX_K):
         return f"k must be in [1, min(N, {MAX_K})] = [1, {min(n, MAX_K)}], got {k}"
-    if _slices(n) > 1 and _slices(n) * k > MAX_CANDIDATES:
-        return f"{_slices(n)} slices x k = {k} exceed the merge's {MAX_CANDIDATES} candidates"
-    return hopper_reason(scores=scores)
+    return _merge_reason(n, k) or hopper_reason(scores=scores)
 
 
 def topk_indices(scores: torch.Tensor, k: int, offset: int = 0, *, out: torch.Tensor | None = None,

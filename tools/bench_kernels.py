@@ -42,6 +42,7 @@ from dsv41.cuda_graphs import copy_bandwidth, replay_us
 from dsv41.models import FLASH, functional
 
 VARIANTS = ("dsv41", "eager", "inductor")  # measured in this order (Inductor last: its autotuning is slow)
+MAX_INPUT_BYTES = 16 * 2**30  # an (op, T) whose input sets would take more is skipped (the indexer at 2^20 x T=8)
 
 
 @dataclass
@@ -256,6 +257,10 @@ def run(ops: list[str], tokens: list[int], variants: list[str], replays: int, bu
         for t in tokens:
             nbytes = op.nbytes(t)
             n_sets = min(4096, max(8, math.ceil(2.5 * props.L2_cache_size / nbytes)))
+            if n_sets * nbytes > MAX_INPUT_BYTES:
+                print(f"  {name} T={t}{'' if op.columns is None else f' N={op.columns}'}: skipped ({n_sets} input sets "
+                      f"would take {n_sets * nbytes / 1e9:.0f} GB)", flush=True)
+                continue
             g = torch.Generator().manual_seed(t)
             input_sets = [[a.cuda() for a in op.make_inputs(t, g)] for _ in range(n_sets)]
             if op.set_bytes is not None:
@@ -395,7 +400,8 @@ def plot(result: dict, path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dsv41 bench kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--op", choices=sorted(OPS), help="one op (default: all)")
-    parser.add_argument("--tokens", default="1,2,4,8,16,32,64", help="comma-separated token counts")
+    parser.add_argument("--tokens", default=None,
+                        help="comma-separated token counts (default 1,2,4,8,16,32,64; 1 for --op indexer_topk)")
     parser.add_argument("--columns", default=DEFAULT_COLUMNS,
                         help="comma-separated widths (key-cache rows Ncap) of " + ", ".join(COLUMN_OPS))
     parser.add_argument("--variants", default=",".join(VARIANTS),
@@ -424,12 +430,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}")
     args.out.mkdir(parents=True, exist_ok=True)
+    tokens = [int(t) for t in (args.tokens or ("1" if args.op in COLUMN_OPS else "1,2,4,8,16,32,64")).split(",")]
     if args.post_pre_layouts:
-        post_pre_layouts([int(t) for t in args.tokens.split(",")], args.replays, args.out)
+        post_pre_layouts(tokens, args.replays, args.out)
         return 0
     ops = [args.op] if args.op else sorted(OPS, reverse=True)
-    result = run(ops, [int(t) for t in args.tokens.split(",")], variants, args.replays, args.budget_s, args.out,
-                 [int(n) for n in args.columns.split(",")])
+    result = run(ops, tokens, variants, args.replays, args.budget_s, args.out, [int(n) for n in args.columns.split(",")])
     plotted = plot(result, args.out / "kernels.png")
     print(table(result))
     print(f"wrote {args.out / 'kernels.json'}" + (f" and {args.out / 'kernels.png'}" if plotted else ""))
