@@ -45,7 +45,8 @@ def scores(q, w, keys, n_c):
 def score_tolerance(q, w, keys):
     """[T, Ncap]: SCORE_RTOL x the magnitude sum_h |w_h| (|q_h| . |k_n|) that bounds two summation orders'
     difference of s[t, n] (128-term fp32 dot products, then 32 heads)."""
-    return SCORE_RTOL * torch.einsum("thd,tnd->thn", q.float().abs(), keys.float().abs()).mul(w.abs().unsqueeze(-1)).sum(1)
+    magnitude = torch.einsum("thd,tnd->thn", q.float().abs(), keys.float().abs()) * w.abs().unsqueeze(-1)
+    return SCORE_RTOL * magnitude.sum(dim=1)
 
 
 def reference(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, mask=False):
@@ -100,7 +101,8 @@ def _selected(idx, offset, n_cols):
     cols = torch.where(valid, idx - offset, n_cols)
     if bool(((cols < 0) | (cols > n_cols) | (valid & (cols == n_cols))).any()):
         return None
-    return torch.zeros((idx.shape[0], n_cols + 1), dtype=torch.bool, device=idx.device).scatter_(-1, cols, True)[:, :n_cols]
+    chosen = torch.zeros((idx.shape[0], n_cols + 1), dtype=torch.bool, device=idx.device)
+    return chosen.scatter_(-1, cols, True)[:, :n_cols]
 
 
 def compare_kernel(got, want, inputs: dict | None = None) -> str | None:

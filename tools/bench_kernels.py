@@ -360,7 +360,8 @@ def table(result: dict) -> str:
             floor = base[0]["floor_us"]
             lines.append(f"{op:<14}{n or '':>8}{t:>4}{us['dsv41']:>9.2f}{no_pdl:>8.2f}{us['inductor']:>10.2f}"
                          f"{us['eager']:>9.2f}{floor:>8.2f}{us['inductor'] / us['dsv41']:>8.1f}"
-                         f"{us['eager'] / us['dsv41']:>9.1f}{us['dsv41'] / floor:>8.1f}{100 * floor / us['dsv41']:>10.1f}")
+                         f"{us['eager'] / us['dsv41']:>9.1f}{us['dsv41'] / floor:>8.1f}"
+                         f"{100 * floor / us['dsv41']:>10.1f}")
         extra += [f"{op:<14}{n or '':>8}{t:>4}  {r['variant']:<14}{r['us']:>9.2f} us, floor {r['floor_us']:.2f} us"
                   for (o, c, tt, v), r in rows.items() if (o, c, tt) == (op, n, t) and v not in VARIANTS]
     return "\n".join(lines + (["further variants:"] + extra if extra else []))
@@ -435,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         post_pre_layouts(tokens, args.replays, args.out)
         return 0
     ops = [args.op] if args.op else sorted(OPS, reverse=True)
-    result = run(ops, tokens, variants, args.replays, args.budget_s, args.out, [int(n) for n in args.columns.split(",")])
+    columns = [int(n) for n in args.columns.split(",")]
+    result = run(ops, tokens, variants, args.replays, args.budget_s, args.out, columns)
     plotted = plot(result, args.out / "kernels.png")
     print(table(result))
     print(f"wrote {args.out / 'kernels.json'}" + (f" and {args.out / 'kernels.png'}" if plotted else ""))
