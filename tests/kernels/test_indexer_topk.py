@@ -1,7 +1,9 @@
 """The indexer kernels (dsv41.kernels.indexer_topk): the score kernel and the exact top-K select.
 
-CPU: every kernel variant compiles for sm_90a; `supports` and `select_reason` explain what they reject; the bench
-rows per width (the op's NaN and tie rules and `compare_kernel` are tested in tests/lowerings/test_indexer_topk.py).
+CPU: every kind of launch compiles for sm_90a (score: plain, candidate-masked, block maxima, without PDL;
+select: one-CTA rows, slices, merge, at k = 512 and 2048); `supports` and `select_reason` explain what they
+reject; the bench rows per width (the op's NaN and tie rules and `compare_kernel` are tested in
+tests/lowerings/test_indexer_topk.py).
 GPU (H200), outputs poisoned (-7) before each call:
 - the select (`topk_indices`) on given scores equals the tie rule exactly (a stable descending sort: equal scores,
   -inf ones included, taken lower index first; NaN as -inf; then sorted ascending, + offset, -1 for -inf), -1
@@ -154,7 +156,8 @@ def test_select_compiles_for_sm90a(variant, monkeypatch, tmp_path):
 
 def test_select_launches_cover_the_widths():
     """One launch up to SLICE columns (its keys per thread the smallest power of two that holds the row), then
-    slices + merge; every variant those widths use is one SELECT_VARIANTS compiles."""
+    slices + merge. SELECT_VARIANTS compiles each kind (single, slice, merge) at both k and the smallest and largest
+    keys per thread; the other per-thread counts (2, 4, 8) only change an unrolled loop's length."""
     assert [K._per_thread(n) for n in (1, 1024, 1025, 4096, 16384)] == [1, 1, 2, 4, 16]
     assert K._slices(K.SLICE) == 1 and K._slices(K.SLICE + 1) == 2 and K._slices(1 << 20) == 64
     assert K._per_thread(K._slices(1 << 20) * 512) == 32 and K._per_thread(K._slices(131072) * 2048) == 16
