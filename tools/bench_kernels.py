@@ -254,18 +254,18 @@ def run(ops: list[str], tokens: list[int], variants: list[str], replays: int, bu
     started = time.monotonic()
     for op in _built_ops(ops, columns or [int(n) for n in DEFAULT_COLUMNS.split(",")]):
         name = op.name
+        where = name if op.columns is None else f"{name} N={op.columns}"
         for t in tokens:
             nbytes = op.nbytes(t)
             n_sets = min(4096, max(8, math.ceil(2.5 * props.L2_cache_size / nbytes)))
             if n_sets * nbytes > MAX_INPUT_BYTES:
-                print(f"  {name} T={t}{'' if op.columns is None else f' N={op.columns}'}: skipped ({n_sets} input sets "
-                      f"would take {n_sets * nbytes / 1e9:.0f} GB)", flush=True)
+                print(f"  {where} T={t}: skipped ({n_sets} input sets would take {n_sets * nbytes / 1e9:.0f} GB)",
+                      flush=True)
                 continue
             g = torch.Generator().manual_seed(t)
             input_sets = [[a.cuda() for a in op.make_inputs(t, g)] for _ in range(n_sets)]
             if op.set_bytes is not None:
                 nbytes = round(statistics.mean(op.set_bytes(s) for s in input_sets))
-            where = name if op.columns is None else f"{name} N={op.columns}"
             extra = {v: op.extra[v] for v in op.extra if "dsv41" in variants}
             for variant in [*variants, *extra]:
                 if variant == "inductor" and budget_s is not None and time.monotonic() - started > budget_s:
