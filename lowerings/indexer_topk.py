@@ -32,13 +32,28 @@ def _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, i
     return device, dims
 
 
-def reference(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, mask=False):
-    """Plain torch, the tail of the model's Indexer.forward op for op; with `mask`, the selection scattered into an
-    additive mask instead."""
-    t, n_cap = keys.shape[0], keys.shape[1]
+SCORE_RTOL = 2**-15  # |s - s'| / (sum_h |w_h| |q_h| . |k_n|) allowed between two fp32 summation orders
+
+
+def scores(q, w, keys, n_c):
+    """s [T, Ncap] fp32 as the op defines it (before the candidate mask): NaN and n >= n_c are -inf."""
     s = (torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu() * w.unsqueeze(-1)).sum(dim=1)
-    visible = torch.arange(n_cap, device=s.device) < n_c.unsqueeze(-1)
-    s = s.masked_fill(~visible, -math.inf)
+    visible = torch.arange(keys.shape[1], device=s.device) < n_c.unsqueeze(-1)
+    return s.masked_fill(~visible | s.isnan(), -math.inf)
+
+
+def score_tolerance(q, w, keys):
+    """[T, Ncap]: SCORE_RTOL x the magnitude sum_h |w_h| (|q_h| . |k_n|) that bounds two summation orders'
+    difference of s[t, n] (128-term fp32 dot products, then 32 heads)."""
+    magnitude = torch.einsum("thd,tnd->thn", q.float().abs(), keys.float().abs()) * w.abs().unsqueeze(-1)
+    return SCORE_RTOL * magnitude.sum(dim=1)
+
+
+def reference(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, mask=False):
+    """Plain torch, the tail of the model's Indexer.forward op for op (NaN scores as -inf); with `mask`, the
+    selection scattered into an additive mask instead."""
+    t, n_cap = keys.shape[0], keys.shape[1]
+    s = scores(q, w, keys, n_c)
     if cand_topk_blocks > 0:
         cand = select_candidate_blocks(s, n_c, cand_block, cand_topk_blocks)
     else:
@@ -49,9 +64,94 @@ def reference(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_b
     sel = torch.sort(sel, dim=-1).values
     valid = s.gather(-1, sel) > -math.inf
     if mask:
-        kept = torch.zeros_like(s, dtype=torch.bool).scatter(-1, sel, valid)
-        return torch.where(kept, 0.0, -math.inf), cand
+        return selection_mask(torch.where(valid, sel, -1), n_cap), cand
     return torch.where(valid, sel + offset, -1), cand
+
+
+def selection_mask(idx, n_cap):
+    """The additive mask [T, Ncap] fp32 of a selection idx [T, K] (offset 0, -1 = none): 0 at the selected rows."""
+    kept = torch.zeros((idx.shape[0], n_cap + 1), dtype=torch.bool, device=idx.device)
+    kept.scatter_(-1, torch.where(idx >= 0, idx, n_cap), True)
+    return torch.where(kept[:, :n_cap], 0.0, -math.inf)
+
+
+def _unordered(idx):
+    """Whether some row's valid (>= 0) entries of idx are not strictly ascending."""
+    valid = idx >= 0
+    running = torch.where(valid, idx, -1).cummax(-1).values
+    before = torch.cat([torch.full_like(idx[:, :1], -1), running[:, :-1]], dim=-1)
+    return bool((valid & (idx <= before)).any())
+
+
+def _same_selection(got, want, values, tol):
+    """None when the selections got and want (bool [T, N]) of the top-K of values [T, N] agree under the tie rule:
+    the same count per row, got only where values > -inf, and every entry of one but not the other within tol [T]
+    of the K-th largest selected value (an exact tie, or a near-tie under another summation order)."""
+    kth = values.masked_fill(~want, math.inf).amin(-1, keepdim=True)
+    tol = tol.unsqueeze(-1)
+    bad = (got.sum(-1) != want.sum(-1)) | (got & (values == -math.inf)).any(-1)
+    bad |= (got & ~want & (values < kth - tol)).any(-1) | (want & ~got & (values > kth + tol)).any(-1)
+    rows = bad.nonzero().flatten().tolist()
+    return f"rows {rows[:8]}{' ...' if len(rows) > 8 else ''} select other entries" if rows else None
+
+
+def _selected(idx, offset, n_cols):
+    """bool [T, N]: the columns idx - offset of the valid entries of idx (None if one lies outside [0, N))."""
+    valid = idx >= 0
+    cols = torch.where(valid, idx - offset, n_cols)
+    if bool(((cols < 0) | (cols > n_cols) | (valid & (cols == n_cols))).any()):
+        return None
+    chosen = torch.zeros((idx.shape[0], n_cols + 1), dtype=torch.bool, device=idx.device)
+    return chosen.scatter_(-1, cols, True)[:, :n_cols]
+
+
+def compare_kernel(got, want, inputs: dict | None = None) -> str | None:
+    """None when the kernel's (idx, cand) agree with the reference's, else the first difference.
+
+    The kernel's valid indices must be strictly ascending. Without `inputs`, the two must select the same index
+    sets (idx as sorted rows, -1 included; cand equal). With `inputs` (the op's arguments by name) they are compared
+    under the tie rule: as index sets that may differ only in entries whose score lies within the summation-order
+    tolerance (score_tolerance, the row's largest) of the K-th largest selected score, the -1 entries by count;
+    likewise the candidate blocks, by block maximum."""
+    (got_idx, got_cand), (want_idx, want_cand) = got, want
+    for name, g, w in (("idx", got_idx, want_idx), ("cand", got_cand, want_cand)):
+        if g.dtype != w.dtype or g.shape != w.shape:
+            return f"{name}: {g.dtype}{list(g.shape)} vs the reference's {w.dtype}{list(w.shape)}"
+    if _unordered(got_idx):
+        return "idx: the valid indices of a row are not strictly ascending"
+    if inputs is None:
+        if not torch.equal(got_idx.sort(-1).values, want_idx.sort(-1).values):
+            return "idx: the index sets differ"
+        return None if torch.equal(got_cand, want_cand) else "cand: the candidate masks differ"
+    q, w, keys, n_c = inputs["q"], inputs["w"], inputs["keys"], inputs["n_c"]
+    n_cap = keys.shape[1]
+    s = scores(q, w, keys, n_c)
+    tol = score_tolerance(q, w, keys).masked_fill(s == -math.inf, 0.0).amax(-1)
+    if want_cand.shape[1]:
+        block = inputs["cand_block"]
+        picked = [c[:, ::block] for c in (got_cand, want_cand)]
+        if not torch.equal(got_cand, picked[0].repeat_interleave(block, dim=1)[:, :n_cap]):
+            return "cand: not whole candidate blocks"
+        why = _same_selection(*picked, _block_maxima(s, n_c, block), tol)
+        if why is not None:
+            return f"cand: {why}"
+    if inputs["candidates"] is not None:
+        s = s.masked_fill(~inputs["candidates"], -math.inf)
+    chosen = [_selected(idx, inputs["offset"], n_cap) for idx in (got_idx, want_idx)]
+    if chosen[0] is None:
+        return f"idx: an index outside [offset, offset + Ncap) = [{inputs['offset']}, {inputs['offset'] + n_cap})"
+    why = _same_selection(*chosen, s, tol)
+    return None if why is None else f"idx: {why}"
+
+
+def _block_maxima(s, n_c, block):
+    """select_candidate_blocks' block scores: the max of s over each block, the newest block pinned to +inf."""
+    t, n_cap = s.shape
+    n_blocks = -(-n_cap // block)
+    bs = torch.nn.functional.pad(s, (0, n_blocks * block - n_cap), value=-math.inf).view(t, n_blocks, block).amax(-1)
+    newest = (n_c - 1).div(block, rounding_mode="floor")
+    pin = (torch.arange(n_blocks, device=s.device) == newest.unsqueeze(-1)) & (n_c > 0).unsqueeze(-1)
+    return bs.masked_fill(pin, math.inf)
 
 
 @torch.library.custom_op("dsv41::indexer_topk", mutates_args=())
@@ -62,23 +162,31 @@ def indexer_topk(q: Tensor, w: Tensor, keys: Tensor, n_c: Tensor, candidates: Te
 
     q [T, IH, ihd] bf16 (roped, fp4-fake-quantised), w [T, IH] fp32 (scaled head weights), keys [T, Ncap, ihd] bf16,
     n_c [T] int64 (valid rows), candidates [T, Ncap] bool or None; K = min(topk, Ncap):
-        s[t, n]  = sum_h w[t, h] * relu(q[t, h] . keys[t, n])  in fp32;  -inf where n >= n_c[t]       [T, Ncap]
+        s[t, n]  = sum_h w[t, h] * relu(q[t, h] . keys[t, n])  in fp32;  -inf where n >= n_c[t] or s is NaN  [T, Ncap]
         cand     = select_candidate_blocks(s, n_c, cand_block, cand_topk_blocks) if cand_topk_blocks > 0
                    (from s before the candidate mask; [T, Ncap] bool), else an empty [T, 0] bool
         s        = -inf where not candidates[t, n]  (if candidates is given)
-        sel      = the indices of torch.topk(s, K, sorted=False), sorted ascending                       [T, K]
+        sel      = the indices of the K largest s[t, n] (torch.topk(s, K)), sorted ascending                  [T, K]
         idx      = sel + offset where s[t, sel] > -inf, else -1                                         [T, K] int64
         mask     = 0 where n is in sel[t] and s[t, n] > -inf, else -inf  (offset unused)           [T, Ncap] fp32
     -> (idx, cand), or (mask, cand) with `mask`.
-    impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
+    NaN is never a valid score: it counts as -inf (so it is never selected ahead of a number, and is -1 if taken).
+    Tie rule: scores equal to the K-th largest may be taken in any order; the kernel takes the lower indices first,
+    the reference takes what torch.topk takes (its order among equal values is unspecified), so the two are
+    compared as index sets that may differ only at such ties, and -1 entries by count (`compare_kernel`). The same
+    holds for the candidate blocks at the cand_topk_blocks-th block maximum. The kernel sums s in another order
+    than the reference (`SCORE_RTOL`), so near-ties within that tolerance count as ties there.
+    impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`); with `mask` the kernel's indices are
+    scattered into the mask in torch.
     """
     device, _ = _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, impl)
     args = (q, w, keys, n_c, candidates)
-    kwargs = dict(topk=topk, offset=offset, cand_block=cand_block, cand_topk_blocks=cand_topk_blocks)
-    if mask:  # the kernel contract returns indices: the reference builds the mask
-        return reference(*args, **kwargs, mask=True)
-    kernel = _kernels.select(NAME, NAME, impl, device, args, kwargs) or reference
-    return kernel(*args, **kwargs)
+    kwargs = dict(topk=topk, offset=0 if mask else offset, cand_block=cand_block, cand_topk_blocks=cand_topk_blocks)
+    kernel = _kernels.select(NAME, NAME, impl, device, args, kwargs)
+    if kernel is None:
+        return reference(*args, **kwargs, mask=mask)
+    idx, cand = kernel(*args, **kwargs)
+    return (selection_mask(idx, keys.shape[1]), cand) if mask else (idx, cand)
 
 
 @indexer_topk.register_fake

@@ -30,7 +30,7 @@ FUSIONS = (
     Fusion("mhc_post_pre", kernel="mhc_post_pre"),
     Fusion("qkv_norm"),
     Fusion("wo_a"),
-    Fusion("indexer_topk"),
+    Fusion("indexer_topk", kernel="indexer_topk"),
     Fusion("moe_route", kernel="moe_route"),
     Fusion("moe_experts", kernel="moe_experts"),
 )

@@ -13,6 +13,13 @@ The kernels launch with programmatic dependent launch (PDL), so in this back-to-
 weight loads overlap the previous call; the ``dsv41`` rows also carry ``us_no_pdl``, the same kernel launched
 plainly (what it costs after a predecessor that does not trigger PDL).
 
+``indexer_topk`` is timed per context length (``--columns``, the key cache's Ncap, all rows visible) at Flash's
+indexer sizes (32 heads x 128, top-512); its floor is the bf16 keys read once (plus q, w and the indices), and its
+Inductor variant compiles the reference in the default mode (the autotuning modes take minutes per width). Its extra
+variants: ``select`` (the kernel's exact top-512 alone, on the score kernel's scores) and ``torch_topk``
+(``torch.topk(s, 512, sorted=False)`` on the same scores), both with the scores' read as their floor, and
+``dsv41_blocks`` (the kernel in layer 20's candidate-block mode).
+
 Writes ``kernels.json`` ({"gpu", "torch", ..., "rows": [{"op", "tokens", "variant", "us", "floor_us", ...}]}) and
 ``kernels.png`` under ``--out`` and prints a table.
 """
@@ -25,7 +32,7 @@ import json
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -35,6 +42,7 @@ from dsv41.cuda_graphs import copy_bandwidth, replay_us
 from dsv41.models import FLASH, functional
 
 VARIANTS = ("dsv41", "eager", "inductor")  # measured in this order (Inductor last: its autotuning is slow)
+MAX_INPUT_BYTES = 16 * 2**30  # an (op, T) whose input sets would take more is skipped (the indexer at 2^20 x T=8)
 
 
 @dataclass
@@ -50,6 +58,10 @@ class Op:
     reference: Callable
     kernel: Callable
     set_bytes: Callable[[list[torch.Tensor]], int] | None = None
+    columns: int | None = None  # the context length of an op timed per width (--columns)
+    inductor_mode: str = "max-autotune-no-cudagraphs"
+    # further variants: name -> (prepare(input set) -> the variant's inputs, made before timing; fn(*those))
+    extra: dict[str, tuple[Callable, Callable]] = field(default_factory=dict)
 
 
 def _coeffs_op(cfg) -> Op:
@@ -162,7 +174,45 @@ def _experts_op(cfg, device="cuda") -> Op:
     )
 
 
-OPS = {"mhc_coeffs": _coeffs_op, "mhc_post_pre": _post_pre_op, "moe_route": _route_op, "moe_experts": _experts_op}
+def _indexer_op(cfg, columns: int) -> Op:
+    """dsv41::indexer_topk (index form) over a key cache of ``columns`` rows per token, all visible."""
+    from dsv41.kernels.indexer_topk import index_scores, indexer_topk, topk_indices
+    from dsv41.lowerings.indexer_topk import reference
+
+    heads, dim, k, offset = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, cfg.window_size
+    scalars = dict(topk=k, offset=offset, cand_block=cfg.candidate_block_size, cand_topk_blocks=0)
+    blocks = dict(scalars, cand_topk_blocks=cfg.candidate_topk_blocks)
+
+    def make_inputs(t, g):  # made on the GPU: a CPU draw of 2^20 x 128 keys per set takes seconds
+        gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(2**31, (1,), generator=g)))
+        return [torch.randn(t, heads, dim, generator=gen, device="cuda").bfloat16(),
+                torch.randn(t, heads, generator=gen, device="cuda") / heads**0.5,
+                torch.randn(t, columns, dim, generator=gen, device="cuda").bfloat16(),
+                torch.full((t,), columns, dtype=torch.int64, device="cuda")]
+
+    def scores(q, w, keys, n_c):
+        return [index_scores(q, w, keys, n_c)[0]]
+
+    return Op(
+        name="indexer_topk",
+        make_inputs=make_inputs,
+        # read q, w, the keys and n_c; write the indices
+        nbytes=lambda t: t * (heads * dim * 2 + heads * 4 + columns * dim * 2 + 8 + min(k, columns) * 8),
+        reference=lambda q, w, keys, n_c: reference(q, w, keys, n_c, None, **scalars)[0],
+        kernel=lambda q, w, keys, n_c, pdl=True: indexer_topk(q, w, keys, n_c, None, **scalars, pdl=pdl)[0],
+        columns=columns,
+        inductor_mode="default",
+        extra={"select": (scores, lambda s: topk_indices(s, min(k, columns), offset)),
+               "torch_topk": (scores, lambda s: torch.topk(s, min(k, columns), dim=-1, sorted=False).indices),
+               "dsv41_blocks": (lambda *inputs: list(inputs), lambda q, w, keys, n_c: indexer_topk(
+                   q, w, keys, n_c, None, **blocks)[1])},
+    )
+
+
+OPS = {"mhc_coeffs": _coeffs_op, "mhc_post_pre": _post_pre_op, "moe_route": _route_op, "moe_experts": _experts_op,
+       "indexer_topk": _indexer_op}
+COLUMN_OPS = ("indexer_topk",)  # built per --columns width
+DEFAULT_COLUMNS = "4096,65536,524288,1048576"
 
 
 def time_in_graph(fn: Callable, input_sets: list[list[torch.Tensor]], replays: int) -> float:
@@ -184,42 +234,65 @@ def time_in_graph(fn: Callable, input_sets: list[list[torch.Tensor]], replays: i
     return statistics.median(times)
 
 
-def _compiled(reference: Callable) -> Callable:
-    return torch.compile(reference, mode="max-autotune-no-cudagraphs", fullgraph=True, dynamic=False)
+def _compiled(reference: Callable, mode: str) -> Callable:
+    return torch.compile(reference, mode=mode, fullgraph=True, dynamic=False)
+
+
+def _built_ops(ops: list[str], columns: list[int]) -> list[Op]:
+    return [OPS[name](FLASH, n) if name in COLUMN_OPS else OPS[name](FLASH) for name in ops
+            for n in (columns if name in COLUMN_OPS else [None])]
 
 
 def run(ops: list[str], tokens: list[int], variants: list[str], replays: int, budget_s: float | None,
-        out: Path) -> dict:
-    """Measure every (op, T, variant); the JSON under ``out`` is rewritten after each row, so a run cut short
-    keeps what it measured."""
+        out: Path, columns: list[int] | None = None) -> dict:
+    """Measure every (op, T, variant) (and width of the ops timed per ``columns``); the JSON under ``out`` is
+    rewritten after each row, so a run cut short keeps what it measured."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     props = torch.cuda.get_device_properties(0)
     bandwidth = copy_bandwidth()
     result = {"gpu": props.name, "torch": torch.__version__, "l2_bytes": props.L2_cache_size,
               "copy_gbps": bandwidth / 1e9, "config": "flash", "rows": []}
     started = time.monotonic()
-    for name in ops:
-        op = OPS[name](FLASH)
+    for op in _built_ops(ops, columns or [int(n) for n in DEFAULT_COLUMNS.split(",")]):
+        name = op.name
+        where = name if op.columns is None else f"{name} N={op.columns}"
         for t in tokens:
             nbytes = op.nbytes(t)
             n_sets = min(4096, max(8, math.ceil(2.5 * props.L2_cache_size / nbytes)))
+            if n_sets * nbytes > MAX_INPUT_BYTES:
+                print(f"  {where} T={t}: skipped ({n_sets} input sets would take {n_sets * nbytes / 1e9:.0f} GB)",
+                      flush=True)
+                continue
             g = torch.Generator().manual_seed(t)
             input_sets = [[a.cuda() for a in op.make_inputs(t, g)] for _ in range(n_sets)]
             if op.set_bytes is not None:
                 nbytes = round(statistics.mean(op.set_bytes(s) for s in input_sets))
-            for variant in variants:
+            extra = {v: op.extra[v] for v in op.extra if "dsv41" in variants}
+            for variant in [*variants, *extra]:
                 if variant == "inductor" and budget_s is not None and time.monotonic() - started > budget_s:
-                    print(f"  {name} T={t} inductor: skipped (time budget of {budget_s:.0f} s spent)", flush=True)
+                    print(f"  {where} T={t} inductor: skipped (time budget of {budget_s:.0f} s spent)", flush=True)
                     continue
-                fn = {"dsv41": op.kernel, "eager": op.reference, "inductor": _compiled(op.reference)}[variant]
-                row = {"op": name, "tokens": t, "variant": variant, "us": time_in_graph(fn, input_sets, replays),
-                       "floor_us": nbytes / bandwidth * 1e6, "bytes": nbytes, "calls_per_graph": n_sets}
+                sets, set_bytes, fn = input_sets, nbytes, None
+                if variant in extra:
+                    prepare, fn = extra[variant]
+                    sets = [prepare(*s) for s in input_sets]
+                    if variant != "dsv41_blocks":  # the select variants: their floor is the scores' read
+                        set_bytes = sum(a.numel() * a.element_size() for a in sets[0])
+                else:
+                    fn = {"dsv41": op.kernel, "eager": op.reference,
+                          "inductor": _compiled(op.reference, op.inductor_mode) if variant == "inductor" else None
+                          }[variant]
+                row = {"op": name, "tokens": t, "variant": variant, "us": time_in_graph(fn, sets, replays),
+                       "floor_us": set_bytes / bandwidth * 1e6, "bytes": set_bytes, "calls_per_graph": n_sets}
+                if op.columns is not None:
+                    row["columns"] = op.columns
                 row["pct_copy_bandwidth"] = 100 * row["floor_us"] / row["us"]
                 if variant == "dsv41":  # the same kernel launched without programmatic dependent launch
                     row["us_no_pdl"] = time_in_graph(functools.partial(op.kernel, pdl=False), input_sets, replays)
                 result["rows"].append(row)
-                print(f"  {name} T={t} {variant}: {row['us']:.2f} us", flush=True)
+                print(f"  {where} T={t} {variant}: {row['us']:.2f} us", flush=True)
                 (out / "kernels.json").write_text(json.dumps(result, indent=1) + "\n")
+                del sets
             del input_sets
             torch.cuda.empty_cache()
     return result
@@ -270,25 +343,34 @@ def merge(parts: list[dict]) -> dict:
 
 
 def table(result: dict) -> str:
-    """One line per (op, T): each variant's time, the floor, and the kernel's speedups and distance to the floor."""
-    rows = {(r["op"], r["tokens"], r["variant"]): r for r in result["rows"]}
-    keys = sorted({(r["op"], r["tokens"]) for r in result["rows"]})
+    """One line per (op, width, T): each variant's time, the floor, and the kernel's speedups and distance to the
+    floor; then one line per extra variant (``Op.extra``) with its own floor."""
+    rows = {(r["op"], r.get("columns"), r["tokens"], r["variant"]): r for r in result["rows"]}
+    keys = sorted({(r["op"], r.get("columns") or 0, r["tokens"]) for r in result["rows"]})
+    keys = [(op, n or None, t) for op, n, t in keys]
     lines = [f"{result['gpu']}, torch {result['torch']}, copy {result['copy_gbps']:.0f} GB/s; "
              "us per call under CUDA graphs",
-             f"{'op':<14}{'T':>4}{'dsv41':>9}{'no-pdl':>8}{'inductor':>10}{'eager':>9}{'floor':>8}{'x ind':>8}"
+             f"{'op':<14}{'N':>8}{'T':>4}{'dsv41':>9}{'no-pdl':>8}{'inductor':>10}{'eager':>9}{'floor':>8}{'x ind':>8}"
              f"{'x eager':>9}{'/floor':>8}{'%copy bw':>10}"]
-    for op, t in keys:
-        us = {v: rows[(op, t, v)]["us"] if (op, t, v) in rows else float("nan") for v in VARIANTS}
-        floor = next(rows[(op, t, v)]["floor_us"] for v in VARIANTS if (op, t, v) in rows)
-        no_pdl = rows[(op, t, "dsv41")].get("us_no_pdl", float("nan")) if (op, t, "dsv41") in rows else float("nan")
-        lines.append(f"{op:<14}{t:>4}{us['dsv41']:>9.2f}{no_pdl:>8.2f}{us['inductor']:>10.2f}{us['eager']:>9.2f}"
-                     f"{floor:>8.2f}{us['inductor'] / us['dsv41']:>8.1f}{us['eager'] / us['dsv41']:>9.1f}"
-                     f"{us['dsv41'] / floor:>8.1f}{100 * floor / us['dsv41']:>10.1f}")
-    return "\n".join(lines)
+    extra = []
+    for op, n, t in keys:
+        us = {v: rows[(op, n, t, v)]["us"] if (op, n, t, v) in rows else float("nan") for v in VARIANTS}
+        base = [rows[(op, n, t, v)] for v in VARIANTS if (op, n, t, v) in rows]
+        no_pdl = rows[(op, n, t, "dsv41")].get("us_no_pdl", float("nan")) if (op, n, t, "dsv41") in rows else math.nan
+        if base:
+            floor = base[0]["floor_us"]
+            lines.append(f"{op:<14}{n or '':>8}{t:>4}{us['dsv41']:>9.2f}{no_pdl:>8.2f}{us['inductor']:>10.2f}"
+                         f"{us['eager']:>9.2f}{floor:>8.2f}{us['inductor'] / us['dsv41']:>8.1f}"
+                         f"{us['eager'] / us['dsv41']:>9.1f}{us['dsv41'] / floor:>8.1f}"
+                         f"{100 * floor / us['dsv41']:>10.1f}")
+        extra += [f"{op:<14}{n or '':>8}{t:>4}  {r['variant']:<14}{r['us']:>9.2f} us, floor {r['floor_us']:.2f} us"
+                  for (o, c, tt, v), r in rows.items() if (o, c, tt) == (op, n, t) and v not in VARIANTS]
+    return "\n".join(lines + (["further variants:"] + extra if extra else []))
 
 
 def plot(result: dict, path: Path) -> bool:
-    """A log-log plot of us vs T per op (one panel each); False when matplotlib is missing."""
+    """A log-log plot of us vs T per op (one panel each; vs the width N for ops timed per width); False when
+    matplotlib is missing."""
     try:
         import matplotlib
 
@@ -300,13 +382,14 @@ def plot(result: dict, path: Path) -> bool:
     fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4.5), squeeze=False)
     for ax, op in zip(axes[0], ops):
         rows = [r for r in result["rows"] if r["op"] == op]
-        for variant in VARIANTS:
-            pts = sorted((r["tokens"], r["us"]) for r in rows if r["variant"] == variant)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=variant)
-        floor = sorted({(r["tokens"], r["floor_us"]) for r in rows})
+        x_of = (lambda r: r["columns"]) if "columns" in rows[0] else (lambda r: r["tokens"])
+        for variant in sorted({r["variant"] for r in rows}, key=lambda v: (v not in VARIANTS, v)):
+            pts = sorted((x_of(r), r["us"]) for r in rows if r["variant"] == variant)
+            ax.plot(*zip(*pts), marker="o", label=variant)
+        floor = sorted({(x_of(r), r["floor_us"]) for r in rows if r["variant"] in VARIANTS})
         ax.plot(*zip(*floor), "k--", label="memory floor")
-        ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="us per call (CUDA graph)", title=op)
+        xlabel = "columns N (T = {})".format(rows[0]["tokens"]) if "columns" in rows[0] else "tokens T"
+        ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="us per call (CUDA graph)", title=op)
         ax.set_xticks([r for r, _ in floor], [str(r) for r, _ in floor])
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
@@ -319,7 +402,10 @@ def plot(result: dict, path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dsv41 bench kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--op", choices=sorted(OPS), help="one op (default: all)")
-    parser.add_argument("--tokens", default="1,2,4,8,16,32,64", help="comma-separated token counts")
+    parser.add_argument("--tokens", default=None,
+                        help="comma-separated token counts (default 1,2,4,8,16,32,64; 1 for --op indexer_topk)")
+    parser.add_argument("--columns", default=DEFAULT_COLUMNS,
+                        help="comma-separated widths (key-cache rows Ncap) of " + ", ".join(COLUMN_OPS))
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated subset of " + ",".join(VARIANTS))
     parser.add_argument("--replays", type=int, default=20, help="graph replays per measurement (median)")
@@ -346,11 +432,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}")
     args.out.mkdir(parents=True, exist_ok=True)
+    tokens = [int(t) for t in (args.tokens or ("1" if args.op in COLUMN_OPS else "1,2,4,8,16,32,64")).split(",")]
     if args.post_pre_layouts:
-        post_pre_layouts([int(t) for t in args.tokens.split(",")], args.replays, args.out)
+        post_pre_layouts(tokens, args.replays, args.out)
         return 0
     ops = [args.op] if args.op else sorted(OPS, reverse=True)
-    result = run(ops, [int(t) for t in args.tokens.split(",")], variants, args.replays, args.budget_s, args.out)
+    columns = [int(n) for n in args.columns.split(",")]
+    result = run(ops, tokens, variants, args.replays, args.budget_s, args.out, columns)
     plotted = plot(result, args.out / "kernels.png")
     print(table(result))
     print(f"wrote {args.out / 'kernels.json'}" + (f" and {args.out / 'kernels.png'}" if plotted else ""))

@@ -1,6 +1,6 @@
 """dsv41::indexer_topk: bit-exact with the tail of the model's Indexer.forward on CPU, for a plain index source,
 the candidate source (which also returns the candidate blocks) and a re-index layer; the mask form equal to the
-index form scattered into an additive mask; argument errors."""
+index form scattered into an additive mask; NaN scores as -inf; `compare_kernel`'s tie rule; argument errors."""
 
 import math
 
@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv41.lowerings import ALL_OPS
+from dsv41.lowerings import indexer_topk as op_module
 from dsv41.models import functional as fn
 from dsv41.models.config import TINY
 from dsv41.models.model import Indexer, _Params
@@ -92,3 +93,60 @@ def test_bad_inputs(samples, rejects, change):
 def test_mask_must_be_a_bool(samples, rejects):
     """The schema's bool: the dispatcher rejects another type, naming the argument."""
     rejects(op, samples("indexer_topk"), RuntimeError, r"type 'bool' for argument 'mask'", mask="yes")
+
+
+def test_reference_treats_nan_as_minus_inf(samples):
+    """Keys of NaN give NaN scores: never selected ahead of a number, and -1 when taken (too few valid rows)."""
+    kw = samples("indexer_topk", seed=1)
+    kw["n_c"][:] = 16
+    kw["keys"][:, ::2] = math.nan
+    idx, _ = op(**{**kw, "topk": 4}, impl="reference")
+    assert ((idx - kw["offset"]) % 2 == 1).all(), idx  # 8 numbers per row: the top 4 are odd columns
+    idx, _ = op(**{**kw, "topk": 12}, impl="reference")
+    assert ((idx == -1).sum(-1) == 4).all() and (((idx - kw["offset"]) % 2 == 1) | (idx == -1)).all(), idx
+    s = op_module.scores(kw["q"], kw["w"], kw["keys"], kw["n_c"])
+    assert torch.equal(s[:, ::2], torch.full_like(s[:, ::2], -math.inf))
+
+
+def test_compare_kernel_applies_the_tie_rule(samples):
+    """Ties at the K-th score may go either way (and -1 entries sit anywhere); anything else is a mismatch."""
+    kw = samples("indexer_topk", t=1, ih=1, ihd=2, n_cap=8, topk=4, offset=8)
+    kw["q"][0, 0] = torch.tensor([1.0, 0.0])  # s = w * relu(keys[..., 0]), w > 0
+    kw["keys"] = torch.zeros(1, 8, 2, dtype=torch.bfloat16)
+    kw["keys"][0, :, 0] = torch.tensor([3, 1, 2, 2, 2, 0.5, 4, 1])
+    kw["n_c"][:] = 8
+    want = op(**kw, impl="reference")
+    cand = want[1]
+
+    def judge(idx, inputs=kw):
+        return op_module.compare_kernel((torch.tensor([idx]), cand), want, inputs)
+
+    o = kw["offset"]
+    assert judge([o, o + 2, o + 3, o + 6]) is None and judge([o, o + 3, o + 4, o + 6]) is None  # ties at 2
+    assert "select other entries" in judge([o, o + 1, o + 2, o + 6])  # 1 < 2: not a tie
+    assert "strictly ascending" in judge([o, o + 3, o + 2, o + 6])
+    assert "outside" in judge([o - 1, o + 2, o + 3, o + 6])
+    kw["n_c"][:] = 3
+    want = op(**kw, impl="reference")
+    assert judge([-1, o, o + 1, o + 2]) is None and judge([o, o + 1, o + 2, -1]) is None  # -1 by count
+    assert "select other entries" in judge([o, o + 1, -1, -1])
+    assert judge([o, o + 1, o + 2, -1], None) is None  # without the inputs: the same sorted rows
+    assert "differ" in judge([o, o + 1, o + 3, -1], None)
+
+
+def test_compare_kernel_candidate_blocks(samples):
+    """The candidate blocks are compared by block maximum under the same rule, and must be whole blocks."""
+    kw = samples("indexer_topk", seed=3, cand_topk_blocks=2)
+    want = op(**kw, impl="reference")
+    assert op_module.compare_kernel(want, want, kw) is None
+    cand, b, row = want[1].clone(), kw["cand_block"], 0
+    kept = cand[row, ::b].nonzero().flatten()
+    dropped = (~cand[row, ::b]).nonzero().flatten()
+    assert len(kept) == 2 and len(dropped) >= 1
+    swapped = cand.clone()
+    swapped[row, kept[-1] * b:(kept[-1] + 1) * b] = False
+    swapped[row, dropped[0] * b:(dropped[0] + 1) * b] = True
+    assert "cand: rows [0]" in op_module.compare_kernel((want[0], swapped), want, kw)
+    partial = cand.clone()
+    partial[row, kept[0] * b] = False
+    assert "whole candidate blocks" in op_module.compare_kernel((want[0], partial), want, kw)

@@ -1,0 +1,355 @@
+"""The indexer kernels (dsv41.kernels.indexer_topk): the score kernel and the exact top-K select.
+
+CPU: every kind of launch compiles for sm_90a (score: plain, candidate-masked, block maxima, without PDL;
+select: one-CTA rows, slices, merge, at k = 512 and 2048); `supports` and `select_reason` explain what they
+reject; the bench rows per width (the op's NaN and tie rules and `compare_kernel` are tested in
+tests/lowerings/test_indexer_topk.py).
+GPU (H200), outputs poisoned (-7) before each call:
+- the select (`topk_indices`) on given scores equals the tie rule exactly (a stable descending sort: equal scores,
+  -inf ones included, taken lower index first; NaN as -inf; then sorted ascending, + offset, -1 for -inf), -1
+  positions included: random, constant rows, rising values, crowded near-ties (4 levels; neighbours 1 ulp apart),
+  NaN and +-inf, rows with fewer valid scores than K and none, at widths one CTA (<= 16384 columns) to 2^20 (the
+  multi-CTA slices + merge), K = 512 and 2048, rows in DSV41_TEST_TOKENS (default 1,2,3,8,33,64);
+- the scores of the score kernel against the reference's within its tolerance (`SCORE_RTOL` x sum_h |w_h| |q_h|.|k|),
+  -inf exactly where the reference has it, in the plain, candidate-masked and block modes; the block maxima equal the
+  max of the kernel's own scores (newest block pinned);
+- the whole op against the reference by `compare_kernel` with the inputs (index sets under the tie rule), plain,
+  candidate-masked and candidate-block mode; the block mode also exactly against `select_candidate_blocks` of the
+  kernel's own scores; N_c = 0, N_c < 512, N_c = Ncap in every batch;
+- the op (impl "cute" and "auto", index and mask form) calls the entry; CUDA-graph replays (DSV41_TEST_REPLAYS, default
+  100) alternating two input sets are bit-identical to direct calls.
+DSV41_TEST_MAX_COLUMNS (default 1048576) caps the widths, so compute-sanitizer runs stay short, e.g.
+`DSV41_TEST_TOKENS=1,3 DSV41_TEST_MAX_COLUMNS=65536 DSV41_TEST_REPLAYS=2 compute-sanitizer --tool racecheck python3 -m
+pytest -m gpu tests/kernels/test_indexer_topk.py`. When CUDA is present these tests fail (never skip) if the kernel
+cannot run.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+try:
+    import cutlass.cute  # noqa: F401
+    import tvm_ffi  # noqa: F401
+except ImportError:
+    if torch.cuda.is_available():
+        raise
+    pytest.skip("CuTe DSL (nvidia-cutlass-dsl, apache-tvm-ffi) is not installed", allow_module_level=True)
+
+from dsv41.kernels import indexer_topk as K  # noqa: E402
+from dsv41.lowerings import indexer_topk as op_module  # noqa: E402
+from dsv41.models.model import select_candidate_blocks  # noqa: E402
+
+TOKENS = [int(t) for t in os.environ.get("DSV41_TEST_TOKENS", "1,2,3,8,33,64").split(",")]
+MAX_COLUMNS = int(os.environ.get("DSV41_TEST_MAX_COLUMNS", str(1 << 20)))
+REPLAYS = int(os.environ.get("DSV41_TEST_REPLAYS", "100"))
+TOPK, OFFSET, POISON = 512, 128, -7
+
+
+def _widths(*widths):
+    return [n for n in widths if n <= MAX_COLUMNS]
+
+
+def _tie_rule(scores, k, offset):
+    """The select's definition: the k largest (NaN as -inf), equal scores lower index first, sorted, + offset, -1."""
+    s = scores.masked_fill(scores.isnan(), -math.inf)
+    sel = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k].sort(dim=-1).values
+    return torch.where(s.gather(-1, sel) > -math.inf, sel + offset, -1)
+
+
+def _select(scores, k, offset=OFFSET, **kw):
+    out = torch.full((scores.shape[0], k), POISON, dtype=torch.int64, device=scores.device)
+    return K.topk_indices(scores, k, offset, out=out, **kw)
+
+
+def _score_rows(kind, t, n, g):
+    """Scores [t, n] of one pattern (CPU, then moved by the caller)."""
+    if kind == "random":
+        return torch.randn(t, n, generator=g)
+    if kind == "constant":
+        return torch.full((t, n), 0.75)
+    if kind == "rising":
+        return torch.arange(n, dtype=torch.float32).expand(t, n).contiguous() * 1e-3
+    if kind == "four-levels":
+        return torch.randint(0, 4, (t, n), generator=g).float() * 0.5
+    if kind == "ulp-apart":  # 1.0 and its next 15 floats, so many columns share each of 16 adjacent values
+        return 1.0 + torch.randint(0, 16, (t, n), generator=g).float() * 2**-23
+    if kind == "nan-inf":
+        s = torch.randn(t, n, generator=g)
+        u = torch.rand(t, n, generator=g)
+        s[u < 0.3] = math.nan
+        s[(u >= 0.3) & (u < 0.6)] = -math.inf
+        s[(u >= 0.6) & (u < 0.61)] = math.inf
+        s[(u >= 0.61) & (u < 0.7)] = -0.0
+        s[(u >= 0.7) & (u < 0.8)] = 0.0
+        return s
+    if kind == "few-valid":  # row r has r * 37 valid scores (row 0: none), the rest -inf
+        s = torch.full((t, n), -math.inf)
+        for r in range(t):
+            m = min(n, r * 37)
+            s[r, torch.randperm(n, generator=g)[:m]] = torch.randn(m, generator=g)
+        return s
+    raise ValueError(kind)
+
+
+KINDS = ["random", "constant", "rising", "four-levels", "ulp-apart", "nan-inf", "few-valid"]
+
+
+def _op_inputs(t, n_cap, seed, candidates=False, device="cuda"):
+    """The op's arguments: q, keys ~ N(0, 1) bf16, w ~ N(0, 1/32) fp32 (both signs, as weights_proj gives); n_c
+    random with N_c = Ncap, 0 and < 512 among the first rows."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, K.HEADS, K.HEAD_DIM, generator=g).bfloat16()
+    w = torch.randn(t, K.HEADS, generator=g) / K.HEADS**0.5
+    keys = torch.randn(t, n_cap, K.HEAD_DIM, generator=g).bfloat16()
+    n_c = torch.randint(0, n_cap + 1, (t,), generator=g)
+    for r, v in enumerate((n_cap, 0, min(n_cap, 300))[:t]):
+        n_c[r] = v
+    cand = torch.rand(t, n_cap, generator=g) < 0.3 if candidates else None
+    inputs = dict(q=q, w=w, keys=keys, n_c=n_c, candidates=cand)
+    return {k: None if v is None else v.to(device) for k, v in inputs.items()}
+
+
+def _op(inputs, topk=TOPK, cand_topk_blocks=0, **kw):
+    t, n_cap = inputs["keys"].shape[:2]
+    out = torch.full((t, min(topk, n_cap)), POISON, dtype=torch.int64, device=inputs["q"].device)
+    return K.indexer_topk(*inputs.values(), topk=topk, offset=OFFSET, cand_block=K.BLOCK,
+                          cand_topk_blocks=cand_topk_blocks, out=out, **kw)
+
+
+def _assert_op_matches(got, inputs, topk=TOPK, cand_topk_blocks=0):
+    kwargs = dict(topk=topk, offset=OFFSET, cand_block=K.BLOCK, cand_topk_blocks=cand_topk_blocks)
+    assert not (got[0] == POISON).any(), "idx left unwritten"
+    want = op_module.reference(*inputs.values(), **kwargs)
+    mismatch = op_module.compare_kernel(got, want, {**inputs, **kwargs})
+    assert mismatch is None, mismatch
+
+
+# CPU
+
+
+SCORE_VARIANTS = [(False, False, True), (True, False, True), (False, True, True), (False, False, False)]
+SELECT_VARIANTS = [(512, 1, False, True, True), (512, 16, False, True, True), (512, 16, False, False, True),
+                   (512, 32, True, True, True), (2048, 16, False, True, True), (2048, 16, False, False, True),
+                   (2048, 16, True, True, True), (512, 16, False, False, False), (512, 32, True, True, False)]
+
+
+@pytest.mark.parametrize("variant", SCORE_VARIANTS, ids=lambda c: "masked{}-blocks{}-pdl{}".format(*c))
+def test_score_compiles_for_sm90a(variant, monkeypatch, tmp_path):
+    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path))  # a fresh cache: really run cute.compile
+    K._compile_index_score.cache_clear()
+    assert callable(K._compile_index_score(*variant))
+    assert K._compile_index_score.object_path(*variant).exists()
+    K._compile_index_score.cache_clear()
+
+
+@pytest.mark.parametrize("variant", SELECT_VARIANTS, ids=lambda c: "k{}-per{}-gathered{}-final{}-pdl{}".format(*c))
+def test_select_compiles_for_sm90a(variant, monkeypatch, tmp_path):
+    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path))
+    K._compile_topk_select.cache_clear()
+    assert callable(K._compile_topk_select(*variant))
+    assert K._compile_topk_select.object_path(*variant).exists()
+    K._compile_topk_select.cache_clear()
+
+
+def test_select_launches_cover_the_widths():
+    """One launch up to SLICE columns (its keys per thread the smallest power of two that holds the row), then
+    slices + merge. SELECT_VARIANTS compiles each kind (single, slice, merge) at both k and the smallest and largest
+    keys per thread; the other per-thread counts (2, 4, 8) only change an unrolled loop's length."""
+    assert [K._per_thread(n) for n in (1, 1024, 1025, 4096, 16384)] == [1, 1, 2, 4, 16]
+    assert K._slices(K.SLICE) == 1 and K._slices(K.SLICE + 1) == 2 and K._slices(1 << 20) == 64
+    assert K._per_thread(K._slices(1 << 20) * 512) == 32 and K._per_thread(K._slices(131072) * 2048) == 16
+
+
+def test_supports_explains():
+    inputs = _op_inputs(2, 64, 0, candidates=True, device="cpu")
+    args = list(inputs.values())
+    kw = dict(topk=TOPK, offset=OFFSET, cand_block=8, cand_topk_blocks=0)
+    assert K.supports(*args, **kw) == "q is not a CUDA tensor"
+    assert "q must be torch.bfloat16" in K.supports(args[0].float(), *args[1:], **kw)
+    assert "w must have shape [2, 32]" in K.supports(args[0], args[1][:, :-1], *args[2:], **kw)
+    assert "keys must be torch.bfloat16" in K.supports(*args[:2], args[2].float(), *args[3:], **kw)
+    assert "n_c must be torch.int64" in K.supports(*args[:3], args[3].int(), args[4], **kw)
+    assert "candidates must have shape [2, 64]" in K.supports(*args[:4], args[4][:, :-1], **kw)
+    small = dict(inputs, q=inputs["q"][:, :16], w=inputs["w"][:, :16])
+    assert "IH and ihd must be 32 and 128, got 16 and 128" in K.supports(*small.values(), **kw)
+    assert "Ncap must be in [1, 1048576], got 0" in K.supports(*args[:2], args[2][:, :0], args[3], None, **kw)
+    assert K.supports(*args, **{**kw, "topk": 4096}) == "q is not a CUDA tensor"  # K = min(topk, Ncap) = 64
+    wide = torch.empty(1, 4096, K.HEAD_DIM, dtype=torch.bfloat16)
+    one = dict(q=inputs["q"][:1], w=inputs["w"][:1], keys=wide, n_c=inputs["n_c"][:1], candidates=None)
+    assert "min(topk, 4096) = 4096 is above the kernel's 2048" in K.supports(*one.values(), **{**kw, "topk": 4096})
+    assert "cand_block must be 8 in candidate-block mode, got 4" in K.supports(
+        *one.values(), **{**kw, "cand_block": 4, "cand_topk_blocks": 2048})
+    assert "no model layer does both" in K.supports(*args, **{**kw, "cand_topk_blocks": 2048})
+    assert "must be 3-D" in K.supports(args[0][0], *args[1:], **kw)
+    with pytest.raises(ValueError, match="indexer_topk: q is not a CUDA tensor"):
+        K.indexer_topk(*args, **kw)
+
+
+def test_select_reason_explains():
+    s = torch.zeros(2, 100)
+    assert K.select_reason(s, 5) == "scores is not a CUDA tensor"
+    assert "2-D torch.float32" in K.select_reason(s.double(), 5)
+    assert "k must be in [1, min(N, 2048)] = [1, 100], got 101" in K.select_reason(s, 101)
+    assert "k must be in [1, min(N, 2048)] = [1, 100], got 0" in K.select_reason(s, 0)
+    assert "N must be in [1, 1048576], got 1048577" in K.select_reason(torch.zeros(1, (1 << 20) + 1), 5)
+    assert "64 slices x k = 1024 exceed the merge's 32768" in K.select_reason(torch.zeros(1, 1 << 20), 1024)
+    with pytest.raises(ValueError, match="topk_indices: k must be in"):
+        K.topk_indices(s, 0)
+
+
+# GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", _widths(600, 4096, 16384, 16385, 65536, 1 << 20), ids=lambda n: f"N{n}")
+def test_select_matches_the_tie_rule(n, kind):
+    t = 2 if n > 65536 else 3
+    g = torch.Generator().manual_seed(n + KINDS.index(kind))
+    for k in (TOPK, min(2048, n)) if K._slices(n) * 2048 <= K.MAX_CANDIDATES else (TOPK,):
+        s = _score_rows(kind, t, n, g).cuda()
+        got = _select(s, k)
+        want = _tie_rule(s, k, OFFSET)
+        assert torch.equal(got, want), f"k={k}: {(got != want).sum().item()} entries differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", TOKENS, ids=lambda t: f"T{t}")
+def test_select_rows(t):
+    g = torch.Generator().manual_seed(t)
+    for n in _widths(4096, 40000):
+        s = _score_rows("random", t, n, g).cuda()
+        s[::3, 300:] = -math.inf  # every third row: fewer valid scores than k
+        assert torch.equal(_select(s, TOPK, pdl=t % 2 == 0), _tie_rule(s, TOPK, OFFSET))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["plain", "masked", "blocks"])
+@pytest.mark.parametrize("n_cap", _widths(1001, 4096, 65536), ids=lambda n: f"Ncap{n}")
+def test_scores_match_reference(n_cap, mode):
+    inputs = _op_inputs(4, n_cap, n_cap, candidates=mode == "masked")
+    got, block_max = K.index_scores(*inputs.values(), blocks=mode == "blocks")
+    want = op_module.scores(*list(inputs.values())[:4])
+    if mode == "masked":
+        want = want.masked_fill(~inputs["candidates"], -math.inf)
+    tol = op_module.score_tolerance(*list(inputs.values())[:3])
+    hidden = want == -math.inf
+    assert torch.equal(got == -math.inf, hidden), "-inf where the reference has none, or the other way"
+    err = (got - want).abs().masked_fill(hidden, 0.0)
+    assert bool((err <= tol).all()), f"max error {err.max().item():.3g}, {(err > tol).sum().item()} beyond tolerance"
+    if mode == "blocks":
+        assert torch.equal(block_max, op_module._block_maxima(got, inputs["n_c"], K.BLOCK))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", TOKENS, ids=lambda t: f"T{t}")
+def test_op_matches_reference(t):
+    for seed in range(2):
+        inputs = _op_inputs(t, 4096, 10 * t + seed)
+        _assert_op_matches(_op(inputs), inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_cap", _widths(65536, 524288, 1 << 20), ids=lambda n: f"Ncap{n}")
+def test_op_wide_rows(n_cap):
+    """Rows wider than one select CTA: 4 to 64 slices and the merge."""
+    inputs = _op_inputs(2 if n_cap > 65536 else 3, n_cap, n_cap)
+    _assert_op_matches(_op(inputs), inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 5], ids=lambda t: f"T{t}")
+def test_op_candidate_masked(t):
+    inputs = _op_inputs(t, 16384 if MAX_COLUMNS >= 16384 else 4096, 20 + t, candidates=True)
+    _assert_op_matches(_op(inputs), inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_cap", _widths(1001, 65536, 1 << 20), ids=lambda n: f"Ncap{n}")
+def test_op_candidate_blocks(n_cap):
+    """Layer 20: the top-2048 blocks of 8 by block maximum, the newest kept; as the reference under the tie rule,
+    and exactly as select_candidate_blocks of the kernel's own scores (random scores: no ties)."""
+    t = 2 if n_cap > 65536 else 3
+    inputs = _op_inputs(t, n_cap, 30 + n_cap)
+    got = _op(inputs, cand_topk_blocks=2048)
+    _assert_op_matches(got, inputs, cand_topk_blocks=2048)
+    scores, _ = K.index_scores(*inputs.values())
+    assert torch.equal(got[1], select_candidate_blocks(scores, inputs["n_c"], K.BLOCK, 2048))
+
+
+@pytest.mark.gpu
+def test_op_nan_keys():
+    """Keys of NaN make NaN scores, which count as -inf: never selected (N_c > K) or -1 (N_c < K)."""
+    inputs = _op_inputs(3, 4096, 60)
+    inputs["keys"][:, ::3] = math.nan
+    inputs["n_c"][1] = 600  # 400 numbers, 200 NaN: 112 of the 512 are -1
+    got = _op(inputs)
+    _assert_op_matches(got, inputs)
+    assert ((got[0] - OFFSET) % 3 != 0)[got[0] >= 0].all() and (got[0][1] == -1).sum() == 112
+
+
+@pytest.mark.gpu
+def test_op_runs_the_kernel():
+    """dsv41::indexer_topk with impl="cute" (and "auto" on Hopper) calls this kernel, in index and mask form."""
+    import dsv41.lowerings  # noqa: F401  (registers the ops)
+
+    inputs = _op_inputs(4, 4096, 40)
+    args = (*inputs.values(), TOPK, OFFSET, K.BLOCK, 0)
+    want = K.indexer_topk(*inputs.values(), topk=TOPK, offset=OFFSET, cand_block=K.BLOCK, cand_topk_blocks=0)
+    unshifted = K.indexer_topk(*inputs.values(), topk=TOPK, offset=0, cand_block=K.BLOCK, cand_topk_blocks=0)
+    for impl in ("cute", "auto"):
+        got = torch.ops.dsv41.indexer_topk(*args, False, impl)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), impl
+        mask, _ = torch.ops.dsv41.indexer_topk(*args, True, impl)
+        assert torch.equal(mask, op_module.selection_mask(unshifted[0], 4096)), impl
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocks", [0, 2048], ids=["plain", "blocks"])
+def test_cuda_graph_replay(blocks):
+    """Replays alternating two input sets (different selections) are bit-identical to direct calls."""
+    n_cap = min(65536, MAX_COLUMNS)
+    sets = [_op_inputs(3, n_cap, seed) for seed in (50, 51)]
+    call = lambda s: K.indexer_topk(*s.values(), topk=TOPK, offset=OFFSET, cand_block=K.BLOCK,  # noqa: E731
+                                    cand_topk_blocks=blocks)
+    direct = [call(s) for s in sets]
+    for (idx, cand), s in zip(direct, sets, strict=True):
+        again = call(s)
+        assert torch.equal(idx, again[0]) and torch.equal(cand, again[1]), "direct calls are not deterministic"
+        _assert_op_matches((idx, cand), s, cand_topk_blocks=blocks)
+    assert not torch.equal(direct[0][0], direct[1][0]), "the two input sets should select differently"
+    static = {k: v.clone() for k, v in sets[0].items()}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = call(static)
+    for i in range(REPLAYS):
+        for key, src in sets[i % 2].items():
+            static[key].copy_(src)
+        outs[0].fill_(POISON)
+        outs[1].fill_(i % 2 == 0)
+        graph.replay()
+        assert torch.equal(outs[0], direct[i % 2][0]) and torch.equal(outs[1], direct[i % 2][1]), f"replay {i}"
+
+
+def test_bench_table_and_plot_per_width(tmp_path):
+    """`dsv41 bench kernels --op indexer_topk` rows carry their width: one table line per (width, T), the further
+    variants listed after, and the plot over the widths."""
+    from dsv41.tools import bench_kernels
+
+    rows = [{"op": "indexer_topk", "tokens": 1, "columns": n, "variant": v, "us": us * n / 4096, "floor_us": n / 4096}
+            for n in (4096, 65536) for v, us in (("dsv41", 3.0), ("eager", 30.0), ("inductor", 20.0), ("select", 2.0))]
+    result = {"gpu": "H200", "torch": "2.11", "copy_gbps": 4274.0, "rows": rows}
+    text = bench_kernels.table(result)
+    assert "indexer_topk     65536   1    48.00" in text and "x ind" in text
+    assert "further variants:" in text and "indexer_topk      4096   1  select             2.00 us" in text
+    pytest.importorskip("matplotlib")
+    assert bench_kernels.plot(result, tmp_path / "kernels.png") and (tmp_path / "kernels.png").stat().st_size > 0
+    assert [op.columns for op in bench_kernels._built_ops(["indexer_topk"], [4096, 65536])] == [4096, 65536]
