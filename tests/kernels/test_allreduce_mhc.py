@@ -43,7 +43,7 @@ def test_compiles_for_sm90a(build, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize(("world", "y_fp32"), [(2, True), (3, False)])
-def test_ptx_holds_the_protocol(world, y_fp32, monkeypatch):
+def test_ptx_holds_the_protocol(world, y_fp32, monkeypatch, tmp_path):
     """Per thread: one 16-byte volatile store per 16 bytes of y to each of the W buffers, and for each source its
     spin (the first load and the loop's reload) and re-arm of the same words; one relaxed load of the generation and
     one acq_rel ticket; NVLink multicast never appears."""
@@ -52,7 +52,8 @@ def test_ptx_holds_the_protocol(world, y_fp32, monkeypatch):
     from dsv41.kernels import compile_cache
 
     monkeypatch.setattr(K, "compile_tvm_ffi", lambda kernel, *args: cute.compile(
-        kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {compile_cache.target_arch()} --keep-ptx"))
+        kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {compile_cache.target_arch()} --keep-ptx "
+                              f"--dump-dir {tmp_path}"))
     ptx = K._compile_allreduce_mhc.__wrapped__(5120, world, y_fp32, True, True, 5).__ptx__
     vectors = 2 if y_fp32 else 1  # 16-byte vectors of a thread's 8 columns of y
     stores = re.findall(r"st\.volatile\.global\.v4\.u32 \[%rd\d+\], \{([^}]*)\}", ptx)
@@ -115,6 +116,16 @@ def test_compile_for_rejects():
         K.compile_for(128, 2, False, False)
     with pytest.raises(ValueError, match="no build for D = 5120, world = 9"):
         K.compile_for(5120, 9, False, False)
+
+
+def test_bench_needs_two_gpus(capsys, tmp_path):
+    from dsv41.tools.bench_kernels import main
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found >= 2:
+        pytest.skip("two GPUs present: the benchmark would run")
+    assert main(["--op", "allreduce_mhc", "--out", str(tmp_path)]) == 1
+    assert f"needs 2 CUDA devices (one TP rank each), found {found}" in capsys.readouterr().out
 
 
 # ---- 2 GPUs ------------------------------------------------------------------------------------------------------
