@@ -1,10 +1,10 @@
 #!/bin/bash
 # The 2 x H200 run (nvidia-h200-x2) of the one-shot all-reduce + mHC kernel (dsv41.kernels.allreduce_mhc):
-#   tests     the multi_gpu tests of tests/kernels/test_allreduce_mhc.py (against NCCL + mhc_post_pre bit for bit,
+#   tests     the gpu (1 rank) and multi_gpu (2 ranks) tests of tests/kernels/test_allreduce_mhc.py (against NCCL + mhc_post_pre bit for bit,
 #             T growing and shrinking, one rank delayed; the op's choice; CUDA-graph replay) and the stress test at
 #             its suite size
-#   memcheck  compute-sanitizer memcheck, then synccheck, on the NCCL comparison (fewer token counts)
-#   stress    tests/kernels/test_allreduce_mhc_stress.py at STRESS_REPLAYS (default 1,000,000) replays; writes
+#   memcheck  compute-sanitizer memcheck, then synccheck, on the 2-rank NCCL comparison (3 token counts) and replay
+#   stress    tests/kernels/test_allreduce_mhc_stress.py (2 ranks) at STRESS_REPLAYS (default 1,000,000) replays; writes
 #             stress.rank{0,1}.json (bad-word counts)
 #   bench     `dsv41 bench kernels --op allreduce_mhc` (T = 1..64): allreduce_mhc.json
 # From the repository root:
@@ -23,10 +23,10 @@ has() { [[ ",$stages," == *",$1,"* ]]; }
 note() { echo "== $1 ($((SECONDS - start)) s)"; }
 summary() { echo "-- $1"; grep -E "SUMMARY|ERROR SUMMARY|passed|failed|^FAILED|^E |stress rank|speedup|^attention|^moe|^exit" \
   "$out/$1.log" | tail -"${2:-12}"; }
-pytest_mg() { python3 -m pytest -q -s -p no:cacheprovider -m multi_gpu "$@"; }
+pytest_mg() { python3 -m pytest -q -s -p no:cacheprovider -m "gpu or multi_gpu" "$@"; }
 # --report-api-errors no: cuda-python's driver probes are API errors, not memory errors (benchmarks/device_kernels.sh)
 sanitize() { compute-sanitizer --tool "$1" --report-api-errors no --target-processes all python3 -m pytest -q -s \
-  -p no:cacheprovider -m multi_gpu tests/kernels/test_allreduce_mhc.py -k "matches_nccl or graph_replay"; }
+  -p no:cacheprovider -m multi_gpu tests/kernels/test_allreduce_mhc.py -k "2ranks and (matches_nccl or captured)"; }
 
 nvidia-smi topo -m > "$out/topology.log" 2>&1
 if has tests; then
@@ -46,7 +46,7 @@ if has stress; then
   note "stress"
   DSV41_ALLREDUCE_STRESS_REPLAYS=${STRESS_REPLAYS:-1000000} DSV41_ALLREDUCE_STRESS_JSON="$out/stress" \
     timeout "${STRESS_TIMEOUT:-560}" bash -c "$(declare -f pytest_mg); pytest_mg \
-    tests/kernels/test_allreduce_mhc_stress.py" > "$out/stress.log" 2>&1
+    tests/kernels/test_allreduce_mhc_stress.py -k 2ranks" > "$out/stress.log" 2>&1
   echo "exit $?" >> "$out/stress.log"; summary stress
 fi
 if has bench; then

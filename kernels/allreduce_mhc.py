@@ -46,10 +46,12 @@ Protocol (Lamport one-shot, no barrier; NVLink multicast is not used):
   the order comes from kernel completion (all of a grid's stores performed) and the causal chain above. Both ranks
   must make the same sequence of calls with the same T (and dtype) on one stream; a rank that skips a call leaves
   its peers spinning.
-- Residency. T <= 64 tokens with at most 5 CTAs of <= 10 warps per token (the mhc_post_pre layouts) is at most 320
-  CTAs: one wave on an H100/H200, so a spinning CTA never waits for an unscheduled CTA of its own grid. PDL: the
-  kernel lets its dependents launch at once (they wait for its completion before reading) and reads only the norm
-  weight before its own grid-dependency wait.
+- Residency. A spinning CTA must not wait for a peer CTA that cannot be scheduled, so ``supports`` requires the
+  whole grid to fit on the GPU at once with room to spare (at most 1024 threads per SM). At D = 5120 the grid is at
+  most 315 CTAs of 128 threads (T = 63) or 128 of 320 (T = 64): about a third of an H200's 132 SMs x 1024. PDL: the
+  kernel lets its dependents launch at once -- the trigger fires only once every CTA of this grid is running, and
+  they wait for its completion before reading -- and reads only the norm weight before its own grid-dependency
+  wait.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ GENERATIONS = 3
 SENTINEL = 0xFFFFFFFF  # an armed word; a writer stores NOT_SENTINEL in its place
 NOT_SENTINEL = 0x7FFFFFFF
 _VEC = 8  # columns per thread: 16-byte bf16 vectors (D % 256 == 0)
+_RESIDENT_THREADS_PER_SM = 1024  # half of Hopper's 2048: the grid must fit at once with room for registers
 
 
 @cute.jit
@@ -300,6 +303,12 @@ def supports(y: torch.Tensor, y_add: torch.Tensor | None, x: torch.Tensor, post:
     reason = hopper_reason(**tensors, **({} if y_add is None else dict(y_add=y_add)))
     if reason is not None:
         return reason
+    cluster_n = cluster_for(d, t)
+    threads = t * cluster_n * _config(d, cluster_n)[1] * 32
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    if threads > sms * _RESIDENT_THREADS_PER_SM:
+        return (f"the grid ({t * cluster_n} CTAs, {threads} threads) may not be resident at once on {sms} SMs, "
+                "which the spinning CTAs need")
     if (group_name, d, _device_index(x.device)) not in _WORKSPACES and torch.cuda.is_current_stream_capturing():
         return (f"no symmetric workspace for group {group_name!r} at D = {d} yet, and it cannot be allocated during "
                 "CUDA-graph capture (call the op once before capture)")

@@ -4,8 +4,9 @@ CPU: it compiles for sm_90a for both y dtypes, with and without y_add and PDL, a
 mhc_post_pre layouts; its PTX holds exactly the protocol's memory operations (volatile 16-byte stores to every
 rank's buffer, volatile spin loads and re-arm stores of its own, one ticket atomic, no multimem); `supports` and the
 entry explain what they decline.
-2 GPUs (multi_gpu, NCCL, one process per GPU): against NCCL all-reduce + the mhc_post_pre kernel, bit for bit
-(W = 2: an fp32 sum of two terms is one correctly rounded addition, in any order, and the post/pre is the same
+1 GPU (gpu, a 1-rank NCCL group: the protocol through the rank's own buffer) and 2 GPUs (multi_gpu, one process
+per GPU), NCCL: against NCCL all-reduce + the mhc_post_pre kernel, bit for bit
+(W <= 2: an fp32 sum of two terms is one correctly rounded addition, in any order, and the post/pre is the same
 arithmetic in the same layout), and against the plain-torch reference within mhc_post_pre's kernel tolerance; T
 grows and shrinks from call to call and one rank (alternating) is delayed before every call; attention (bf16 y) and
 MoE (fp32 y + bf16 y_add) calls interleave. The CUDA-graph stress test is test_allreduce_mhc_stress.py.
@@ -14,6 +15,7 @@ MoE (fp32 y + bf16 y_add) calls interleave. The CUDA-graph stress test is test_a
 import os
 import re
 import socket
+import time
 
 import pytest
 import torch
@@ -64,6 +66,23 @@ def test_ptx_holds_the_protocol(world, y_fp32, monkeypatch, tmp_path):
     assert len(re.findall(r"ld\.relaxed\.gpu\.global\.b32", ptx)) == 1
     assert len(re.findall(r"atom\.global\.acq_rel\.add", ptx)) == 1
     assert "multimem" not in ptx and "griddepcontrol.wait" in ptx
+
+
+@pytest.mark.parametrize("has_add", [False, True])
+def test_compiled_entry_takes_the_launch_arguments(has_add):
+    """The binary's calling convention is the entry's: 13 arguments, y_add None when absent (CPU tensors pass the
+    arity and reach the device check)."""
+    t, d = 2, 256
+    f = K.compile_for(d, 2, has_add, has_add, True, 1)
+    bf16 = dict(dtype=torch.bfloat16)
+    y = torch.zeros(t, d) if has_add else torch.zeros(t, d, **bf16)
+    args = [y, torch.zeros(t, d, **bf16) if has_add else None, torch.zeros(t, 4, d, **bf16), torch.zeros(t, 4),
+            torch.zeros(t, 4, 4), torch.zeros(t, 4), torch.zeros(d, **bf16), torch.zeros(t, 4, d, **bf16),
+            torch.zeros(t, d, **bf16), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), 0, EPS]
+    with pytest.raises(ValueError, match="expected device_type=cuda"):
+        f(*args)
+    with pytest.raises(TypeError, match="Expects 13 parameters"):
+        f(*args[:-1])
 
 
 def _inputs(t, dim, seed, moe, device="cpu", rank=0):
@@ -133,6 +152,9 @@ def test_bench_needs_two_gpus(capsys, tmp_path):
 # token counts call by call: growing and shrinking, both layouts (5 CTAs per token below 64, 2 at 64)
 CALL_TOKENS = [int(t) for t in os.environ.get("DSV41_TEST_TOKENS", "1,7,64,3,16,64,1,33,2,64,5").split(",")]
 DIM = 5120
+# one rank on one GPU (gpu: the whole protocol through its own buffer) and two ranks (multi_gpu)
+WORLDS = [pytest.param(1, marks=pytest.mark.gpu, id="1rank"),
+          pytest.param(2, marks=pytest.mark.multi_gpu, id="2ranks")]
 
 
 def _free_port() -> int:
@@ -141,29 +163,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, fn, *args):
-    """One spawned rank: NCCL on GPU ``rank``, the WORLD group opted in to the fused kernel, then fn(rank, world,
-    group_name, *args); the group is torn down however fn ends."""
+def _worker(rank, world, port, backend, fn, *args):
+    """One spawned rank: ``backend`` (NCCL on GPU ``rank``, or gloo), the WORLD group opted in to the fused kernel,
+    then fn(rank, world, group_name, *args); the group is torn down however fn ends."""
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
-                            device_id=torch.device("cuda", rank))
+    device = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = dict(device_id=torch.device("cuda", rank))
+    dist.init_process_group(backend, rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", **device)
     try:
         group_name = dist.group.WORLD.group_name
         L.enable_symmetric_memory(group_name)
         fn(rank, world, group_name, *args)
-        torch.cuda.synchronize()
+        if backend == "nccl":
+            torch.cuda.synchronize()
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def spawn(fn, *args, world=2):
-    """Run fn on ``world`` GPUs, one process each; an exception in any rank fails the test."""
+_HUNG: list[str] = []  # a spawn that did not finish: later ones skip (a hung kernel would hang each in turn)
+
+
+def spawn(fn, *args, world=2, timeout_s=None, backend="nccl"):
+    """Run fn on ``world`` GPUs, one process each; an exception in any rank fails the test, and so does a run past
+    ``timeout_s`` (default $DSV41_SPAWN_TIMEOUT_S or 120 s: a protocol hang), after which its ranks are killed and the
+    remaining spawning tests of the session skip."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(world, _free_port(), fn, *args), nprocs=world, join=True)
+    if _HUNG:
+        pytest.skip(f"an earlier allreduce_mhc run hung ({_HUNG[0]}); not starting another")
+    timeout_s = timeout_s or float(os.environ.get("DSV41_SPAWN_TIMEOUT_S", "120"))
+    ranks = mp.spawn(_worker, args=(world, _free_port(), backend, fn, *args), nprocs=world, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not ranks.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in ranks.processes:
+                process.kill()
+            _HUNG.append(f"{fn.__name__} on {world} rank(s), {timeout_s:.0f} s")
+            pytest.fail(f"{fn.__name__} on {world} rank(s) did not finish in {timeout_s:.0f} s; its ranks were killed")
+
+
+def _sleep_forever(rank, world, group_name):
+    time.sleep(3600)
+
+
+def test_a_hung_run_fails_and_is_killed(monkeypatch):
+    """The watchdog of `spawn` (CPU, gloo): a run past its deadline fails the test, its ranks are killed, and later
+    spawns skip."""
+    monkeypatch.setattr(f"{__name__}._HUNG", [])
+    with pytest.raises(pytest.fail.Exception, match="_sleep_forever on 2 rank\\(s\\) did not finish in 2 s"):
+        spawn(_sleep_forever, timeout_s=2, backend="gloo")
+    assert _HUNG == ["_sleep_forever on 2 rank(s), 2 s"]
+    with pytest.raises(pytest.skip.Exception, match="an earlier allreduce_mhc run hung"):
+        spawn(_sleep_forever, timeout_s=2, backend="gloo")
 
 
 def _delay(rank, call):
@@ -193,9 +248,9 @@ def _check_against_nccl(rank, world, group_name):
         assert mismatch is None, f"rank {rank} call {call} (T={t}): against the reference: {mismatch}"
 
 
-@pytest.mark.multi_gpu
-def test_matches_nccl_with_delayed_ranks():
-    spawn(_check_against_nccl)
+@pytest.mark.parametrize("world", WORLDS)
+def test_matches_nccl_with_delayed_ranks(world):
+    spawn(_check_against_nccl, world=world)
 
 
 def _check_op_choice(rank, world, group_name):
@@ -214,9 +269,9 @@ def _check_op_choice(rank, world, group_name):
     assert L.compare_kernel(auto, ref) is None
 
 
-@pytest.mark.multi_gpu
-def test_op_chooses_the_kernel():
-    spawn(_check_op_choice)
+@pytest.mark.parametrize("world", WORLDS)
+def test_op_chooses_the_kernel(world):
+    spawn(_check_op_choice, world=world)
 
 
 def _check_graph_capture(rank, world, group_name):
@@ -243,6 +298,6 @@ def _check_graph_capture(rank, world, group_name):
         assert all(torch.equal(g, n) for g, n in zip(outs, want)), f"rank {rank} replay {seed}"
 
 
-@pytest.mark.multi_gpu
-def test_cuda_graph_replay():
-    spawn(_check_graph_capture)
+@pytest.mark.parametrize("world", WORLDS)
+def test_captured_replays_with_fresh_inputs(world):
+    spawn(_check_graph_capture, world=world)

@@ -1,4 +1,5 @@
-"""CUDA-graph stress of the one-shot all-reduce protocol (dsv41.kernels.allreduce_mhc) on 2 GPUs.
+"""CUDA-graph stress of the one-shot all-reduce protocol (dsv41.kernels.allreduce_mhc) on 2 GPUs (and, marked gpu,
+with one rank on one GPU: its own buffer, generations and re-arming without a peer).
 
 Each rank captures GRAPHS: CUDA graphs of back-to-back kernel calls of different sizes (bf16 attention and fp32 +
 y_add MoE calls alternating), each call preceded on one rank by a GPU sleep of a length set by the call, so the ranks
@@ -7,8 +8,8 @@ sequence on every rank); each rank also sleeps on the host now and then (its own
 to a few replays. Nothing is read back per replay:
 
 - every graph starts by incrementing a device replay counter; the inputs of call j are made on the GPU from it:
-  y_p[t, c] = (tag * W + p + 1) * 2^(c % 8 - t % 4) with tag = (counter * 16 + j) % 64 (W = 2: integers up to 255
-  times a power of two, all exact in bf16), y_add = 2^(c % 8 - t % 4) for the MoE calls; so every word encodes its
+  y_p[t, c] = (tag * W + p + 1) * 2^(c % 8 - t % 4) with tag = (counter * 16 + j) % 64 (W <= 2: sums of at most
+  4 * 63 + 3 (+ 1), integers up to 256 times a power of two, all exact in bf16), y_add = 2^(c % 8 - t % 4) for the MoE calls; so every word encodes its
   rank, its replay and its call;
 - the streams are chosen so the output shows the sum itself: x = 0, comb = 0, post = 1, pre = (1, 0, 0, 0), w = 1,
   hence x_new[t, k] = ys[t] exactly and h = rms_norm(ys);
@@ -33,7 +34,7 @@ import torch
 pytest.importorskip("cutlass.cute")
 
 from dsv41.models import functional  # noqa: E402
-from tests.kernels.test_allreduce_mhc import DIM, EPS, spawn  # noqa: E402
+from tests.kernels.test_allreduce_mhc import DIM, EPS, WORLDS, spawn  # noqa: E402
 
 REPLAYS = int(os.environ.get("DSV41_ALLREDUCE_STRESS_REPLAYS", "2000"))
 GRAPHS = [[1, 64, 5], [16, 2, 64, 1], [64, 64], [3], [33, 8, 1, 1, 17]]  # token counts of each graph's calls
@@ -129,6 +130,7 @@ def _stress(rank, world, group_name, replays, json_prefix):
     assert bad_x == 0 and bad_h == 0, f"rank {rank}: {bad_x} bad x_new words, {bad_h} bad h words of {checked}"
 
 
-@pytest.mark.multi_gpu
-def test_graph_replays_in_random_order_with_skew():
-    spawn(_stress, REPLAYS, os.environ.get("DSV41_ALLREDUCE_STRESS_JSON", ""))
+@pytest.mark.parametrize("world", WORLDS)
+def test_replays_in_random_order_with_skew(world):
+    spawn(_stress, REPLAYS, os.environ.get("DSV41_ALLREDUCE_STRESS_JSON", ""), world=world,
+          timeout_s=120 + 1e-3 * REPLAYS)
