@@ -9,8 +9,8 @@ y [T, D] bf16 (attention) or fp32 (the routed-MoE sum), y_add [T, D] bf16 (the s
 The partials are summed in rank order in fp32 on every rank, so every rank gets the same bits. At W = 2 this is
 bitwise NCCL's result: an fp32 sum of two terms is one correctly rounded, commutative addition, whatever NCCL's
 algorithm. At W > 2 NCCL's order differs by chunk and algorithm: the fp32 sums then differ by a few ulps of
-sum |y_p| and ys by one bf16 ulp where that moves the rounding (the tolerance of `compare_kernel` in
-dsv41.lowerings.mhc_post_pre covers it). The post/pre part is the mhc_post_pre kernel's arithmetic in its
+sum |y_p|, and ys by one bf16 ulp where that moves the rounding, which `compare_kernel` of
+dsv41.lowerings.mhc_post_pre admits (its tolerance for a kernel against the reference; the tests run W <= 2 only). The post/pre part is the mhc_post_pre kernel's arithmetic in its
 launch layout (``cluster_for``), so with the same ys it gives the same bits.
 
 Protocol (Lamport one-shot, no barrier; NVLink multicast is not used):
@@ -61,7 +61,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 
-from dsv41.kernels import cute_utils
+from dsv41.kernels import cute_utils, mhc_post_pre
 from dsv41.kernels.compile_cache import (cached_kernel, compile_tvm_ffi, env_stream, fake_tensor, hopper_reason,
                                          shape_reason)
 from dsv41.kernels.mhc_post_pre import HC, _config, cluster_for
@@ -315,7 +315,7 @@ def supports(y: torch.Tensor, y_add: torch.Tensor | None, x: torch.Tensor, post:
     return None
 
 
-@cached_kernel(__file__, cute_utils.__file__)
+@cached_kernel(__file__, cute_utils.__file__, mhc_post_pre.__file__)  # the layouts come from mhc_post_pre
 def _compile_allreduce_mhc(dim: int, world: int, y_fp32: bool, has_add: bool, pdl: bool, cluster_n: int):
     t = cute.sym_int()
     bf16 = BFloat16

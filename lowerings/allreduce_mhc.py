@@ -1,4 +1,9 @@
-"""`dsv41::allreduce_mhc`: the TP all-reduce of a sublayer output fused with `dsv41::mhc_post_pre`."""
+"""`dsv41::allreduce_mhc`: the TP all-reduce of a sublayer output fused with `dsv41::mhc_post_pre`.
+
+On CUDA, for a process group opted in with `enable_symmetric_memory`, one kernel does both (dsv41.kernels.allreduce_mhc:
+a one-shot all-reduce through symmetric memory); otherwise, and as the reference, NCCL's all-reduce is followed by
+`dsv41::mhc_post_pre`.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ def enable_symmetric_memory(group_name: str, enabled: bool = True) -> None:
     kernel's symmetric workspace is allocated collectively at the group's first call outside CUDA-graph capture."""
     if not isinstance(group_name, str):
         raise TypeError(f"dsv41::{NAME}: 'group_name' must be a str, got {type(group_name).__name__}")
+    if not isinstance(enabled, bool):
+        raise TypeError(f"dsv41::{NAME}: 'enabled' must be a bool, got {type(enabled).__name__}")
     (_SYMMETRIC_GROUPS.add if enabled else _SYMMETRIC_GROUPS.discard)(group_name)
 
 

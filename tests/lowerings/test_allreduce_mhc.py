@@ -63,6 +63,8 @@ def test_symmetric_memory_opt_in(gloo_group):
     assert not L.symmetric_memory_enabled(gloo_group)
     with pytest.raises(TypeError, match="'group_name' must be a str, got int"):
         L.enable_symmetric_memory(0)
+    with pytest.raises(TypeError, match="'enabled' must be a bool, got str"):
+        L.enable_symmetric_memory(gloo_group, enabled="yes")
     # kernel checking judges the fused kernel as mhc_post_pre's kernel (same outputs, same tolerance)
     assert L.compare_kernel is post_pre_lowering.compare_kernel
 
