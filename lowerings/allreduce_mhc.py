@@ -1,15 +1,39 @@
-"""`dsv41::allreduce_mhc`: the TP all-reduce of a sublayer output fused with `dsv41::mhc_post_pre`."""
+"""`dsv41::allreduce_mhc`: the TP all-reduce of a sublayer output fused with `dsv41::mhc_post_pre`.
+
+On CUDA, for a process group opted in with `enable_symmetric_memory`, one kernel does both (dsv41.kernels.allreduce_mhc:
+a one-shot all-reduce through symmetric memory); otherwise, and as the reference, NCCL's all-reduce is followed by
+`dsv41::mhc_post_pre`.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from dsv41.lowerings import _checks
+from dsv41.lowerings import _checks, _kernels
 from dsv41.lowerings.mhc_post_pre import post_pre, validate_streams
+from dsv41.lowerings.mhc_post_pre import compare_kernel  # noqa: F401  the fused kernel is judged as mhc_post_pre's
 from dsv41.lowerings.mhc_post_pre import reference as post_pre_reference
 
 NAME = "allreduce_mhc"
+
+_SYMMETRIC_GROUPS: set[str] = set()  # groups opted in to the fused symmetric-memory kernel
+
+
+def enable_symmetric_memory(group_name: str, enabled: bool = True) -> None:
+    """Opt the process group ``group_name`` in to (or out of) the fused one-shot kernel of
+    `dsv41.kernels.allreduce_mhc` (impl "auto" and "cute"); every rank of the group must make the same call. The
+    kernel's symmetric workspace is allocated collectively at the group's first call outside CUDA-graph capture."""
+    if not isinstance(group_name, str):
+        raise TypeError(f"dsv41::{NAME}: 'group_name' must be a str, got {type(group_name).__name__}")
+    if not isinstance(enabled, bool):
+        raise TypeError(f"dsv41::{NAME}: 'enabled' must be a bool, got {type(enabled).__name__}")
+    (_SYMMETRIC_GROUPS.add if enabled else _SYMMETRIC_GROUPS.discard)(group_name)
+
+
+def symmetric_memory_enabled(group_name: str) -> bool:
+    """Whether ``group_name`` is opted in to the fused kernel (`enable_symmetric_memory`)."""
+    return group_name in _SYMMETRIC_GROUPS
 
 
 def _validate(y, y_add, x, post, comb, pre, norm_weight, impl):
@@ -55,12 +79,20 @@ def allreduce_mhc(y: Tensor, y_add: Tensor | None, x: Tensor, post: Tensor, comb
     `dsv41::mhc_post_pre` (x [T, hc, D] bf16, post/pre [T, hc], comb [T, hc, hc] fp32, norm_weight [D] bf16):
         ys       = bf16(all_reduce_sum(fp32(y), group_name) [+ fp32(y_add)])
         x_new, h = mhc_post_pre(ys, x, post, comb, pre, norm_weight, eps)   -> [T, hc, D], [T, D] bf16
-    group_name: a registered process group's name (`dist.group.WORLD.group_name`). The all-reduce is
-    `_c10d_functional.all_reduce`; impl ("auto" | "cute" | "reference") chooses the kernel of
-    `dsv41::mhc_post_pre` for the rest (see `dsv41.lowerings._kernels`).
+    group_name: a registered process group's name (`dist.group.WORLD.group_name`). impl (see
+    `dsv41.lowerings._kernels`): "cute" and "auto" pick the fused one-shot kernel of `dsv41.kernels.allreduce_mhc`
+    (symmetric memory; its `supports` says when it cannot serve: the group not opted in with
+    `enable_symmetric_memory`, not NCCL on CUDA, T > 64, ...). Otherwise ("auto", "reference") the all-reduce is
+    `_c10d_functional.all_reduce` followed by `dsv41::mhc_post_pre` under the same impl (its kernel or reference).
+    Every rank of the group must reach the same choice (same opt-in, shapes and capture state).
     """
     device, _ = _validate(y, y_add, x, post, comb, pre, norm_weight, impl)
-    ys = reduce(y, y_add, _group(group_name))
+    group_name = _group(group_name)
+    args, kwargs = (y, y_add, x, post, comb, pre, norm_weight), dict(eps=eps, group_name=group_name)
+    fused = _kernels.select(NAME, NAME, impl, device, args, kwargs)
+    if fused is not None:
+        return fused(*args, **kwargs)
+    ys = reduce(y, y_add, group_name)
     return post_pre(NAME, impl, device, ys, x, post, comb, pre, norm_weight, eps)
 
 

@@ -399,9 +399,83 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
+def _allreduce_mhc_rank(rank: int, world: int, port: int, tokens: list[int], replays: int, out: Path):
+    """One rank of `allreduce_mhc`: at each T and form, the fused kernel and NCCL all-reduce + the mhc_post_pre
+    kernel, each timed as ``time_in_graph`` times a kernel (both ranks run the same graphs in the same order)."""
+    import torch.distributed as dist
+
+    from dsv41.kernels.allreduce_mhc import allreduce_mhc
+    from dsv41.kernels.mhc_post_pre import mhc_post_pre
+    from dsv41.lowerings.allreduce_mhc import enable_symmetric_memory, reduce
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
+                            device_id=torch.device("cuda", rank))
+    group = dist.group.WORLD.group_name
+    enable_symmetric_memory(group)
+    op, eps = _post_pre_op(FLASH), FLASH.norm_eps
+    variants = {"dsv41": lambda y, y_add, *s: allreduce_mhc(y, y_add, *s, eps=eps, group_name=group),
+                "nccl+mhc_post_pre": lambda y, y_add, *s: mhc_post_pre(reduce(y, y_add, group), *s, eps=eps)}
+    props = torch.cuda.get_device_properties(rank)
+    result = {"gpu": props.name, "torch": torch.__version__, "world": world, "rows": []}
+    for t in tokens:
+        for form in ("attention", "moe"):
+            nbytes = op.nbytes(t) + t * FLASH.dim * (4 if form == "moe" else 0)
+            n_sets = min(4096, max(8, math.ceil(2.5 * props.L2_cache_size / nbytes)))
+            g, gy = torch.Generator().manual_seed(t), torch.Generator().manual_seed(1000 * t + rank)
+            sets = []
+            for _ in range(n_sets):
+                y, *streams = op.make_inputs(t, g)  # the streams alike on every rank, y this rank's partial
+                y = torch.randn(t, FLASH.dim, generator=gy)
+                y_add = torch.randn(t, FLASH.dim, generator=g).bfloat16() if form == "moe" else None
+                sets.append([None if a is None else a.cuda() for a in
+                             (y if form == "moe" else y.bfloat16(), y_add, *streams)])
+            for variant, fn in variants.items():
+                us = time_in_graph(fn, sets, replays)
+                result["rows"].append({"op": "allreduce_mhc", "form": form, "tokens": t, "variant": variant,
+                                       "us": us, "calls_per_graph": n_sets})
+                if rank == 0:
+                    print(f"  allreduce_mhc {form} T={t} {variant}: {us:.2f} us", flush=True)
+            del sets
+            torch.cuda.empty_cache()
+    (out / f"allreduce_mhc.rank{rank}.json").write_text(json.dumps(result, indent=1) + "\n")
+    dist.destroy_process_group()
+
+
+def allreduce_mhc_bench(tokens: list[int], replays: int, out: Path, world: int = 2) -> int:
+    """`--op allreduce_mhc`: the TP=2 fused kernel against NCCL + mhc_post_pre on two GPUs (one process each);
+    writes allreduce_mhc.json (rank 0's rows, rank 1's time as ``us_rank1``) and prints the speedups."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < world:
+        print(f"dsv41 bench kernels --op allreduce_mhc: needs {world} CUDA devices (one TP rank each), found {found}")
+        return 1
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_allreduce_mhc_rank, args=(world, port, tokens, replays, out), nprocs=world, join=True)
+    ranks = [json.loads((out / f"allreduce_mhc.rank{r}.json").read_text()) for r in range(world)]
+    result = ranks[0]
+    for row, other in zip(result["rows"], ranks[1]["rows"], strict=True):
+        row["us_rank1"] = other["us"]
+    (out / "allreduce_mhc.json").write_text(json.dumps(result, indent=1) + "\n")
+    us = {(r["form"], r["tokens"], r["variant"]): r["us"] for r in result["rows"]}
+    print(f"{result['gpu']} x{world}, us per call under CUDA graphs (rank 0)")
+    print(f"{'form':<10}{'T':>4}{'dsv41':>9}{'nccl+post_pre':>15}{'speedup':>9}")
+    for form, t in sorted({(f, t) for f, t, _ in us}):
+        fused, nccl = us[(form, t, "dsv41")], us[(form, t, "nccl+mhc_post_pre")]
+        print(f"{form:<10}{t:>4}{fused:>9.2f}{nccl:>15.2f}{nccl / fused:>9.2f}")
+    print(f"wrote {out / 'allreduce_mhc.json'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dsv41 bench kernels", description=__doc__.splitlines()[0])
-    parser.add_argument("--op", choices=sorted(OPS), help="one op (default: all)")
+    parser.add_argument("--op", choices=sorted(OPS) + ["allreduce_mhc"],
+                        help="one op (default: all one-GPU ops; allreduce_mhc needs 2 GPUs and runs only when named)")
     parser.add_argument("--tokens", default=None,
                         help="comma-separated token counts (default 1,2,4,8,16,32,64; 1 for --op indexer_topk)")
     parser.add_argument("--columns", default=DEFAULT_COLUMNS,
@@ -424,6 +498,10 @@ def main(argv: list[str] | None = None) -> int:
         plot(result, args.out / "kernels.png")
         print(table(result))
         return 0
+    tokens = [int(t) for t in (args.tokens or ("1" if args.op in COLUMN_OPS else "1,2,4,8,16,32,64")).split(",")]
+    if args.op == "allreduce_mhc":
+        args.out.mkdir(parents=True, exist_ok=True)
+        return allreduce_mhc_bench(tokens, args.replays, args.out)
     if not torch.cuda.is_available():
         print("dsv41 bench kernels: needs a CUDA device")
         return 1
@@ -432,7 +510,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    tokens = [int(t) for t in (args.tokens or ("1" if args.op in COLUMN_OPS else "1,2,4,8,16,32,64")).split(",")]
     if args.post_pre_layouts:
         post_pre_layouts(tokens, args.replays, args.out)
         return 0
