@@ -64,7 +64,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from dsv41.kernels import cute_utils, mhc_post_pre
 from dsv41.kernels.compile_cache import (cached_kernel, compile_tvm_ffi, env_stream, fake_tensor, hopper_reason,
                                          shape_reason)
-from dsv41.kernels.mhc_post_pre import HC, _config, cluster_for
+from dsv41.kernels.mhc_post_pre import HC, _config, cluster_for, norm_sum_buffers, post_collapse_norm
 from dsv41.lowerings.allreduce_mhc import symmetric_memory_enabled
 
 MAX_TOKENS = 64
@@ -123,13 +123,7 @@ class AllReduceMhc:
                mState: cute.Tensor, rank: Int32, eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         t, crank, _ = cute.arch.block_idx()
-        smem = cutlass.memory.SmemAllocator()
-        red_buf = smem.allocate_tensor(Float32, cute.make_layout(self.num_warps * self.cluster_n), byte_alignment=16)
-        mbar = (smem.allocate_array(cutlass.Int64, num_elems=1, byte_alignment=8)
-                if const_expr(self.cluster_n > 1) else None)
-        if const_expr(self.cluster_n > 1):
-            cute_utils.init_cluster_mbarrier(mbar)
-
+        red_buf, mbar = norm_sum_buffers(self.num_warps, self.cluster_n)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -182,20 +176,8 @@ class AllReduceMhc:
         if const_expr(self.has_add):
             total = total + y_add
         y = total.to(BFloat16).to(Float32)
-        u = None
-        for k in cutlass.range_constexpr(HC):
-            mixed = comb[0, k] * xs[0]
-            for j in cutlass.range_constexpr(1, HC):
-                mixed = mixed + comb[j, k] * xs[j]
-            xk = (post[k] * y + mixed).to(BFloat16)
-            cute_utils.store_vec(xk, cute.tiled_divide(mXo[t, k, None], vec)[None, col])
-            term = pre[k] * xk.to(Float32)
-            u = term if const_expr(k == 0) else u + term
-        u = u.to(BFloat16).to(Float32)
-        ss = cute_utils.cta_or_cluster_sum((u * u).reduce(cute.ReductionOp.ADD, 0.0, 0), red_buf, mbar,
-                                           self.num_warps, self.cluster_n)
-        rstd = cute.math.rsqrt(ss * (1.0 / self.dim) + eps, fastmath=True)
-        cute_utils.store_vec((u * rstd) * w, cute.tiled_divide(mH[t, None], vec)[None, col])
+        post_collapse_norm(y, xs, post, comb, pre, w, eps, mXo, mH, t, col, red_buf, mbar, self.vec, self.num_warps,
+                           self.cluster_n, self.dim)
 
         # the grid's last CTA moves the generation on (every thread of every CTA has read it by then)
         cute.arch.barrier()

@@ -19,6 +19,14 @@ def elem_ptr(t: cute.Tensor, coord: tuple) -> cute.Pointer:
 
 
 @cute.jit
+def float_bits(x: Float32) -> Int32:
+    """The bit pattern of the fp32 ``x`` as an Int32 (a register reinterpretation, no conversion)."""
+    t = cute.make_rmem_tensor((1,), Float32)
+    t[0] = x
+    return cute.recast_tensor(t, Int32)[0]
+
+
+@cute.jit
 def load_vec(src: cute.Tensor, dtype: cutlass.Constexpr = None, pred=None) -> cute.TensorSSA:
     """Copy a small statically shaped global/shared tensor to registers (vectorised as its alignment
     allows) and return it as a TensorSSA, converted to ``dtype`` if given; zeros where ``pred`` is False."""

@@ -304,21 +304,14 @@ def _relu(x: Float32) -> Float32:
 
 
 @cute.jit
-def _bits(x: Float32) -> Int32:
-    t = cute.make_rmem_tensor((1,), Float32)
-    t[0] = x
-    return cute.recast_tensor(t, Int32)[0]
-
-
-@cute.jit
 def _is_nan(x: Float32):
-    return (_bits(x) & Int32(0x7FFFFFFF)) > Int32(0x7F800000)
+    return (cute_utils.float_bits(x) & Int32(0x7FFFFFFF)) > Int32(0x7F800000)
 
 
 @cute.jit
 def _order_key(x: Float32) -> Int32:
     """An Int32 whose signed order is the score order: NaN and -inf both map to the key of -inf, -0 to +0's."""
-    bits = _bits(x)
+    bits = cute_utils.float_bits(x)
     key = cutlass.select_(bits < 0, bits ^ Int32(0x7FFFFFFF), bits)
     key = cutlass.select_(bits == Int32(_INT_MIN), Int32(0), key)  # -0
     return cutlass.select_(_is_nan(x), Int32(_KEY_NEG_INF), key)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, const_expr
+from cutlass import BFloat16, Float32, Int32, const_expr
 
 from dsv41.kernels import cute_utils
 from dsv41.kernels.compile_cache import (cached_kernel, compile_tvm_ffi, env_stream, fake_tensor, hopper_reason,
@@ -103,13 +103,7 @@ class MhcPostPre:
                mPre: cute.Tensor, mW: cute.Tensor, mXo: cute.Tensor, mH: cute.Tensor, eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         t, rank, _ = cute.arch.block_idx()
-        smem = cutlass.memory.SmemAllocator()
-        red_buf = smem.allocate_tensor(Float32, cute.make_layout(self.num_warps * self.cluster_n), byte_alignment=16)
-        mbar = (smem.allocate_array(cutlass.Int64, num_elems=1, byte_alignment=8)
-                if const_expr(self.cluster_n > 1) else None)
-        if const_expr(self.cluster_n > 1):
-            cute_utils.init_cluster_mbarrier(mbar)
-
+        red_buf, mbar = norm_sum_buffers(self.num_warps, self.cluster_n)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -124,21 +118,46 @@ class MhcPostPre:
         comb = cute_utils.load_vec(mComb[t, None, None])
         pre = cute_utils.load_vec(mPre[t, None])
 
-        u = None
-        for k in cutlass.range_constexpr(HC):
-            mixed = comb[0, k] * xs[0]
-            for j in cutlass.range_constexpr(1, HC):
-                mixed = mixed + comb[j, k] * xs[j]
-            xk = (post[k] * y + mixed).to(BFloat16)
-            cute_utils.store_vec(xk, cute.tiled_divide(mXo[t, k, None], vec)[None, col])
-            term = pre[k] * xk.to(Float32)
-            u = term if const_expr(k == 0) else u + term
-        u = u.to(BFloat16).to(Float32)
+        post_collapse_norm(y, xs, post, comb, pre, w, eps, mXo, mH, t, col, red_buf, mbar, self.vec, self.num_warps,
+                           self.cluster_n, self.dim)
 
-        ss = cute_utils.cta_or_cluster_sum((u * u).reduce(cute.ReductionOp.ADD, 0.0, 0), red_buf, mbar,
-                                           self.num_warps, self.cluster_n)
-        rstd = cute.math.rsqrt(ss * (1.0 / self.dim) + eps, fastmath=True)
-        cute_utils.store_vec((u * rstd) * w, cute.tiled_divide(mH[t, None], vec)[None, col])
+
+@cute.jit
+def norm_sum_buffers(num_warps: cutlass.Constexpr[int], cluster_n: cutlass.Constexpr[int]):
+    """The shared memory of the RMSNorm's sum (``cute_utils.cta_or_cluster_sum``): the fp32 partials and, for a
+    cluster, its initialised mbarrier (else None). At the kernel's start, before any other shared allocation."""
+    smem = cutlass.memory.SmemAllocator()
+    red_buf = smem.allocate_tensor(Float32, cute.make_layout(num_warps * cluster_n), byte_alignment=16)
+    mbar = smem.allocate_array(cutlass.Int64, num_elems=1, byte_alignment=8) if const_expr(cluster_n > 1) else None
+    if const_expr(cluster_n > 1):
+        cute_utils.init_cluster_mbarrier(mbar)
+    return red_buf, mbar
+
+
+@cute.jit
+def post_collapse_norm(y, xs: list, post, comb, pre, w, eps: Float32, mXo: cute.Tensor, mH: cute.Tensor, t: Int32,
+                       col: Int32, red_buf: cute.Tensor, mbar, vec: cutlass.Constexpr[int],
+                       num_warps: cutlass.Constexpr[int], cluster_n: cutlass.Constexpr[int],
+                       dim: cutlass.Constexpr[int]):
+    """The post, collapse and RMSNorm of the module docstring for one thread's ``vec`` columns (vector ``col``) of
+    token ``t``: y, xs[j] (the HC streams), w as fp32 register vectors, post / comb / pre the token's
+    coefficients; stores x_new into mXo[t, :, cols] and h into mH[t, cols]. Every thread of the CTA (or the
+    cluster) calls it once: the norm's sum spans them."""
+    tile = (vec,)
+    u = None
+    for k in cutlass.range_constexpr(HC):
+        mixed = comb[0, k] * xs[0]
+        for j in cutlass.range_constexpr(1, HC):
+            mixed = mixed + comb[j, k] * xs[j]
+        xk = (post[k] * y + mixed).to(BFloat16)
+        cute_utils.store_vec(xk, cute.tiled_divide(mXo[t, k, None], tile)[None, col])
+        term = pre[k] * xk.to(Float32)
+        u = term if const_expr(k == 0) else u + term
+    u = u.to(BFloat16).to(Float32)
+    ss = cute_utils.cta_or_cluster_sum((u * u).reduce(cute.ReductionOp.ADD, 0.0, 0), red_buf, mbar, num_warps,
+                                       cluster_n)
+    rstd = cute.math.rsqrt(ss * (1.0 / dim) + eps, fastmath=True)
+    cute_utils.store_vec((u * rstd) * w, cute.tiled_divide(mH[t, None], tile)[None, col])
 
 
 def supports(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,

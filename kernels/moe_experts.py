@@ -229,15 +229,8 @@ def _quantised_pairs(src: cute.Tensor, pred) -> list:
 @cute.jit
 def _exponent_up(x: Float32) -> Int32:
     """The biased exponent of 2^ceil(log2(x)) for a positive normal fp32 x (the model's ``_pow2_ceil``)."""
-    bits = _bits(x)
+    bits = cute_utils.float_bits(x)
     return ((bits >> 23) & Int32(0xFF)) + Int32((bits & Int32(0x7FFFFF)) != 0)
-
-
-@cute.jit
-def _bits(x: Float32) -> Int32:
-    t = cute.make_rmem_tensor((1,), Float32)
-    t[0] = x
-    return cute.recast_tensor(t, Int32)[0]
 
 
 @cute.jit
