@@ -207,13 +207,26 @@ def _describe(root, chain) -> tuple:
     return tuple(out)
 
 
-def _fake_call(target, *args):
-    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
-    mode = next((v.fake_mode for v in vals if isinstance(v, FakeTensor)), None)
+def _fake_call(target, *args, **kwargs):
+    def val(a):
+        if isinstance(a, (list, tuple)):
+            return type(a)(val(b) for b in a)
+        return a.meta["val"] if isinstance(a, fx.Node) else a
+
+    vals = val(list(args))
+    mode = next((v.fake_mode for v in leaves_of(vals) if isinstance(v, FakeTensor)), None)
     if mode is None:
-        return target(*vals)
+        return target(*vals, **kwargs)
     with mode:
-        return target(*vals)
+        return target(*vals, **kwargs)
+
+
+def leaves_of(vals):
+    for v in vals:
+        if isinstance(v, (list, tuple)):
+            yield from leaves_of(v)
+        else:
+            yield v
 
 
 def _emit(graph: fx.Graph, before: fx.Node, root: fx.Node, steps: tuple) -> fx.Node:
@@ -296,6 +309,144 @@ def _where_not(node: fx.Node) -> bool:
     return False
 
 
+
+# ---- unit dims: a size-1 dim that a view or a graph input adds sinks below the ops it does not take part in -----
+_REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
+_DIM_OPS = (aten.slice.Tensor, aten.select.int, aten._softmax.default)  # (x, dim, ...): dim not a unit dim
+
+
+def _units(shape) -> list[int]:
+    """The non-leading size-1 dims of shape (the leading dim is the token or batch dim, which patterns keep)."""
+    return [i for i, d in enumerate(shape) if i > 0 and d == 1]
+
+
+_GEMMS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
+_SUNK = "dsv41_units_sunk"  # meta key of a value computed at the lower rank by `_sink_units`
+
+
+def _added_units(n) -> int:
+    """How many non-leading size-1 dims n adds to the activation layout: a graph input, all of them; a view of a
+    graph input, all of them (`_squeezed` views the input at the lower rank directly); a view of a GEMM output or
+    of a value `_sink_units` lowered (or of a permute of one), those its input lacks. A view inside a computation (a [M, 1, 32] block view
+    when one block fits) adds none: its unit dim is the computation's, which a pattern traces as it is."""
+    v = _val(n)
+    if not _static(v):
+        return 0
+    if n.op == "placeholder":
+        return len(_units(v.shape))
+    if n.op != "call_function" or n.target is not aten.view.default or not _static(_val(n.args[0])):
+        return 0
+    src = n.args[0]
+    if src.op == "placeholder":
+        return len(_units(v.shape))
+    root = src
+    while root.op == "call_function" and root.target is aten.permute.default:
+        root = root.args[0]
+    if root.op == "call_function" and (root.target in _GEMMS or root.meta.get(_SUNK)):
+        return max(0, len(_units(v.shape)) - len(_units(_val(src).shape)))
+    return 0
+
+
+def _without(shape, drop) -> list[int]:
+    return [d for i, d in enumerate(shape) if i not in drop]
+
+
+def _squeezed(graph: fx.Graph, before: fx.Node, a: fx.Node, drop: set) -> fx.Node:
+    """a without its size-1 dims `drop`: a view's input viewed once (the chain collapses), or a new view of a."""
+    shape = _without(_val(a).shape, drop)
+    src = a.args[0] if a.op == "call_function" and a.target is aten.view.default else a
+    if list(_val(src).shape) == shape:
+        return src
+    same = next((u for u in src.users if u.target is aten.view.default and list(_val(u).shape) == shape), None)
+    if same is not None and _position(same) < _position(before):
+        return same
+    with graph.inserting_before(before):
+        new = graph.call_function(aten.view.default, (src, shape))
+    new.meta["val"] = _fake_call(aten.view.default, src, shape)
+    return new
+
+
+def _position(n: fx.Node) -> int:
+    """n's index in its graph (cached per graph version)."""
+    g = n.graph
+    cache = getattr(g, "_dsv41_unit_positions", None)
+    if cache is None or cache[0] != len(g.nodes) or n not in cache[1]:
+        cache = (len(g.nodes), {m: i for i, m in enumerate(g.nodes)})
+        g._dsv41_unit_positions = cache
+    return cache[1][n]
+
+
+def _shift(dim: int, drop: set) -> int:
+    return dim - sum(1 for s in drop if s < dim)
+
+
+def _sink_units(graph: fx.Graph, node: fx.Node) -> bool:
+    """op(x with size-1 dims S) = op(x without them) with the dims put back, for an op that does not touch S (a
+    pointwise op whose output has size 1 there, a reduction, slice, select, softmax, expand or cat over other dims):
+    an exact identity. S are the first non-leading unit dims of the output, as many as an operand's view or graph
+    input added (`_added_units`); the ops of a [B, 1, ...] region then run at [B, ...] as a pattern traced at
+    [T, ...] does, and one view restores each value's shape where the region ends."""
+    out = _val(node)
+    if not _static(out) or not node.users:
+        return False
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags:
+        operands = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and _static(_val(a))]
+        if any(isinstance(v, fx.Node) for v in node.kwargs.values()):
+            return False
+        ranked = [i for i in operands if _val(node.args[i]).dim() == out.dim()]
+        added = max((_added_units(node.args[i]) for i in ranked), default=0)
+        drop = set(_units(out.shape)[:added])
+        if not drop:
+            return False
+        args = list(node.args)
+        for i in operands:
+            k = out.dim() - _val(args[i]).dim()  # right-aligned broadcasting: operand dim j is output dim j + k
+            mine = {s - k for s in drop if s - k >= 0}
+            if mine:
+                args[i] = _squeezed(graph, node, args[i], mine)
+    elif t in _REDUCTIONS or t in _DIM_OPS or t in (aten.expand.default, aten.cat.default):
+        xs = list(node.args[0]) if t is aten.cat.default else [node.args[0]]
+        if not all(isinstance(x, fx.Node) and _static(_val(x)) and _val(x).dim() == _val(xs[0]).dim() for x in xs):
+            return False
+        shape = _val(xs[0]).shape
+        added = max(_added_units(x) for x in xs)
+        dims = ([node.args[1]] if t is not aten.expand.default else []) if t not in _REDUCTIONS else list(node.args[1])
+        if t is aten.cat.default and len(node.args) < 2:
+            dims = [0]
+        if t in _DIM_OPS and len(node.args) < 2:
+            return False
+        drop = {s for s in _units(shape) if s not in dims}
+        drop = set(sorted(drop)[:added])
+        if t is aten.expand.default:
+            drop = {s for s in drop if node.args[1][s] == 1}
+        if not drop or any(not isinstance(d, int) for d in dims):
+            return False
+        squeezed = [_squeezed(graph, node, x, drop) for x in xs]
+        args = [squeezed if t is aten.cat.default else squeezed[0], *node.args[1:]]
+        if t in _REDUCTIONS:
+            args[1] = [_shift(d, drop) for d in node.args[1]]
+        elif t is aten.expand.default:
+            args[1] = _without(node.args[1], drop)
+        elif len(args) > 1:
+            args[1] = _shift(node.args[1], drop)
+    else:
+        return False
+    with graph.inserting_before(node):
+        low = graph.call_function(t, tuple(args), dict(node.kwargs))
+        low.meta["val"] = _fake_call(t, *args, **node.kwargs)
+        low.meta[_SUNK] = True
+        lifted = graph.call_function(aten.view.default, (low, list(out.shape)))
+        lifted.meta["val"] = _fake_call(aten.view.default, low, list(out.shape))
+    for n in (low, lifted):
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in node.meta:
+                n.meta[key] = node.meta[key]
+    node.replace_all_uses_with(lifted)
+    graph.erase_node(node)
+    return True
+
+
 def _canonical_forms(graph: fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
@@ -303,8 +454,11 @@ def _canonical_forms(graph: fx.Graph) -> int:
             continue
         if node.target in _LAYOUT_OPS:
             changed += _canonicalise_layout(graph, node)
-        elif node.target is aten.neg.default:
-            changed += _neg_before_view(graph, node)
+        elif node.target is aten.neg.default and _neg_before_view(graph, node):
+            changed += 1
+        elif _sink_units(graph, node):
+            changed += 1
+            continue
         elif node.target in _BROADCASTING:
             changed += _drop_broadcast_views(node)
             if node.target is aten.where.self:
