@@ -326,8 +326,9 @@ _SUNK = "dsv41_units_sunk"  # meta key of a value computed at the lower rank by 
 
 def _added_units(n) -> int:
     """How many non-leading size-1 dims n adds to the activation layout: a graph input, all of them; a view of a
-    graph input, all of them (`_squeezed` views the input at the lower rank directly); a view of a GEMM output or
-    of a value `_sink_units` lowered (or of a permute of one), those its input lacks. A view inside a computation (a [M, 1, 32] block view
+    graph input or of a GEMM output (or of a permute of one), all of them (`_squeezed` views the input at the lower
+    rank directly: a decode GEMM's M = 1 is such a dim); a view of a value `_sink_units` lowered, those its input
+    lacks. A view inside a computation (a [M, 1, 32] block view
     when one block fits) adds none: its unit dim is the computation's, which a pattern traces as it is."""
     v = _val(n)
     if not _static(v):
@@ -342,7 +343,9 @@ def _added_units(n) -> int:
     root = src
     while root.op == "call_function" and root.target is aten.permute.default:
         root = root.args[0]
-    if root.op == "call_function" and (root.target in _GEMMS or root.meta.get(_SUNK)):
+    if root.op == "call_function" and root.target in _GEMMS:
+        return len(_units(v.shape))
+    if root.op == "call_function" and root.meta.get(_SUNK):
         return max(0, len(_units(v.shape)) - len(_units(_val(src).shape)))
     return 0
 
