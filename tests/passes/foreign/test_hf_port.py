@@ -12,8 +12,9 @@ mhc_post_pre fuse once each (the port computes at [B, S=1, ...], which the norma
 to the patterns' [T, ...]; its RMSNorm rounds to bf16 before the weight multiply, norm_rounding="bf16_then_weight");
 moe_route fuses once in the MoE graph (7 of 7 sites at run time). Not fused yet: mhc_coeffs (the comb logits are
 scaled before the [hc, hc] view, the pattern views first), wo_a (the inverse RoPE by stride-2 slices does not close
-as an island there), indexer_topk (top-k at [B, 1, N], invalid picks redirected to a spare column of a
-[B, 1, 1, N + 1] -inf buffer that is sliced off), moe_finalize and the ffn-side mHC post (eager frames behind a
+as an island there), indexer_topk (its selection, unsorted top-k with invalid picks sent to a spare column
+of a -inf buffer that is sliced off, matches; its scores do not: visibility as iota >= n_c, the softmax scale on
+relu(q.k) before the head weights), moe_finalize and the ffn-side mHC post (eager frames behind a
 bincount graph break and a data-dependent expert loop). Any change here is a change of what the backend finds in
 the port: update the counts with the reason."""
 
