@@ -245,6 +245,16 @@ def _describe(root, chain) -> tuple:
     return tuple(out)
 
 
+def position(n: fx.Node) -> int:
+    """n's index in its graph (cached per graph version)."""
+    g = n.graph
+    cache = getattr(g, "_dsv41_positions", None)
+    if cache is None or cache[0] != len(g.nodes) or n not in cache[1]:
+        cache = (len(g.nodes), {m: i for i, m in enumerate(g.nodes)})
+        g._dsv41_positions = cache
+    return cache[1][n]
+
+
 def _fake_call(target, *args, **kwargs):
     def val(a):
         if isinstance(a, (list, tuple)):
@@ -252,17 +262,18 @@ def _fake_call(target, *args, **kwargs):
         return a.meta["val"] if isinstance(a, fx.Node) else a
 
     vals = val(list(args))
-    mode = next((v.fake_mode for v in leaves_of(vals) if isinstance(v, FakeTensor)), None)
+    mode = next((v.fake_mode for v in _leaves(vals) if isinstance(v, FakeTensor)), None)
     if mode is None:
         return target(*vals, **kwargs)
     with mode:
         return target(*vals, **kwargs)
 
 
-def leaves_of(vals):
+def _leaves(vals):
+    """The values inside nested lists and tuples."""
     for v in vals:
         if isinstance(v, (list, tuple)):
-            yield from leaves_of(v)
+            yield from _leaves(v)
         else:
             yield v
 
@@ -347,7 +358,6 @@ def _where_not(node: fx.Node) -> bool:
     return False
 
 
-
 # ---- unit dims: a size-1 dim that a view or a graph input adds sinks below the ops it does not take part in -----
 _REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
 
@@ -398,22 +408,12 @@ def _squeezed(graph: fx.Graph, before: fx.Node, a: fx.Node, drop: set) -> fx.Nod
     if list(_val(src).shape) == shape:
         return src
     same = next((u for u in src.users if u.target is aten.view.default and list(_val(u).shape) == shape), None)
-    if same is not None and _position(same) < _position(before):
+    if same is not None and position(same) < position(before):
         return same
     with graph.inserting_before(before):
         new = graph.call_function(aten.view.default, (src, shape))
     new.meta["val"] = _fake_call(aten.view.default, src, shape)
     return new
-
-
-def _position(n: fx.Node) -> int:
-    """n's index in its graph (cached per graph version)."""
-    g = n.graph
-    cache = getattr(g, "_dsv41_unit_positions", None)
-    if cache is None or cache[0] != len(g.nodes) or n not in cache[1]:
-        cache = (len(g.nodes), {m: i for i, m in enumerate(g.nodes)})
-        g._dsv41_unit_positions = cache
-    return cache[1][n]
 
 
 def _shift(dim: int, drop: set) -> int:
