@@ -161,8 +161,10 @@ def post_collapse_norm(y, xs: list, post, comb, pre, w, eps: Float32, mXo: cute.
 
 
 def supports(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
-             norm_weight: torch.Tensor, *, eps: float) -> str | None:
+             norm_weight: torch.Tensor, *, eps: float, norm_rounding: str = "fp32_weight") -> str | None:
     """None when the kernel computes the fused post + pre of these arguments, else the reason it cannot."""
+    if norm_rounding != "fp32_weight":
+        return f"norm_rounding={norm_rounding!r}: the kernel rounds the RMSNorm once, after the fp32 weight multiply"
     if x.dim() != 3 or x.shape[1] != HC:
         return f"x must be [T, {HC}, D], got {list(x.shape)}"
     t, _, d = x.shape

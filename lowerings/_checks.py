@@ -72,6 +72,12 @@ def check_scalar(op: str, name: str, value, ok: bool, requirement: str) -> None:
         raise ValueError(f"dsv41::{op}: argument '{name}' {requirement}, got {value!r}")
 
 
+def check_choice(op: str, name: str, value, choices: tuple) -> None:
+    """A string argument is one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"dsv41::{op}: argument '{name}' must be one of {choices}, got {value!r}")
+
+
 def check_rotary(op: str, half_rd, dim_label: str, dim) -> None:
     """cos/sin with half_rd columns rotate rd = 2 * half_rd trailing dims, at most the `dim_label` = dim ones."""
     if 2 * half_rd > dim:

@@ -9,6 +9,18 @@ from dsv41.lowerings import _checks, _kernels
 from dsv41.models import functional
 
 NAME = "mhc_post_pre"
+# Where an RMSNorm rounds to bf16: once, after the fp32 weight multiply (spec 2.2, the model's), or first the
+# normalised value and then again after a bf16 weight multiply (HF's `weight * x.to(input_dtype)`).
+NORM_ROUNDINGS = ("fp32_weight", "bf16_then_weight")
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, rounding: str = "fp32_weight") -> Tensor:
+    """RMSNorm of x [..., D] bf16 with weight [D] bf16 over the last dim, v = x * rsqrt(mean(x^2) + eps) in fp32:
+    "fp32_weight": bf16(weight * v) (one rounding); "bf16_then_weight": bf16(weight * bf16(v)) (two)."""
+    if rounding == "fp32_weight":
+        return functional.rms_norm(x, weight, eps)
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def validate_streams(op, x, post, comb, pre, norm_weight, dims):
@@ -20,8 +32,9 @@ def validate_streams(op, x, post, comb, pre, norm_weight, dims):
     _checks.check_tensor(op, "norm_weight", norm_weight, torch.bfloat16, "D", dims)
 
 
-def _validate(y, x, post, comb, pre, norm_weight, impl):
+def _validate(y, x, post, comb, pre, norm_weight, norm_rounding, impl):
     _checks.check_impl(NAME, impl)
+    _checks.check_choice(NAME, "norm_rounding", norm_rounding, NORM_ROUNDINGS)
     device = _checks.check_devices(NAME, y=y, x=x, post=post, comb=comb, pre=pre, norm_weight=norm_weight)
     dims = {}
     validate_streams(NAME, x, post, comb, pre, norm_weight, dims)
@@ -47,35 +60,40 @@ def compare_kernel(got, want) -> str | None:
     return None
 
 
-def reference(y, x, post, comb, pre, norm_weight, eps):
-    """Plain torch, the model's own functions in the model's order."""
+def reference(y, x, post, comb, pre, norm_weight, eps, norm_rounding="fp32_weight"):
+    """Plain torch, the model's own functions in the model's order (the RMSNorm rounded as `norm_rounding` says)."""
     x_new = functional.hc_post(y, x, post, comb)
-    return x_new, functional.rms_norm(functional.hc_collapse(x_new, pre), norm_weight, eps)
+    return x_new, rms_norm(functional.hc_collapse(x_new, pre), norm_weight, eps, norm_rounding)
 
 
-def post_pre(op, impl, device, y, x, post, comb, pre, norm_weight, eps):
-    """The kernel of dsv41.kernels.mhc_post_pre or the reference, chosen for `op` by `impl`."""
+def post_pre(op, impl, device, y, x, post, comb, pre, norm_weight, eps, norm_rounding="fp32_weight"):
+    """The kernel of dsv41.kernels.mhc_post_pre or the reference, chosen for `op` by `impl`. The kernel is asked
+    about a rounding form other than the model's (its `supports` declines the forms it does not compute)."""
     args, kwargs = (y, x, post, comb, pre, norm_weight), dict(eps=eps)
+    if norm_rounding != "fp32_weight":
+        kwargs["norm_rounding"] = norm_rounding
     kernel = _kernels.select(op, NAME, impl, device, args, kwargs) or reference
     return kernel(*args, **kwargs)
 
 
 @torch.library.custom_op("dsv41::mhc_post_pre", mutates_args=())
 def mhc_post_pre(y: Tensor, x: Tensor, post: Tensor, comb: Tensor, pre: Tensor, norm_weight: Tensor, eps: float,
-                 impl: str = "auto") -> tuple[Tensor, Tensor]:
+                 norm_rounding: str = "fp32_weight", impl: str = "auto") -> tuple[Tensor, Tensor]:
     """Expand a sublayer output into the hc streams, then collapse and normalise the next sublayer's input.
 
     y [T, D] bf16, x [T, hc, D] bf16, post [T, hc], comb [T, hc, hc], pre [T, hc] fp32, norm_weight [D] bf16:
         x_new[t, k] = bf16(post[t, k] * y[t] + sum_j comb[t, j, k] * x[t, j])       [T, hc, D] bf16
         u[t]        = bf16(sum_j pre[t, j] * x_new[t, j])                            [T, D]
         h[t]        = bf16(norm_weight * u[t] * rsqrt(mean(u[t]^2) + eps))           [T, D] bf16
-    with fp32 arithmetic inside each bf16(...). impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
+    with fp32 arithmetic inside each bf16(...); norm_rounding "bf16_then_weight" computes h as
+    bf16(norm_weight * bf16(u[t] * rsqrt(mean(u[t]^2) + eps))) instead (`rms_norm`).
+    impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
     """
-    device, _ = _validate(y, x, post, comb, pre, norm_weight, impl)
-    return post_pre(NAME, impl, device, y, x, post, comb, pre, norm_weight, eps)
+    device, _ = _validate(y, x, post, comb, pre, norm_weight, norm_rounding, impl)
+    return post_pre(NAME, impl, device, y, x, post, comb, pre, norm_weight, eps, norm_rounding)
 
 
 @mhc_post_pre.register_fake
-def _(y, x, post, comb, pre, norm_weight, eps, impl="auto"):
-    _, dims = _validate(y, x, post, comb, pre, norm_weight, impl)
+def _(y, x, post, comb, pre, norm_weight, eps, norm_rounding="fp32_weight", impl="auto"):
+    _, dims = _validate(y, x, post, comb, pre, norm_weight, norm_rounding, impl)
     return x.new_empty(x.shape), x.new_empty((dims["T"], dims["D"]))

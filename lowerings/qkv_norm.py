@@ -6,13 +6,15 @@ import torch
 from torch import Tensor
 
 from dsv41.lowerings import _checks, _kernels
+from dsv41.lowerings.mhc_post_pre import NORM_ROUNDINGS, rms_norm
 from dsv41.models import functional
 
 NAME = "qkv_norm"
 
 
-def _validate(qkv, q_weight, kv_weight, cos, sin, quant_block, impl):
+def _validate(qkv, q_weight, kv_weight, cos, sin, quant_block, norm_rounding, impl):
     _checks.check_impl(NAME, impl)
+    _checks.check_choice(NAME, "norm_rounding", norm_rounding, NORM_ROUNDINGS)
     device = _checks.check_devices(NAME, qkv=qkv, q_weight=q_weight, kv_weight=kv_weight, cos=cos, sin=sin)
     dims = {}
     _checks.check_tensor(NAME, "q_weight", q_weight, torch.bfloat16, "q_dim", dims)
@@ -32,11 +34,11 @@ def _validate(qkv, q_weight, kv_weight, cos, sin, quant_block, impl):
     return device, dims
 
 
-def reference(qkv, q_weight, kv_weight, cos, sin, eps, quant_block):
-    """Plain torch, the model's own functions in the model's order."""
+def reference(qkv, q_weight, kv_weight, cos, sin, eps, quant_block, norm_rounding="fp32_weight"):
+    """Plain torch, the model's own functions in the model's order (the RMSNorms rounded as `norm_rounding` says)."""
     q_dim = q_weight.shape[0]
-    qr = functional.rms_norm(qkv[:, :q_dim], q_weight, eps)
-    kv = functional.rms_norm(qkv[:, q_dim:], kv_weight, eps)
+    qr = rms_norm(qkv[:, :q_dim], q_weight, eps, norm_rounding)
+    kv = rms_norm(qkv[:, q_dim:], kv_weight, eps, norm_rounding)
     if cos is not None:
         kv = functional.apply_rope_tail(kv, cos, sin)
     if quant_block > 0:
@@ -46,7 +48,7 @@ def reference(qkv, q_weight, kv_weight, cos, sin, eps, quant_block):
 
 @torch.library.custom_op("dsv41::qkv_norm", mutates_args=())
 def qkv_norm(qkv: Tensor, q_weight: Tensor, kv_weight: Tensor, cos: Tensor | None, sin: Tensor | None, eps: float,
-             quant_block: int, impl: str = "auto") -> tuple[Tensor, Tensor]:
+             quant_block: int, norm_rounding: str = "fp32_weight", impl: str = "auto") -> tuple[Tensor, Tensor]:
     """RMSNorm of the q and kv parts of qkv, then (optionally) RoPE and FP8 fake-quant of kv.
 
     qkv [T, q_dim + kv_dim] bf16, q_weight [q_dim] bf16, kv_weight [kv_dim] bf16, cos/sin [T, rd/2] fp32 or both
@@ -55,16 +57,17 @@ def qkv_norm(qkv: Tensor, q_weight: Tensor, kv_weight: Tensor, cos: Tensor | Non
         kv = rms_norm(qkv[:, q_dim:], kv_weight, eps)                                 [T, kv_dim] bf16
         kv = apply_rope_tail(kv, cos, sin)        (interleaved RoPE on the last rd dims; if cos is given)
         kv = fp8_fake_quant(kv, quant_block)      (ue8m0-scaled e4m3 round trip per block; if quant_block > 0)
-    rms_norm(v, w, eps) = bf16(w * v * rsqrt(mean(v^2) + eps)) in fp32.
+    rms_norm(v, w, eps) = bf16(w * v * rsqrt(mean(v^2) + eps)) in fp32 (norm_rounding "fp32_weight"), or
+    bf16(w * bf16(v * rsqrt(mean(v^2) + eps))) ("bf16_then_weight", see `dsv41.lowerings.mhc_post_pre.rms_norm`).
     impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
     """
-    device, _ = _validate(qkv, q_weight, kv_weight, cos, sin, quant_block, impl)
-    args, kwargs = (qkv, q_weight, kv_weight, cos, sin), dict(eps=eps, quant_block=quant_block)
+    device, _ = _validate(qkv, q_weight, kv_weight, cos, sin, quant_block, norm_rounding, impl)
+    args, kwargs = (qkv, q_weight, kv_weight, cos, sin), dict(eps=eps, quant_block=quant_block, norm_rounding=norm_rounding)
     kernel = _kernels.select(NAME, NAME, impl, device, args, kwargs) or reference
     return kernel(*args, **kwargs)
 
 
 @qkv_norm.register_fake
-def _(qkv, q_weight, kv_weight, cos, sin, eps, quant_block, impl="auto"):
-    _, dims = _validate(qkv, q_weight, kv_weight, cos, sin, quant_block, impl)
+def _(qkv, q_weight, kv_weight, cos, sin, eps, quant_block, norm_rounding="fp32_weight", impl="auto"):
+    _, dims = _validate(qkv, q_weight, kv_weight, cos, sin, quant_block, norm_rounding, impl)
     return qkv.new_empty((dims["T"], dims["q_dim"])), qkv.new_empty((dims["T"], dims["kv_dim"]))

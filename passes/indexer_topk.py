@@ -6,10 +6,12 @@ without materialising the [T, H, N] scores (spec 3a).
     re-index layers:     s = -inf where not cand                            (cand is an input)
     sel = sort(topk(s, k)); idx = where(s[sel] > -inf, sel + offset, -1)
       or, as an additive mask:  mask = full(-inf).scatter(sel, 0), -inf where s == -inf     (offset 0, mask=True)
+      or so with a spare column: mask = full([T, N + 1], -inf).scatter(where(s[sel] > -inf, sel, N), 0)[:, :N]
   -> dsv41::indexer_topk(q, w, keys, n_c, cand?, k, offset, cand_block, cand_topk_blocks, mask)
 
 k, offset and the candidate block size and count are read from the matched graph. Formulations: the three
-layer kinds, each with top-k unsorted (the model's) or sorted, the selection as ascending indices or as a mask.
+layer kinds, each with top-k unsorted (the model's) or sorted, the selection as ascending indices or as a mask
+(invalid picks masked after the scatter, or sent to a spare column that is sliced off, HF's).
 """
 
 from __future__ import annotations
@@ -53,13 +55,27 @@ def select_mask(s, topk, sorted_topk):
     return mask.masked_fill(s == -math.inf, -math.inf)
 
 
-def make_patterns(sorted_topk: bool, mask: bool):
-    tag = ("_mask" if mask else "") + ("_sorted" if sorted_topk else "")
+def select_mask_spare(s, topk, sorted_topk):
+    vals, sel = torch.topk(s, min(topk, s.shape[1]), dim=-1, sorted=sorted_topk)
+    sel = torch.where(vals > -math.inf, sel, s.shape[1])
+    mask = torch.full((s.shape[0], s.shape[1] + 1), -math.inf, device=s.device).scatter(-1, sel, 0.0)
+    return mask[:, :-1]
+
+
+# mask forms: None (indices), "" (invalid picks masked after the scatter), "_spare" (sent to a spare column)
+MASK_FORMS = (None, "", "_spare")
+
+
+def make_patterns(sorted_topk: bool, mask_form: str | None):
+    mask = mask_form is not None
+    tag = ("_mask" + mask_form if mask else "") + ("_sorted" if sorted_topk else "")
     sel_free = {"topk": (aten.topk.default, -1, 1)} if mask else {"topk": (aten.topk.default, -1, 1), "offset": (aten.add.Tensor, -1, 1)}
     defaults = {"topk": 8} if mask else {"topk": 8, "offset": 8}
 
     def selection(s, topk, offset=0):
-        return select_mask(s, topk, sorted_topk) if mask else select(s, topk, offset, sorted_topk)
+        if not mask:
+            return select(s, topk, offset, sorted_topk)
+        return (select_mask_spare if mask_form == "_spare" else select_mask)(s, topk, sorted_topk)
 
     def plain(q, w, keys, n_c, **free):
         return selection(scores(q, w, keys, n_c), **free)
@@ -87,10 +103,10 @@ class IndexerTopkPass(FusionPass):
     int_ranges = {"n_c": lambda metas, free: (0, metas["keys"].shape[1] + 1)}  # valid rows: 0 .. Ncap
 
     def patterns(self):
-        return [p for mask in (False, True) for sorted_topk in (False, True) for p in make_patterns(sorted_topk, mask)]
+        return [p for form in MASK_FORMS for sorted_topk in (False, True) for p in make_patterns(sorted_topk, form)]
 
     def replacement(self, m):
-        kind = m.pattern.name.removesuffix("_sorted").removesuffix("_mask")
+        kind = m.pattern.name.removesuffix("_sorted").removesuffix("_spare").removesuffix("_mask")
         q, w, keys, n_c = m.inputs[:4]
         cand = m.inputs[4] if kind == "reindex" else None
         cand_block, cand_topk = m.free.get("cand_block", 0), m.free.get("cand_topk", 0)

@@ -39,6 +39,8 @@ from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from dsv41.passes.normalize import normalize_graph, position as _position
+
 ANY_STR = "__dsv41_any__"  # a string argument of a search function that matches any string (a group name)
 
 
@@ -83,8 +85,6 @@ class Pattern:
             fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
             fn = torch.func.functionalize(lambda *a: self.search(*a, **kwargs), remove="mutations")
             gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="real")(*fake)
-        from dsv41.passes.normalize import normalize_graph
-
         normalize_graph(gm.graph)
         gm.graph.eliminate_dead_code()
         return gm
@@ -518,16 +518,6 @@ def _reaches(node: fx.Node, region: set) -> bool:
         seen.add(n)
         stack.extend(n.all_input_nodes)
     return False
-
-
-def _position(n: fx.Node) -> int:
-    """n's index in its graph (cached per graph version)."""
-    g = n.graph
-    cache = getattr(g, "_dsv41_positions", None)
-    if cache is None or cache[0] != len(g.nodes) or n not in cache[1]:
-        cache = (len(g.nodes), {m: i for i, m in enumerate(g.nodes)})
-        g._dsv41_positions = cache
-    return cache[1][n]
 
 
 def _plausible(p, t) -> bool:

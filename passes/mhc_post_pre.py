@@ -5,7 +5,8 @@
   -> dsv41::mhc_post_pre(y, x, post, comb, pre, w, eps)
 
 Formulations: broadcast-multiply-sum mixing (the model's) or einsum mixing; RMSNorm written out
-(x * rsqrt(mean(x^2) + eps) * w) or as F.rms_norm.
+(x * rsqrt(mean(x^2) + eps) * w) or as F.rms_norm, both rounding once after the fp32 weight multiply, or written
+out rounding twice, w * bf16(x * rsqrt(...)) in bf16 (HF's RMSNorm; the op's norm_rounding="bf16_then_weight").
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsv41.lowerings.mhc_post_pre import NORM_ROUNDINGS, rms_norm
 from dsv41.models import functional as fn
 from dsv41.passes.fusion import FusionPass, Replacement
 from dsv41.passes.matcher import Pattern
@@ -45,19 +47,37 @@ def rms_norm_functional(x, w, eps):
     return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
 
 
-def stream_formulations(eps: float):
-    """(name suffix, search(y, x, post, comb, pre, w) -> (x_new, h)) of each accepted formulation."""
+def rms_norm_bf16_then_weight(x, w, eps):
+    return rms_norm(x, w, eps, "bf16_then_weight")
+
+
+# name suffix of a formulation whose RMSNorm rounds twice -> the op's norm_rounding; the others: "fp32_weight"
+BF16_NORM = "_bf16_then_weight"
+
+
+def stream_formulations(eps: float, roundings: tuple = ("fp32_weight",)):
+    """(name suffix, search(y, x, post, comb, pre, w) -> (x_new, h)) of each accepted formulation whose RMSNorm
+    rounds as one of `roundings` says (`dsv41.lowerings.mhc_post_pre.NORM_ROUNDINGS`)."""
     def post_pre(post_fn, collapse_fn, norm_fn):
         def search(y, x, post, comb, pre, w):
             x_new = post_fn(y, x, post, comb)
             return x_new, norm_fn(collapse_fn(x_new, pre), w, eps)
         return search
 
-    return [
-        ("", post_pre(fn.hc_post, fn.hc_collapse, fn.rms_norm)),
-        ("_einsum", post_pre(post_einsum, collapse_einsum, fn.rms_norm)),
-        ("_F_rms_norm", post_pre(fn.hc_post, fn.hc_collapse, rms_norm_functional)),
-    ]
+    out = []
+    if "fp32_weight" in roundings:
+        out += [("", post_pre(fn.hc_post, fn.hc_collapse, fn.rms_norm)),
+                ("_einsum", post_pre(post_einsum, collapse_einsum, fn.rms_norm)),
+                ("_F_rms_norm", post_pre(fn.hc_post, fn.hc_collapse, rms_norm_functional))]
+    if "bf16_then_weight" in roundings:
+        out += [(BF16_NORM, post_pre(fn.hc_post, fn.hc_collapse, rms_norm_bf16_then_weight)),
+                ("_einsum" + BF16_NORM, post_pre(post_einsum, collapse_einsum, rms_norm_bf16_then_weight))]
+    return out
+
+
+def norm_rounding(pattern_name: str) -> str:
+    """The op's norm_rounding for a formulation of `stream_formulations` or of qkv_norm (by its name)."""
+    return "bf16_then_weight" if pattern_name.endswith(BF16_NORM) else "fp32_weight"
 
 
 class MhcPostPrePass(FusionPass):
@@ -66,9 +86,10 @@ class MhcPostPrePass(FusionPass):
     def patterns(self):
         return [Pattern("post_pre" + suffix, search, example_stream_inputs, variants=one_token_variant(suffix, example_stream_inputs),
                         anchor=torch.ops.aten.rsqrt.default)
-                for suffix, search in stream_formulations(self.config.norm_eps)]
+                for suffix, search in stream_formulations(self.config.norm_eps, NORM_ROUNDINGS)]
 
     def replacement(self, m):
         y, x, post, comb, pre, w = m.inputs
         op = torch.ops.dsv41.mhc_post_pre.default
-        return Replacement(op, (y, x, post, comb, pre, w, self.config.norm_eps, self.config.kernel), (0, 1))
+        args = (y, x, post, comb, pre, w, self.config.norm_eps, norm_rounding(m.pattern.name), self.config.kernel)
+        return Replacement(op, args, (0, 1))

@@ -1,22 +1,28 @@
 """Normalisation run before the fusions, on the graph and on every traced pattern alike.
 
 - reshape forms: `aten._unsafe_view` becomes `aten.view` (the same op on a functional graph);
+- a view of a `full` is a `full` of the view's shape;
 - no-op views: `view`/`expand` to the input's own shape, a full-range `slice`, a `convert_element_type` to the
   input's own dtype, and `alias` are replaced by their input;
 - static sizes: `view`/`reshape`/`expand` take the output's static shape (so `reshape(t, -1)` and
   `reshape(t, 64)` are one form);
-- dims: negative dimension arguments become non-negative (`unsqueeze(-2)` on a 2-d input is `unsqueeze(1)`);
+- dims: negative dimension arguments become non-negative (`unsqueeze(-2)` on a 2-d input is `unsqueeze(1)`), and
+  so do slice bounds (`x[:, :-1]` is `x[:, :n - 1]`; an end at or past the size is "to the end");
 - defaults: trailing positional defaults of reductions, top-k and sort are written out (`topk(x, k)` is
   `topk(x, k, -1, True, True)`);
 - layout chains: a chain of views, unsqueezes, squeezes and permutes is at most one permute and one view of its
   root (one-step and two-step reshapes, `x[:, None]` and `x.unsqueeze(1)` are one form);
 - broadcasting: an operand viewed only to add leading size-1 dims is the operand itself;
-- `where(~m, a, b)` is `where(m, b, a)`; a negation of a view is the view of the negation.
+- `where(~m, a, b)` is `where(m, b, a)`; a negation of a view is the view of the negation;
+- unit dims: a non-leading size-1 dim that a graph input or a view of a GEMM output adds (HF's `[B, S=1, ...]`
+  decode layout) sinks below the ops that do not touch it (`_sink_units`), so they run at `[B, ...]`.
 
 Shapes come from `meta["val"]`; a node without it is left alone.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -71,6 +77,9 @@ def _canonical_args(node: fx.Node) -> bool:
             node.args = tuple(args)
             return True
         return False
+    if node.target is aten.slice.Tensor and _slice_bounds(node, args):
+        node.args = tuple(args)
+        return True
     spec = _DIM_ARGS.get(node.target)
     if spec is None or len(args) <= spec[0]:
         return False
@@ -88,6 +97,24 @@ def _canonical_args(node: fx.Node) -> bool:
         return False
     args[pos] = fixed
     node.args = tuple(args)
+    return True
+
+
+_END = 2**63 - 1  # a slice to the end, as traces write `x[..., k:]`
+
+
+def _slice_bounds(node: fx.Node, args: list) -> bool:
+    """slice(x, dim, start, end) with start in [0, size] and end in [0, size) or _END (`x[:, :-1]` and
+    `x[:, :n - 1]` are one form); True when an argument changed (args is updated in place)."""
+    x = _val(args[0])
+    if len(args) < 4 or not _static(x) or not all(isinstance(a, int) for a in args[1:4]):
+        return False
+    size = x.shape[args[1] % x.dim()]
+    start, end = (min(max(b + size if b < 0 else b, 0), size) for b in args[2:4])
+    end = _END if end >= size else end
+    if (start, end) == tuple(args[2:4]):
+        return False
+    args[2], args[3] = start, end
     return True
 
 
@@ -112,6 +139,16 @@ def _fill_defaults(node: fx.Node) -> bool:
     return True
 
 
+def _view_of_full(node: fx.Node) -> bool:
+    """view(full(shape, v)) is full(the view's shape, v) (a filled buffer in any layout is one form)."""
+    src = node.args[0] if node.target is aten.view.default and node.args else None
+    if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target is aten.full.default
+            and _static(_val(node))):
+        return False
+    node.target, node.args, node.kwargs = aten.full.default, (list(_val(node).shape), *src.args[1:]), dict(src.kwargs)
+    return True
+
+
 def _local_forms(graph: fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
@@ -122,6 +159,7 @@ def _local_forms(graph: fx.Graph) -> int:
             node.target = aten.view.default
             changed += 1
         changed += _canonical_args(node)
+        changed += _view_of_full(node)
         if _is_noop(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
@@ -207,13 +245,37 @@ def _describe(root, chain) -> tuple:
     return tuple(out)
 
 
-def _fake_call(target, *args):
-    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
-    mode = next((v.fake_mode for v in vals if isinstance(v, FakeTensor)), None)
+def position(n: fx.Node) -> int:
+    """n's index in its graph (cached per graph version)."""
+    g = n.graph
+    cache = getattr(g, "_dsv41_positions", None)
+    if cache is None or cache[0] != len(g.nodes) or n not in cache[1]:
+        cache = (len(g.nodes), {m: i for i, m in enumerate(g.nodes)})
+        g._dsv41_positions = cache
+    return cache[1][n]
+
+
+def _fake_call(target, *args, **kwargs):
+    def val(a):
+        if isinstance(a, (list, tuple)):
+            return type(a)(val(b) for b in a)
+        return a.meta["val"] if isinstance(a, fx.Node) else a
+
+    vals = val(list(args))
+    mode = next((v.fake_mode for v in _leaves(vals) if isinstance(v, FakeTensor)), None)
     if mode is None:
-        return target(*vals)
+        return target(*vals, **kwargs)
     with mode:
-        return target(*vals)
+        return target(*vals, **kwargs)
+
+
+def _leaves(vals):
+    """The values inside nested lists and tuples."""
+    for v in vals:
+        if isinstance(v, (list, tuple)):
+            yield from _leaves(v)
+        else:
+            yield v
 
 
 def _emit(graph: fx.Graph, before: fx.Node, root: fx.Node, steps: tuple) -> fx.Node:
@@ -296,6 +358,164 @@ def _where_not(node: fx.Node) -> bool:
     return False
 
 
+# ---- unit dims: a size-1 dim that a view or a graph input adds sinks below the ops it does not take part in -----
+_REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
+
+
+def _units(shape) -> list[int]:
+    """The non-leading size-1 dims of shape (the leading dim is the token or batch dim, which patterns keep)."""
+    return [i for i, d in enumerate(shape) if i > 0 and d == 1]
+
+
+_GEMMS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
+_SUNK = "dsv41_units_sunk"  # meta key of a value computed at the lower rank by `_sink_units`
+
+
+def _added_units(n) -> int:
+    """How many non-leading size-1 dims n adds to the activation layout: a graph input, all of them; a view of a
+    graph input or of a GEMM output (or of a permute of one), all of them (`_squeezed` views the input at the lower
+    rank directly: a decode GEMM's M = 1 is such a dim); a view of a value `_sink_units` lowered, those its input
+    lacks. A view inside a computation (a [M, 1, 32] block view
+    when one block fits) adds none: its unit dim is the computation's, which a pattern traces as it is."""
+    v = _val(n)
+    if not _static(v):
+        return 0
+    if n.op == "placeholder":
+        return len(_units(v.shape))
+    if n.op != "call_function" or n.target is not aten.view.default or not _static(_val(n.args[0])):
+        return 0
+    src = n.args[0]
+    if src.op == "placeholder":
+        return len(_units(v.shape))
+    root = src
+    while root.op == "call_function" and root.target is aten.permute.default:
+        root = root.args[0]
+    if root.op == "call_function" and root.target in _GEMMS:
+        return len(_units(v.shape))
+    if root.op == "call_function" and root.meta.get(_SUNK):
+        return max(0, len(_units(v.shape)) - len(_units(_val(src).shape)))
+    return 0
+
+
+def _without(shape, drop) -> list[int]:
+    return [d for i, d in enumerate(shape) if i not in drop]
+
+
+def _squeezed(graph: fx.Graph, before: fx.Node, a: fx.Node, drop: set) -> fx.Node:
+    """a without its size-1 dims `drop`: a view's input viewed once (the chain collapses), or a new view of a."""
+    shape = _without(_val(a).shape, drop)
+    src = a.args[0] if a.op == "call_function" and a.target is aten.view.default else a
+    if list(_val(src).shape) == shape:
+        return src
+    same = next((u for u in src.users if u.target is aten.view.default and list(_val(u).shape) == shape), None)
+    if same is not None and position(same) < position(before):
+        return same
+    with graph.inserting_before(before):
+        new = graph.call_function(aten.view.default, (src, shape))
+    new.meta["val"] = _fake_call(aten.view.default, src, shape)
+    return new
+
+
+def _shift(dim: int, drop: set) -> int:
+    return dim - sum(1 for s in drop if s < dim)
+
+
+# op -> (positions of its same-rank tensor operands, position of its dim argument) for `_sink_units`
+_DIM_OPERANDS = {aten.slice.Tensor: ((0,), 1), aten.select.int: ((0,), 1), aten._softmax.default: ((0,), 1),
+                 aten.topk.default: ((0,), 2), aten.scatter.value: ((0, 2), 1), aten.scatter.src: ((0, 2, 3), 1),
+                 aten.expand.default: ((0,), None), **{r: ((0,), 1) for r in _REDUCTIONS}}
+
+
+def _sink_units(graph: fx.Graph, node: fx.Node) -> bool:
+    """op(x with size-1 dims S) = op(x without them) with the dims put back, for an op that does not touch S (a
+    pointwise op whose output has size 1 there; a reduction, slice, select, softmax, top-k, scatter, expand or cat
+    over other dims): an exact identity. S are the first non-leading unit dims of the output, as many as an
+    operand's view or graph input added (`_added_units`); the ops of a [B, 1, ...] region then run at [B, ...] as a
+    pattern traced at [T, ...] does, and one view restores each value's shape where the region ends."""
+    out = _val(node)
+    t = node.target
+    if not node.users or not (_static(out) or t is aten.topk.default):
+        return False
+    if t is aten.topk.default and any(u.target is not operator.getitem for u in node.users):
+        return False
+    if isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags:
+        operands = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and _static(_val(a))]
+        if any(isinstance(v, fx.Node) for v in node.kwargs.values()):
+            return False
+        ranked = [i for i in operands if _val(node.args[i]).dim() == out.dim()]
+        added = max((_added_units(node.args[i]) for i in ranked), default=0)
+        drop = set(_units(out.shape)[:added])
+        if not drop:
+            return False
+        args = list(node.args)
+        for i in operands:
+            k = out.dim() - _val(args[i]).dim()  # right-aligned broadcasting: operand dim j is output dim j + k
+            mine = {s - k for s in drop if s - k >= 0}
+            if mine:
+                args[i] = _squeezed(graph, node, args[i], mine)
+    elif t in _DIM_OPERANDS or t is aten.cat.default:
+        positions, dim_at = _DIM_OPERANDS.get(t, ((), 1))
+        xs = list(node.args[0]) if t is aten.cat.default else [node.args[i] for i in positions if i < len(node.args)]
+        if not all(isinstance(x, fx.Node) and _static(_val(x)) and _val(x).dim() == _val(xs[0]).dim() for x in xs):
+            return False
+        if dim_at is not None and len(node.args) <= dim_at and t is not aten.cat.default:
+            return False
+        dim = node.args[dim_at] if dim_at is not None and len(node.args) > dim_at else 0
+        dims = list(dim) if isinstance(dim, (list, tuple)) else [] if dim_at is None else [dim]
+        if any(not isinstance(d, int) for d in dims):
+            return False
+        drop = sorted(s for s in _units(_val(xs[0]).shape) if s not in dims)
+        drop = set(drop[:max(_added_units(x) for x in xs)])
+        if t is aten.expand.default:
+            drop = {s for s in drop if node.args[1][s] == 1}
+        if not drop:
+            return False
+        squeezed = iter([_squeezed(graph, node, x, drop) for x in xs])
+        args = [list(squeezed) if t is aten.cat.default else a for a in node.args[:1]] + list(node.args[1:])
+        for i in positions:
+            if i < len(args):
+                args[i] = next(squeezed)
+        if t is aten.expand.default:
+            args[1] = _without(node.args[1], drop)
+        elif dim_at is not None and len(args) > dim_at:
+            args[dim_at] = [_shift(d, drop) for d in dim] if isinstance(dim, (list, tuple)) else _shift(dim, drop)
+    else:
+        return False
+    with graph.inserting_before(node):
+        low = graph.call_function(t, tuple(args), dict(node.kwargs))
+    low.meta["val"] = _fake_call(t, *args, **node.kwargs)
+    low.meta[_SUNK] = True
+    _copy_source(node, low)
+    if t is aten.topk.default:  # (values, indices): each getitem lowered and lifted back
+        for user in list(node.users):
+            with graph.inserting_before(user):
+                item = graph.call_function(operator.getitem, (low, user.args[1]))
+            item.meta["val"] = low.meta["val"][user.args[1]]
+            item.meta[_SUNK] = True
+            _replace_lifted(graph, user, item)
+        graph.erase_node(node)
+        return True
+    _replace_lifted(graph, node, low)
+    return True
+
+
+def _copy_source(node: fx.Node, new: fx.Node) -> None:
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in node.meta:
+            new.meta[key] = node.meta[key]
+
+
+def _replace_lifted(graph: fx.Graph, node: fx.Node, low: fx.Node) -> None:
+    """node's users read low viewed back to node's shape; node is erased."""
+    shape = list(_val(node).shape)
+    with graph.inserting_before(node):
+        lifted = graph.call_function(aten.view.default, (low, shape))
+    lifted.meta["val"] = _fake_call(aten.view.default, low, shape)
+    _copy_source(node, lifted)
+    node.replace_all_uses_with(lifted)
+    graph.erase_node(node)
+
+
 def _canonical_forms(graph: fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
@@ -303,8 +523,11 @@ def _canonical_forms(graph: fx.Graph) -> int:
             continue
         if node.target in _LAYOUT_OPS:
             changed += _canonicalise_layout(graph, node)
-        elif node.target is aten.neg.default:
-            changed += _neg_before_view(graph, node)
+        elif node.target is aten.neg.default and _neg_before_view(graph, node):
+            changed += 1
+        elif _sink_units(graph, node):
+            changed += 1
+            continue
         elif node.target in _BROADCASTING:
             changed += _drop_broadcast_views(node)
             if node.target is aten.where.self:

@@ -5,7 +5,8 @@ fake quantisation of the window KV when they follow in the same chain.
     kv = fp8_fake_quant(rope_tail(kv, cos, sin), 32)           (when present)
   -> dsv41::qkv_norm(qkv, q_w, kv_w, cos, sin, eps, quant_block)
 
-Formulations: RMSNorm written out or as F.rms_norm; with RoPE + FP8 quantisation (the model with fake
+Formulations: RMSNorm written out or as F.rms_norm, or written out rounding twice (w * bf16(x * rsqrt(...)) in bf16,
+HF's; the op's norm_rounding="bf16_then_weight"); with RoPE + FP8 quantisation (the model with fake
 quantisation on), with RoPE only, or the bare pair of norms; each from the merged output (sliced) or from two
 separate GEMM outputs q and kv (HF runs wq_a and wkv as two GEMMs), which the replacement joins with one cat into
 the op's qkv input.
@@ -19,7 +20,7 @@ import torch.fx as fx
 from dsv41.models import functional as fn
 from dsv41.passes.fusion import Derived, FusionPass, Replacement
 from dsv41.passes.matcher import Pattern
-from dsv41.passes.mhc_post_pre import rms_norm_functional
+from dsv41.passes.mhc_post_pre import BF16_NORM, norm_rounding, rms_norm_bf16_then_weight, rms_norm_functional
 
 T, QD, KVD, RD = 3, 32, 64, 16
 
@@ -51,7 +52,8 @@ class QkvNormPass(FusionPass):
     def patterns(self):
         eps, block = self.config.norm_eps, self.config.fp8_block
         out = []
-        for norm_name, norm in (("", fn.rms_norm), ("_F_rms_norm", rms_norm_functional)):
+        for norm_name, norm in (("", fn.rms_norm), ("_F_rms_norm", rms_norm_functional),
+                                (BF16_NORM, rms_norm_bf16_then_weight)):
             def bare(qkv, q_w, kv_w, norm=norm):
                 q_dim = q_w.shape[0]
                 return norm(qkv[:, :q_dim], q_w, eps), norm(qkv[:, q_dim:], kv_w, eps)
@@ -87,7 +89,7 @@ class QkvNormPass(FusionPass):
         return out
 
     def replacement(self, m):
-        tail = m.pattern.name.split("q_kv_norm_")[1].removesuffix("_F_rms_norm")
+        tail = m.pattern.name.split("q_kv_norm_")[1].removesuffix("_F_rms_norm").removesuffix(BF16_NORM)
         split = tail.endswith("_split")
         tail = tail.removesuffix("_split")
         if split:
@@ -98,4 +100,5 @@ class QkvNormPass(FusionPass):
         cos, sin = rest if tail != "none" else (None, None)
         block = self.config.fp8_block if tail == "rope_fp8" else 0
         op = torch.ops.dsv41.qkv_norm.default
-        return Replacement(op, (qkv, q_w, kv_w, cos, sin, self.config.norm_eps, block, self.config.kernel), (0, 1))
+        args = (qkv, q_w, kv_w, cos, sin, self.config.norm_eps, block, norm_rounding(m.pattern.name), self.config.kernel)
+        return Replacement(op, args, (0, 1))

@@ -1,5 +1,6 @@
 """dsv41::qkv_norm: bit-exact with the model's q_norm / kv_norm / KV RoPE / FP8 fake-quant chain on CPU, in every
-combination of the optional RoPE and quantisation; argument errors."""
+combination of the optional RoPE and quantisation, and with the double-rounding RMSNorm (HF's) under
+norm_rounding="bf16_then_weight"; argument errors."""
 
 import pytest
 import torch
@@ -26,7 +27,30 @@ def test_reference_matches_model(samples, rope, quant_block, seed):
     assert torch.equal(qr, want_q) and torch.equal(kv, want_kv)
 
 
+def hf_norm(x, w, eps):
+    """HF's RMSNorm: weight * bf16(x * rsqrt(mean(x^2) + eps)), the weight multiply in bf16."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("rope", [True, False])
+@pytest.mark.parametrize("seed", range(2))
+def test_reference_bf16_then_weight_matches_hf_norm(samples, rope, seed):
+    kw = samples("qkv_norm", seed=seed, rope=rope, quant_block=32)
+    qkv, ql, eps = kw["qkv"], kw["q_weight"].shape[0], kw["eps"]
+    want_q = hf_norm(qkv[:, :ql], kw["q_weight"], eps)
+    want_kv = hf_norm(qkv[:, ql:], kw["kv_weight"], eps)
+    if rope:
+        want_kv = fn.apply_rope_tail(want_kv, kw["cos"], kw["sin"])
+    qr, kv = op(**{**kw, "norm_rounding": "bf16_then_weight"}, impl="reference")
+    assert torch.equal(qr, want_q) and torch.equal(kv, fn.fp8_fake_quant(want_kv, 32))
+    single, _ = op(**kw, impl="reference")
+    assert not torch.equal(qr, single)  # the two roundings are different math on these values
+
+
 BAD = {
+    "norm_rounding": (lambda kw: dict(norm_rounding="bf16"),
+                      r"'norm_rounding' must be one of \('fp32_weight', 'bf16_then_weight'\), got 'bf16'"),
     "qkv width": (lambda kw: dict(qkv=kw["qkv"][:, :-1]), r"'qkv' must have shape \[T, q_dim\+kv_dim\] = \[3, 96\], got \[3, 95\]"),
     "cos T": (lambda kw: dict(cos=kw["cos"][:-1]), r"'cos' must have shape \[T, rd/2\] = \[3, 8\], got \[2, 8\]"),
     "sin rd": (lambda kw: dict(sin=kw["sin"][:, :-1]), r"'sin' must have shape \[T, rd/2\] = \[3, 8\], got \[3, 7\]"),

@@ -72,6 +72,17 @@ def sorted_topk_mask(s, k=TOPK):
     return topk_mask(s, k, sorted_topk=True)
 
 
+def topk_mask_spare(s, k=TOPK, sorted_topk=False):
+    """Invalid picks (score -inf) sent to a spare column N of a [T, N + 1] -inf buffer, sliced off after the scatter."""
+    vals, sel = torch.topk(s, min(k, s.shape[1]), dim=-1, sorted=sorted_topk)
+    sel = torch.where(vals > -math.inf, sel, s.shape[1])
+    return torch.full((s.shape[0], s.shape[1] + 1), -math.inf).scatter(-1, sel, 0.0)[:, :-1]
+
+
+def sorted_topk_mask_spare(s, k=TOPK):
+    return topk_mask_spare(s, k, sorted_topk=True)
+
+
 def index_source(select):
     def f(q, w, keys, n_c):
         return select(index_scores(q, w, keys, n_c))
@@ -93,7 +104,8 @@ def reindex(select):
 
 FORMULATIONS = {f"{kind}{tag}": (make(select), kind)
                 for tag, select in (("", topk_then_sort), ("_sorted", sorted_topk), ("_mask", topk_mask),
-                                    ("_mask_sorted", sorted_topk_mask))
+                                    ("_mask_sorted", sorted_topk_mask), ("_mask_spare", topk_mask_spare),
+                                    ("_mask_spare_sorted", sorted_topk_mask_spare))
                 for kind, make in (("index_source", index_source), ("candidate_source", candidate_source),
                                    ("reindex", reindex))}
 

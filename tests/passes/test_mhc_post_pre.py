@@ -2,8 +2,10 @@
 -> dsv41::mhc_post_pre.
 
 Every formulation the pass lists has a user-written function here (broadcast-multiply-sum or einsum stream
-mixing; RMSNorm written out or as F.rms_norm). The fused op computes the model's formulation (broadcast-sum,
-written-out norm), so that one is bit-exact (atol=rtol=0); the einsum / F.rms_norm ones sum or normalise in
+mixing; RMSNorm written out or as F.rms_norm, or written out rounding twice as HF's does, which the op computes
+with norm_rounding="bf16_then_weight"). The fused op computes the model's formulation (broadcast-sum,
+written-out norm) and the double-rounding one with the model's mixing, so those are bit-exact (atol=rtol=0); the
+einsum / F.rms_norm ones sum or normalise in
 another fp32 order, and both outputs are bf16: compared within bf16 tolerance (atol=rtol=1.6e-2, one bf16 ulp
 at |v| <= 2).
 """
@@ -58,8 +60,30 @@ def functional_rms_norm(y, x, post, comb, pre, w, eps=NORM_EPS):
     return x_new, F.rms_norm(u.float(), (u.shape[-1],), w.float(), eps).to(u.dtype)
 
 
-FORMULATIONS = {"post_pre": broadcast_sum, "post_pre_einsum": einsum_mixing, "post_pre_F_rms_norm": functional_rms_norm}
-TOL = {"post_pre": dict(atol=0, rtol=0), "post_pre_einsum": BF16_TOL, "post_pre_F_rms_norm": BF16_TOL}
+def norm_bf16_then_weight(u, w, eps):
+    """HF's RMSNorm: the normalised u rounded to bf16, then the weight multiply in bf16."""
+    uf = u.float()
+    return w * (uf * torch.rsqrt(uf.pow(2).mean(-1, keepdim=True) + eps)).to(u.dtype)
+
+
+def double_rounding_norm(y, x, post, comb, pre, w, eps=NORM_EPS):
+    """Broadcast-multiply-sum mixing; the RMSNorm rounds twice."""
+    x_new = fn.hc_post(y, x, post, comb)
+    return x_new, norm_bf16_then_weight(fn.hc_collapse(x_new, pre), w, eps)
+
+
+def einsum_double_rounding_norm(y, x, post, comb, pre, w, eps=NORM_EPS):
+    """Stream mixing and collapse as einsum; the RMSNorm rounds twice."""
+    x_new = (post.unsqueeze(-1) * y.float().unsqueeze(1) + torch.einsum("bjk,bjd->bkd", comb, x.float())).to(x.dtype)
+    return x_new, norm_bf16_then_weight(torch.einsum("bj,bjd->bd", pre, x_new.float()).to(x_new.dtype), w, eps)
+
+
+FORMULATIONS = {"post_pre": broadcast_sum, "post_pre_einsum": einsum_mixing, "post_pre_F_rms_norm": functional_rms_norm,
+                "post_pre_bf16_then_weight": double_rounding_norm,
+                "post_pre_einsum_bf16_then_weight": einsum_double_rounding_norm}
+TOL = {"post_pre": dict(atol=0, rtol=0), "post_pre_einsum": BF16_TOL, "post_pre_F_rms_norm": BF16_TOL,
+       "post_pre_bf16_then_weight": dict(atol=0, rtol=0), "post_pre_einsum_bf16_then_weight": BF16_TOL}
+ROUNDING = {name: "bf16_then_weight" if name.endswith("_bf16_then_weight") else "fp32_weight" for name in FORMULATIONS}
 
 
 def model_site(y, x, post, comb, pre, w):
@@ -81,13 +105,13 @@ def test_every_formulation_has_a_test():
 def test_formulation_is_fused(name):
     f = FORMULATIONS[name]
     gone = ("aten.sum.dim_IntList", "aten.rsqrt", "aten.mean.dim", "aten.pow.Tensor_Scalar", "aten.bmm")
-    gm, report, _ = run_fused_once(f, inputs(0), FUSION, gone)
-    assert report.passes[1].replaced[0]["pattern"] == name
+    gm, report, node = run_fused_once(f, inputs(0), FUSION, gone)
+    assert report.passes[1].replaced[0]["pattern"] == name and node.args[7] == ROUNDING[name]
     x = inputs(1)
     assert_close(gm(*x), f(*x), **TOL[name])
 
 
-@pytest.mark.parametrize("name", ["post_pre", "post_pre_F_rms_norm"])
+@pytest.mark.parametrize("name", ["post_pre", "post_pre_F_rms_norm", "post_pre_bf16_then_weight"])
 def test_batch_one(name):
     gm, report = run_passes(FORMULATIONS[name], inputs(0, t=1), FUSION)
     assert report.matches[FUSION] == 1
@@ -116,7 +140,7 @@ def test_golden():
 %arg3_1: f32[2, 4, 4] = input
 %arg4_1: f32[2, 4] = input
 %arg5_1: bf16[8] = input
-%mhc_post_pre_default: (bf16[2, 4, 8], bf16[2, 8]) = dsv41.mhc_post_pre(%arg0_1, %arg1_1, %arg2_1, %arg3_1, %arg4_1, %arg5_1, 1e-20, 'auto')
+%mhc_post_pre_default: (bf16[2, 4, 8], bf16[2, 8]) = dsv41.mhc_post_pre(%arg0_1, %arg1_1, %arg2_1, %arg3_1, %arg4_1, %arg5_1, 1e-20, 'fp32_weight', 'auto')
 %getitem_1: bf16[2, 8] = getitem(%mhc_post_pre_default, 1)
 %getitem: bf16[2, 4, 8] = getitem(%mhc_post_pre_default, 0)
 return [%getitem, %getitem_1]

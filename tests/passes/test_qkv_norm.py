@@ -44,6 +44,15 @@ def norm_functional(x, w, eps):
     return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
 
 
+def norm_bf16_then_weight(x, w, eps):
+    """HF's RMSNorm: the normalised x rounded to bf16, then the weight multiply in bf16 (two roundings)."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+NORMS = (("", norm_written_out), ("_F_rms_norm", norm_functional), ("_bf16_then_weight", norm_bf16_then_weight))
+
+
 def make(norm, tail, eps=NORM_EPS, block=32):
     def bare(qkv, q_w, kv_w):
         q_dim = q_w.shape[0]
@@ -68,8 +77,7 @@ def split(f):
 
 
 FORMULATIONS = {f"q_kv_norm_{tail}{suffix}": (make(norm, tail), tail)
-                for suffix, norm in (("", norm_written_out), ("_F_rms_norm", norm_functional))
-                for tail in ("rope_fp8", "rope", "none")}
+                for suffix, norm in NORMS for tail in ("rope_fp8", "rope", "none")}
 
 
 def split_norm(norm, tail, eps=NORM_EPS, block=32):
@@ -88,8 +96,7 @@ def split_norm(norm, tail, eps=NORM_EPS, block=32):
 
 
 SPLIT_FORMULATIONS = {f"q_kv_norm_{tail}_split{suffix}": (split_norm(norm, tail), tail)
-                      for suffix, norm in (("", norm_written_out), ("_F_rms_norm", norm_functional))
-                      for tail in ("rope_fp8", "rope", "none")}
+                      for suffix, norm in NORMS for tail in ("rope_fp8", "rope", "none")}
 
 
 def two_gemms(f):
@@ -131,6 +138,7 @@ def test_split_formulation_is_fused(name):
     gm, _, node = run_fused_once(f, split_inputs(0, rope=rope), FUSION, ("aten.rsqrt", "aten.mean.dim"))
     assert op_counts(gm)["aten.mm"] == 2  # the GEMMs stay
     assert op_name(node.args[0].target) == "aten.cat" and node.args[6] == (32 if tail == "rope_fp8" else 0)
+    assert node.args[7] == ("bf16_then_weight" if name.endswith("_bf16_then_weight") else "fp32_weight")
     x = split_inputs(1, rope=rope)
     check_result(gm(*x), f(*x), name, tail == "rope_fp8")
 
@@ -143,6 +151,7 @@ def test_formulation_is_fused(name):
     gm, _, node = run_fused_once(f, inputs(0, rope=rope), FUSION, gone)
     assert node.args[6] == (32 if tail == "rope_fp8" else 0)  # quant_block
     assert (node.args[3] is None) == (not rope)  # cos
+    assert node.args[7] == ("bf16_then_weight" if name.endswith("_bf16_then_weight") else "fp32_weight")
     x = inputs(1, rope=rope)
     check_result(gm(*x), f(*x), name, tail == "rope_fp8")
 
@@ -186,7 +195,7 @@ def test_golden():
 %arg2_1: bf16[64] = input
 %arg3_1: f32[2, 8] = input
 %arg4_1: f32[2, 8] = input
-%qkv_norm_default: (bf16[2, 32], bf16[2, 64]) = dsv41.qkv_norm(%arg0_1, %arg1_1, %arg2_1, %arg3_1, %arg4_1, 1e-20, 32, 'auto')
+%qkv_norm_default: (bf16[2, 32], bf16[2, 64]) = dsv41.qkv_norm(%arg0_1, %arg1_1, %arg2_1, %arg3_1, %arg4_1, 1e-20, 32, 'fp32_weight', 'auto')
 %getitem_1: bf16[2, 64] = getitem(%qkv_norm_default, 1)
 %getitem: bf16[2, 32] = getitem(%qkv_norm_default, 0)
 return [%getitem, %getitem_1]

@@ -89,8 +89,19 @@ def mask_in_place(q, w, keys, n_c):
     return torch.where(s > -math.inf, mask, -math.inf)
 
 
+def mask_spare_column(q, w, keys, n_c):
+    """mask form, HF's spelling: unsorted top-k, invalid picks (score -inf) sent to a spare column N of a
+    [T, N + 1] -inf buffer that the 0-scatter fills, the spare column sliced off."""
+    s = scores(q, w, keys, n_c)
+    n = s.shape[-1]
+    vals, sel = s.topk(min(TOPK, n), dim=-1, sorted=False)
+    sel = torch.where(vals > -math.inf, sel, n)
+    mask = torch.full((s.shape[0], n + 1), -math.inf).scatter_(-1, sel, 0.0)
+    return mask[..., :n]
+
+
 CASES = {f.__name__: f for f in (validity_by_index, weights_first, where_fill, take_along_dim, sorted_by_values,
-                                 bmm_scores, mask_by_visibility, mask_in_place)}
+                                 bmm_scores, mask_by_visibility, mask_in_place, mask_spare_column)}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

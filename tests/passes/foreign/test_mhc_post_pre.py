@@ -1,7 +1,7 @@
 """Foreign formulations of `mhc_post_pre` (post mixing + collapse + RMSNorm), each written here the way another
 implementation might, differing from the project's model (`functional.hc_post/hc_collapse/rms_norm`) in one
 named way. Each must be found exactly once and agree with eager: bit-exact where the math is the same op for op
-up to exact identities; within one bf16 ulp (atol=rtol=1.6e-2) where the fp32 order differs (einsum/bmm sums)."""
+up to exact identities (the double-rounding RMSNorm too: the op computes that form when told); within one bf16 ulp (atol=rtol=1.6e-2) where the fp32 order differs (einsum/bmm sums)."""
 
 from __future__ import annotations
 
@@ -72,9 +72,18 @@ def reshape_flatten(y, x, post, comb, pre, w):
     return x_new, norm(weighted.sum(1).to(x.dtype), w)
 
 
+def double_rounding_norm(y, x, post, comb, pre, w, eps=NORM_EPS):
+    """op contract: HF's RMSNorm, which rounds the normalised row to bf16 before a bf16 weight multiply
+    (`weight * u.to(input_dtype)`, weight first): the op's norm_rounding="bf16_then_weight"."""
+    mixed = (comb.unsqueeze(-1) * x.float().unsqueeze(-2)).sum(dim=1)
+    x_new = (post.unsqueeze(-1) * y.float().unsqueeze(-2) + mixed).to(x.dtype)
+    uf = collapse(x_new, pre).float()
+    return x_new, w * (uf * torch.rsqrt(uf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 CASES = {f.__name__: (f, tol) for f, tol in (
     (mix_first, EXACT), (none_indexing, EXACT), (bmm_mixing, BF16_ULP), (weight_first_norm, EXACT),
-    (square_by_mul, EXACT), (reshape_flatten, EXACT))}
+    (square_by_mul, EXACT), (reshape_flatten, EXACT), (double_rounding_norm, EXACT))}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

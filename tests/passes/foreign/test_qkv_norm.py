@@ -74,6 +74,22 @@ def two_gemm_outputs(x, wq, wkv, q_w, kv_w, cos, sin):
     return norm(q, q_w), fp8_exp2(rope_stride2(norm(kv, kv_w), cos, sin))
 
 
+def unit_seq_dim(qkv, q_w, kv_w, cos, sin):
+    """layout: HF's [B, S=1, ...]: qkv, cos and sin carry the sequence dim of one decode step, the norms, RoPE and
+    FP8 tail run at [B, 1, ...] and return [B, 1, ...] (the op computes at [T, ...], T = B)."""
+    qr, kv = norm(qkv[..., :QD], q_w), norm(qkv[..., QD:], kv_w)
+    tail = kv[..., -2 * cos.shape[-1]:].float().unflatten(-1, (-1, 2))
+    x0, x1 = tail[..., 0], tail[..., 1]
+    rot = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(kv.dtype)
+    return qr, fn.fp8_fake_quant(torch.cat((kv[..., :-2 * cos.shape[-1]], rot), dim=-1), 32)
+
+
+def unit_seq_inputs(seed):
+    """inputs() with the sequence dim: qkv [T, 1, q_dim + kv_dim], cos and sin [T, 1, rd/2]."""
+    qkv, q_w, kv_w, cos, sin = inputs(seed)
+    return [qkv.unsqueeze(1), q_w, kv_w, cos.unsqueeze(1), sin.unsqueeze(1)]
+
+
 def mean_as_sum(qkv, q_w, kv_w, eps=NORM_EPS):
     """other op: the mean square as sum(x^2) / n (no RoPE/FP8 tail)."""
     def norm_sum(x, w):
@@ -88,6 +104,7 @@ CASES = {
     "weight_times_normalised": (weight_times_normalised, inputs, EXACT),
     "split_with_sizes": (split_with_sizes, inputs, EXACT),
     "two_gemm_outputs": (two_gemm_outputs, split_inputs, EXACT),
+    "unit_seq_dim": (unit_seq_dim, unit_seq_inputs, EXACT),
     "mean_as_sum": (mean_as_sum, lambda seed: inputs(seed, rope=False), BF16_ULP),
 }
 
