@@ -426,6 +426,12 @@ def _compile_topk_select(k: int, per_thread: int, gathered: bool, final: bool, p
     )
 
 
+def compile_scores(masked: bool, blocks: bool, pdl: bool = True):
+    """The compiled score launch of a mode (``masked``: candidate-masked; ``blocks``: with the block maxima), from
+    memory, disk or a fresh compile."""
+    return _compile_index_score(masked, blocks, pdl)
+
+
 def select_launches(n_cols: int, k: int, pdl: bool = True) -> list:
     """The compiled select launches for rows of ``n_cols`` scores and ``k`` (memory, disk or a fresh compile):
     [single] for one slice, else [slices, merge]."""
@@ -488,8 +494,8 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_c: torc
     if t > 0:
         rounds = min(_MAX_ROUNDS, max(1, t * n_cap // (_ROUND_COLS * _TARGET_CTAS)))
         ctas_per_row = -(-n_cap // (rounds * _ROUND_COLS))
-        _compile_index_score(candidates is not None, blocks, pdl)(q, w, keys, n_c, cand, scores, block_max, rounds,
-                                                                 ctas_per_row, t * ctas_per_row)
+        compile_scores(candidates is not None, blocks, pdl)(q, w, keys, n_c, cand, scores, block_max, rounds,
+                                                           ctas_per_row, t * ctas_per_row)
     return scores, block_max if blocks else None
 
 
