@@ -64,7 +64,8 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from dsv41.kernels import cute_utils, mhc_post_pre
 from dsv41.kernels.compile_cache import (cached_kernel, compile_tvm_ffi, env_stream, fake_tensor, hopper_reason,
                                          shape_reason)
-from dsv41.kernels.mhc_post_pre import HC, _config, cluster_for, norm_sum_buffers, post_collapse_norm
+from dsv41.kernels.mhc_post_pre import (HC, _config, cluster_for, norm_sum_buffers, norm_weight_then_wait,
+                                        post_collapse_norm)
 from dsv41.lowerings.allreduce_mhc import symmetric_memory_enabled
 
 MAX_TOKENS = 64
@@ -122,16 +123,10 @@ class AllReduceMhc:
                mPre: cute.Tensor, mW: cute.Tensor, mXo: cute.Tensor, mH: cute.Tensor, mPeers: cute.Tensor,
                mState: cute.Tensor, rank: Int32, eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        t, crank, _ = cute.arch.block_idx()
+        t, _, _ = cute.arch.block_idx()
         red_buf, mbar = norm_sum_buffers(self.num_warps, self.cluster_n)
-        if const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
-
-        col = crank * (self.num_warps * 32) + tidx  # this thread's vector index along D
+        col, w = norm_weight_then_wait(mW, self.vec, self.num_warps, self.pdl)
         vec = (self.vec,)
-        w = cute_utils.load_vec(cute.tiled_divide(mW, vec)[None, col], Float32)  # a weight: before the wait
-        if const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()
         gen = cute.arch.load(mState.iterator, Int32, sem="relaxed", scope="gpu")
 
         # (1) this rank's slice of y into slot [gen][rank][t] of every rank's buffer

@@ -101,17 +101,10 @@ class MhcPostPre:
     @cute.kernel
     def kernel(self, mY: cute.Tensor, mX: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor,
                mPre: cute.Tensor, mW: cute.Tensor, mXo: cute.Tensor, mH: cute.Tensor, eps: Float32):
-        tidx, _, _ = cute.arch.thread_idx()
-        t, rank, _ = cute.arch.block_idx()
+        t, _, _ = cute.arch.block_idx()
         red_buf, mbar = norm_sum_buffers(self.num_warps, self.cluster_n)
-        if const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
-
-        col = rank * (self.num_warps * 32) + tidx  # this thread's vector index along D
+        col, w = norm_weight_then_wait(mW, self.vec, self.num_warps, self.pdl)
         vec = (self.vec,)
-        w = cute_utils.load_vec(cute.tiled_divide(mW, vec)[None, col], Float32)  # a weight: before the wait
-        if const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()
         y = cute_utils.load_vec(cute.tiled_divide(mY[t, None], vec)[None, col], Float32)
         xs = [cute_utils.load_vec(cute.tiled_divide(mX[t, j, None], vec)[None, col], Float32) for j in range(HC)]
         post = cute_utils.load_vec(mPost[t, None])
@@ -132,6 +125,23 @@ def norm_sum_buffers(num_warps: cutlass.Constexpr[int], cluster_n: cutlass.Const
     if const_expr(cluster_n > 1):
         cute_utils.init_cluster_mbarrier(mbar)
     return red_buf, mbar
+
+
+@cute.jit
+def norm_weight_then_wait(mW: cute.Tensor, vec: cutlass.Constexpr[int], num_warps: cutlass.Constexpr[int],
+                          pdl: cutlass.Constexpr[bool]):
+    """(col, w): this thread's vector index along D (CTA y-index ``rank`` of the token's cluster, ``vec`` columns
+    per thread) and its RMSNorm weight vector, fp32. With ``pdl`` the kernel lets its dependents launch and loads
+    the weight before it waits for the preceding kernel (a weight is not that kernel's output)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    _, rank, _ = cute.arch.block_idx()
+    if const_expr(pdl):
+        cute.arch.griddepcontrol_launch_dependents()
+    col = rank * (num_warps * 32) + tidx
+    w = cute_utils.load_vec(cute.tiled_divide(mW, (vec,))[None, col], Float32)
+    if const_expr(pdl):
+        cute.arch.griddepcontrol_wait()
+    return col, w
 
 
 @cute.jit
