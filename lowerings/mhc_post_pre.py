@@ -9,20 +9,6 @@ from dsv41.lowerings import _checks, _kernels
 from dsv41.models import functional
 
 NAME = "mhc_post_pre"
-# Where an RMSNorm rounds to bf16: once, after the fp32 weight multiply (spec 2.2, the model's), or first the
-# normalised value and then again after a bf16 weight multiply (HF's `weight * x.to(input_dtype)`).
-NORM_ROUNDINGS = ("fp32_weight", "bf16_then_weight")
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float, rounding: str = "fp32_weight") -> Tensor:
-    """RMSNorm of x [..., D] bf16 with weight [D] bf16 over the last dim, v = x * rsqrt(mean(x^2) + eps) in fp32:
-    "fp32_weight": bf16(weight * v) (one rounding); "bf16_then_weight": bf16(weight * bf16(v)) (two)."""
-    if rounding == "fp32_weight":
-        return functional.rms_norm(x, weight, eps)
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def validate_streams(op, x, post, comb, pre, norm_weight, dims):
     """The stream arguments shared with `dsv41::allreduce_mhc`; x binds T, hc, D in `dims`."""
     _checks.check_tensor(op, "x", x, torch.bfloat16, "T hc D", dims)
@@ -34,7 +20,7 @@ def validate_streams(op, x, post, comb, pre, norm_weight, dims):
 
 def _validate(y, x, post, comb, pre, norm_weight, norm_rounding, impl):
     _checks.check_impl(NAME, impl)
-    _checks.check_choice(NAME, "norm_rounding", norm_rounding, NORM_ROUNDINGS)
+    _checks.check_choice(NAME, "norm_rounding", norm_rounding, functional.NORM_ROUNDINGS)
     device = _checks.check_devices(NAME, y=y, x=x, post=post, comb=comb, pre=pre, norm_weight=norm_weight)
     dims = {}
     validate_streams(NAME, x, post, comb, pre, norm_weight, dims)
@@ -63,7 +49,7 @@ def compare_kernel(got, want) -> str | None:
 def reference(y, x, post, comb, pre, norm_weight, eps, norm_rounding="fp32_weight"):
     """Plain torch, the model's own functions in the model's order (the RMSNorm rounded as `norm_rounding` says)."""
     x_new = functional.hc_post(y, x, post, comb)
-    return x_new, rms_norm(functional.hc_collapse(x_new, pre), norm_weight, eps, norm_rounding)
+    return x_new, functional.rms_norm(functional.hc_collapse(x_new, pre), norm_weight, eps, norm_rounding)
 
 
 def post_pre(op, impl, device, y, x, post, comb, pre, norm_weight, eps, norm_rounding="fp32_weight"):
@@ -86,7 +72,7 @@ def mhc_post_pre(y: Tensor, x: Tensor, post: Tensor, comb: Tensor, pre: Tensor, 
         u[t]        = bf16(sum_j pre[t, j] * x_new[t, j])                            [T, D]
         h[t]        = bf16(norm_weight * u[t] * rsqrt(mean(u[t]^2) + eps))           [T, D] bf16
     with fp32 arithmetic inside each bf16(...); norm_rounding "bf16_then_weight" computes h as
-    bf16(norm_weight * bf16(u[t] * rsqrt(mean(u[t]^2) + eps))) instead (`rms_norm`).
+    bf16(norm_weight * bf16(u[t] * rsqrt(mean(u[t]^2) + eps))) instead (`models.functional.rms_norm`).
     impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
     """
     device, _ = _validate(y, x, post, comb, pre, norm_weight, norm_rounding, impl)

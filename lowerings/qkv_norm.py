@@ -6,7 +6,6 @@ import torch
 from torch import Tensor
 
 from dsv41.lowerings import _checks, _kernels
-from dsv41.lowerings.mhc_post_pre import NORM_ROUNDINGS, rms_norm
 from dsv41.models import functional
 
 NAME = "qkv_norm"
@@ -14,7 +13,7 @@ NAME = "qkv_norm"
 
 def _validate(qkv, q_weight, kv_weight, cos, sin, quant_block, norm_rounding, impl):
     _checks.check_impl(NAME, impl)
-    _checks.check_choice(NAME, "norm_rounding", norm_rounding, NORM_ROUNDINGS)
+    _checks.check_choice(NAME, "norm_rounding", norm_rounding, functional.NORM_ROUNDINGS)
     device = _checks.check_devices(NAME, qkv=qkv, q_weight=q_weight, kv_weight=kv_weight, cos=cos, sin=sin)
     dims = {}
     _checks.check_tensor(NAME, "q_weight", q_weight, torch.bfloat16, "q_dim", dims)
@@ -37,8 +36,8 @@ def _validate(qkv, q_weight, kv_weight, cos, sin, quant_block, norm_rounding, im
 def reference(qkv, q_weight, kv_weight, cos, sin, eps, quant_block, norm_rounding="fp32_weight"):
     """Plain torch, the model's own functions in the model's order (the RMSNorms rounded as `norm_rounding` says)."""
     q_dim = q_weight.shape[0]
-    qr = rms_norm(qkv[:, :q_dim], q_weight, eps, norm_rounding)
-    kv = rms_norm(qkv[:, q_dim:], kv_weight, eps, norm_rounding)
+    qr = functional.rms_norm(qkv[:, :q_dim], q_weight, eps, norm_rounding)
+    kv = functional.rms_norm(qkv[:, q_dim:], kv_weight, eps, norm_rounding)
     if cos is not None:
         kv = functional.apply_rope_tail(kv, cos, sin)
     if quant_block > 0:
@@ -58,7 +57,7 @@ def qkv_norm(qkv: Tensor, q_weight: Tensor, kv_weight: Tensor, cos: Tensor | Non
         kv = apply_rope_tail(kv, cos, sin)        (interleaved RoPE on the last rd dims; if cos is given)
         kv = fp8_fake_quant(kv, quant_block)      (ue8m0-scaled e4m3 round trip per block; if quant_block > 0)
     rms_norm(v, w, eps) = bf16(w * v * rsqrt(mean(v^2) + eps)) in fp32 (norm_rounding "fp32_weight"), or
-    bf16(w * bf16(v * rsqrt(mean(v^2) + eps))) ("bf16_then_weight", see `dsv41.lowerings.mhc_post_pre.rms_norm`).
+    bf16(w * bf16(v * rsqrt(mean(v^2) + eps))) ("bf16_then_weight", see `dsv41.models.functional.rms_norm`).
     impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
     """
     device, _ = _validate(qkv, q_weight, kv_weight, cos, sin, quant_block, norm_rounding, impl)

@@ -14,10 +14,20 @@ FP8_MAX = 448.0
 FP4_MAX = 6.0
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """bf16(w * (x * rsqrt(mean(x^2) + eps))) with an fp32 interior and one rounding (spec 2.2)."""
+# Where an RMSNorm rounds to bf16: once, after the fp32 weight multiply (spec 2.2, the model's), or first the
+# normalised value and then again after a bf16 weight multiply (HF's `weight * x.to(input_dtype)`).
+NORM_ROUNDINGS = ("fp32_weight", "bf16_then_weight")
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, rounding: str = "fp32_weight") -> Tensor:
+    """v = x * rsqrt(mean(x^2) + eps) in fp32 over the last dim, then "fp32_weight": bf16(w * v), one rounding
+    (spec 2.2); "bf16_then_weight": bf16(w * bf16(v)), two."""
+    if rounding not in NORM_ROUNDINGS:
+        raise ValueError(f"rms_norm: rounding must be one of {NORM_ROUNDINGS}, got {rounding!r}")
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if rounding == "bf16_then_weight":
+        return weight * xf.to(x.dtype)
     return (xf * weight.float()).to(x.dtype)
 
 

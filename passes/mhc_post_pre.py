@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsv41.lowerings.mhc_post_pre import NORM_ROUNDINGS, rms_norm
 from dsv41.models import functional as fn
 from dsv41.passes.fusion import FusionPass, Replacement
 from dsv41.passes.matcher import Pattern
@@ -48,7 +47,7 @@ def rms_norm_functional(x, w, eps):
 
 
 def rms_norm_bf16_then_weight(x, w, eps):
-    return rms_norm(x, w, eps, "bf16_then_weight")
+    return fn.rms_norm(x, w, eps, "bf16_then_weight")
 
 
 # name suffix of a formulation whose RMSNorm rounds twice -> the op's norm_rounding; the others: "fp32_weight"
@@ -57,7 +56,7 @@ BF16_NORM = "_bf16_then_weight"
 
 def stream_formulations(eps: float, roundings: tuple = ("fp32_weight",)):
     """(name suffix, search(y, x, post, comb, pre, w) -> (x_new, h)) of each accepted formulation whose RMSNorm
-    rounds as one of `roundings` says (`dsv41.lowerings.mhc_post_pre.NORM_ROUNDINGS`)."""
+    rounds as one of `roundings` says (`dsv41.models.functional.NORM_ROUNDINGS`)."""
     def post_pre(post_fn, collapse_fn, norm_fn):
         def search(y, x, post, comb, pre, w):
             x_new = post_fn(y, x, post, comb)
@@ -86,7 +85,7 @@ class MhcPostPrePass(FusionPass):
     def patterns(self):
         return [Pattern("post_pre" + suffix, search, example_stream_inputs, variants=one_token_variant(suffix, example_stream_inputs),
                         anchor=torch.ops.aten.rsqrt.default)
-                for suffix, search in stream_formulations(self.config.norm_eps, NORM_ROUNDINGS)]
+                for suffix, search in stream_formulations(self.config.norm_eps, fn.NORM_ROUNDINGS)]
 
     def replacement(self, m):
         y, x, post, comb, pre, w = m.inputs

@@ -139,8 +139,8 @@ def broken(tmp_path_factory):
     q_norm = model.layers["2"].attn.q_norm
     real_rms_norm = fn.rms_norm
 
-    def rms_norm(x, weight, eps):  # (a) another eps in exactly one RMSNorm: layer 2's attention q_norm
-        return real_rms_norm(x, weight, 1e-6 if weight is q_norm else eps)
+    def rms_norm(x, weight, eps, rounding="fp32_weight"):  # (a) another eps in exactly one RMSNorm: layer 2's q_norm
+        return real_rms_norm(x, weight, 1e-6 if weight is q_norm else eps, rounding)
 
     model.layers["3"].__class__ = _ExtraOpBlock  # (b) the extra op in layer 3
     backend = make_backend(mode="fx")
