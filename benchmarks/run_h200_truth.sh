@@ -3,16 +3,16 @@
 # writing JSON, plots and logs to $OUT. Benchmark processes of one part run at the same time, each with its own
 # cold caches (TORCHINDUCTOR_CACHE_DIR, DSV41_CACHE_DIR); they share a GPU lock, so each compiles freely but
 # captures, checks and times alone.
-#   PART=short: layers 2,3,20,24: batch 1 and batch 8 at context 4096 (two processes: on 2026-12-01 one process
-#               doing both ran past 330 s in batch 8's dsv41 cold compile), batch 1 at 131072 and at 524288 (cold
+#   PART=short: layers 2,3,20,24: batch 1 and batch 8 at context 4096, batch 1 at 131072 (three processes, cold
 #               starts); then batch 1 at 4096 again in a second process on its caches (warm start).
+#   PART=long:  layers 2,3,20,24, batch 1 at context 524288, alone. On 2026-12-01 four processes side by side (short
+#               and long in one) ran out of the H200's memory: each holds ~30.5 GiB of model and caches, and the
+#               agreement checks at 4096 and 524288 could not allocate their 1.23 GiB.
 #   PART=deep:  all 40 layers at context 4096, batch $BATCH (default 1): eager + inductor in one process, dsv41 in
-#               another. On 2026-12-01 it did not finish in one call: the cold compile of the step took 321 s
-#               (dsv41) and 331 s (inductor), but both processes had first waited 145 s for the GPU lock, held by a
-#               kernel test run sharing that call, and the per-layer step was still compiling at the 525 s limit.
-#               Alone it should fit; if a call is cut short, call it again at once (the machine stays warm between
-#               calls only for its idle release, 30 s): the second call finds the first's caches under /tmp and runs
-#               as a warm start (its rows say so).
+#               another. Alone on the machine, batch 1 took 474 s and 461 s on 2026-12-01 (cold compile of the step
+#               about 300 s, then the per-layer graphs). If a call is cut short, call it again at once (the machine
+#               stays warm between calls only for its idle release, 30 s): the second call finds the first's caches
+#               under /tmp and runs as a warm start (its rows say so).
 # Every compiled variant is checked by dsv41.models.agreement with all three tiers (per fused op, per layer teacher
 # forced, logits): its rows carry layer_rel_l2_max / layer_rel_l2_at and check.forced_rel_l2 per layer. The per-layer
 # tier compiles one more graph per layer kind (4 at layers 2,3,20,24, 7 at 40 layers), outside the GPU lock.
@@ -20,7 +20,7 @@
 # short at its limit still brings back what was measured, and the logs' summary is printed.
 source .device/bootstrap.sh >/dev/null 2>&1
 export PYTHONUNBUFFERED=1
-part=${1:?usage: run_h200_truth.sh short|deep}
+part=${1:?usage: run_h200_truth.sh short|long|deep}
 work=/tmp/truth_$part
 start_kind=cold
 if [ "$part" = deep ] && [ -d "$work/all_b${BATCH:-1}_dsv41/inductor" ]; then
@@ -47,21 +47,23 @@ bench() {  # NAME TIMEOUT ARGS...: one benchmark process with its own caches und
 if [ "$part" = short ]; then
   L=2,3,20,24 V=eager,inductor,dsv41
   bench b1_ctx4096 $((budget - 150)) --layers $L --batch 1 --context 4096 --variants $V & first=$!
-  bench b8_ctx4096 $((budget - 60)) --layers $L --batch 8 --context 4096 --variants $V &
-  bench b1_ctx131072 $((budget - 150)) --layers $L --batch 1 --context 131072 --variants $V --no-profile &
-  bench b1_ctx524288 $((budget - 150)) --layers $L --batch 1 --context 524288 --variants $V --no-profile &
+  bench b8_ctx4096 $((budget - 60)) --layers $L --batch 8 --context 4096 --variants $V & others=$!
+  bench b1_ctx131072 $((budget - 150)) --layers $L --batch 1 --context 131072 --variants $V --no-profile & others+=" $!"
   wait $first
   # warm start: a second process on the first one's caches
   mkdir -p "$work/b1_ctx4096_warm" && cp -r "$work/b1_ctx4096/." "$work/b1_ctx4096_warm/"
   bench b1_ctx4096_warm $((budget - (SECONDS - start) - 10)) --layers $L --batch 1 --context 4096 \
     --variants inductor,dsv41 --start warm --no-profile
-  wait
+  wait $others
+elif [ "$part" = long ]; then
+  bench b1_ctx524288 $((budget - 60)) --layers 2,3,20,24 --batch 1 --context 524288 --variants eager,inductor,dsv41 \
+    --no-profile
 elif [ "$part" = deep ]; then
   b=${BATCH:-1}
   bench all_b${b}_eager-inductor $budget --layers all --batch $b --context 4096 --variants eager,inductor --no-profile \
-    --start $start_kind &
-  bench all_b${b}_dsv41 $budget --layers all --batch $b --context 4096 --variants dsv41 --start $start_kind &
-  wait
+    --start $start_kind & others=$!
+  bench all_b${b}_dsv41 $budget --layers all --batch $b --context 4096 --variants dsv41 --start $start_kind & others+=" $!"
+  wait $others
 fi
 for log in "$work"/out/truth_*.log; do echo "-- $log"; grep -v ": [0-9]* s$" "$log" | grep "^\[bench decode\|^exit\|^ *[0-9]* *\(eager\|inductor\|dsv41\)\|^batch\|Error" | tail -14; done
 for trace in "$work"/out/*_trace_b*.json; do [ -f "$trace" ] && xz -T0 "$trace"; done

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
-import math
 import os
 import statistics
 import threading
@@ -450,10 +450,13 @@ def main(argv: list[str] | None = None) -> int:
                             os.makedirs(args.out, exist_ok=True)
                             replay_trace(runner.graphs[batch][0], trace)
                             overlap[batch] = stream_overlap(trace)
-                del runner, step, layer_step
             except Exception as e:  # a variant that fails is recorded and the others go on
                 row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:400] if str(e) else ''}"
                 _log(f"batch {batch}: {name}: FAILED ({row['status']})")
+            finally:  # hand the variant's graphs and workspace back to the device, for the processes sharing it
+                runner = step = layer_step = None
+                gc.collect()
+                torch.cuda.empty_cache()
             save()
     result = save()
     print_table(result)
