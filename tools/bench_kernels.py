@@ -247,6 +247,24 @@ def _built_ops(ops: list[str], columns: list[int]) -> list[Op]:
             for n in (columns if name in COLUMN_OPS else [None])]
 
 
+def launch_for_profiler(ops: list[str], tokens: list[int], columns: list[int]) -> None:
+    """Each op's kernel (all its launches) once per T inside ``cudaProfilerStart``/``Stop``, after a warm-up call
+    outside them that compiles it and allocates its workspaces: for ``ncu --profile-from-start off``
+    (``benchmarks/ncu_kernels.sh``), which then sees only those launches (at the op's decode sizes, L2 flushed)."""
+    cudart = torch.cuda.cudart()
+    for op in _built_ops(ops, columns):
+        for t in tokens:
+            inputs = [a.cuda() for a in op.make_inputs(t, torch.Generator().manual_seed(t))]
+            op.kernel(*inputs)
+            torch.cuda.synchronize()
+            cudart.cudaProfilerStart()
+            op.kernel(*inputs)
+            torch.cuda.synchronize()
+            cudart.cudaProfilerStop()
+            print(f"  {op.name}{'' if op.columns is None else f' N={op.columns}'} T={t}: launched", flush=True)
+            del inputs
+
+
 def run(ops: list[str], tokens: list[int], variants: list[str], replays: int, budget_s: float | None,
         out: Path, columns: list[int] | None = None) -> dict:
     """Measure every (op, T, variant) (and width of the ops timed per ``columns``); the JSON under ``out`` is
@@ -492,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
                         help="instead: merge kernels.json files of one run split over GPUs (disjoint ops) into --out")
+    parser.add_argument("--profiler-launches", action="store_true",
+                        help="instead: launch each kernel once per T between cudaProfilerStart/Stop, for ncu "
+                             "--profile-from-start off (benchmarks/ncu_kernels.sh)")
     parser.add_argument("--post-pre-layouts", action="store_true",
                         help="instead: time mhc_post_pre in each launch layout (CTAs per token) at each T")
     args = parser.parse_args(argv)
@@ -519,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ops = [args.op] if args.op else sorted(OPS, reverse=True)
     columns = [int(n) for n in args.columns.split(",")]
+    if args.profiler_launches:
+        launch_for_profiler(ops, tokens, columns)
+        return 0
     result = run(ops, tokens, variants, args.replays, args.budget_s, args.out, columns)
     plotted = plot(result, args.out / "kernels.png")
     print(table(result))

@@ -20,8 +20,9 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("cutlass.cute")
-pytest.importorskip("tvm_ffi")
+from tests.kernels.support import require_cute_dsl, tokens_from_env
+
+require_cute_dsl()
 
 from dsv41.kernels import allreduce_mhc as K  # noqa: E402
 from dsv41.lowerings import allreduce_mhc as L  # noqa: E402
@@ -150,7 +151,7 @@ def test_bench_needs_two_gpus(capsys, tmp_path):
 # ---- 2 GPUs ------------------------------------------------------------------------------------------------------
 
 # token counts call by call: growing and shrinking, both layouts (5 CTAs per token below 64, 2 at 64)
-CALL_TOKENS = [int(t) for t in os.environ.get("DSV41_TEST_TOKENS", "1,7,64,3,16,64,1,33,2,64,5").split(",")]
+CALL_TOKENS = tokens_from_env("1,7,64,3,16,64,1,33,2,64,5")
 DIM = 5120
 # one rank on one GPU (gpu: the whole protocol through its own buffer) and two ranks (multi_gpu)
 WORLDS = [pytest.param(1, marks=pytest.mark.gpu, id="1rank"),

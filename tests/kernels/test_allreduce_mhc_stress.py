@@ -31,7 +31,9 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("cutlass.cute")
+from tests.kernels.support import require_cute_dsl
+
+require_cute_dsl()
 
 from dsv41.models import functional  # noqa: E402
 from tests.kernels.test_allreduce_mhc import DIM, EPS, WORLDS, spawn  # noqa: E402

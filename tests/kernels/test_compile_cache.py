@@ -7,10 +7,9 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
+from tests.kernels.support import require_cute_dsl
 
-pytest.importorskip("cutlass.cute")
-pytest.importorskip("tvm_ffi")
+require_cute_dsl()
 
 from dsv41.kernels import compile_cache, mhc_post_pre  # noqa: E402
 

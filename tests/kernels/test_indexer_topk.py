@@ -30,19 +30,15 @@ import os
 import pytest
 import torch
 
-try:
-    import cutlass.cute  # noqa: F401
-    import tvm_ffi  # noqa: F401
-except ImportError:
-    if torch.cuda.is_available():
-        raise
-    pytest.skip("CuTe DSL (nvidia-cutlass-dsl, apache-tvm-ffi) is not installed", allow_module_level=True)
+from tests.kernels.support import require_cute_dsl, tokens_from_env
+
+require_cute_dsl()
 
 from dsv41.kernels import indexer_topk as K  # noqa: E402
 from dsv41.lowerings import indexer_topk as op_module  # noqa: E402
 from dsv41.models.model import select_candidate_blocks  # noqa: E402
 
-TOKENS = [int(t) for t in os.environ.get("DSV41_TEST_TOKENS", "1,2,3,8,33,64").split(",")]
+TOKENS = tokens_from_env("1,2,3,8,33,64")
 MAX_COLUMNS = int(os.environ.get("DSV41_TEST_MAX_COLUMNS", str(1 << 20)))
 REPLAYS = int(os.environ.get("DSV41_TEST_REPLAYS", "100"))
 TOPK, OFFSET, POISON = 512, 128, -7

@@ -8,19 +8,19 @@ right too), and replays correctly inside a CUDA graph. DSV41_TEST_TOKENS=1,31 na
 """
 
 import math
-import os
 
 import pytest
 import torch
 
-pytest.importorskip("cutlass.cute")
-pytest.importorskip("tvm_ffi")
+from tests.kernels.support import require_cute_dsl, tokens_from_env
+
+require_cute_dsl()
 
 from dsv41.kernels import mhc_coeffs as K  # noqa: E402
 from dsv41.lowerings.mhc_coeffs import KERNEL_ATOL  # noqa: E402
 from dsv41.models import functional  # noqa: E402
 
-TOKENS = [int(t) for t in os.environ.get("DSV41_TEST_TOKENS", "1,2,3,8,16,31,64").split(",")]
+TOKENS = tokens_from_env("1,2,3,8,16,31,64")
 DIMS = [5120, 128]
 ITERS, NORM_EPS, HC_EPS = 20, 1e-20, 1e-6
 

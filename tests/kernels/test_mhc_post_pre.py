@@ -14,18 +14,18 @@ GPU (H200), on fresh random inputs, NaN-poisoned outputs fully written, also und
 DSV41_TEST_TOKENS narrows the token counts (sanitizers).
 """
 
-import os
 
 import pytest
 import torch
 
-pytest.importorskip("cutlass.cute")
-pytest.importorskip("tvm_ffi")
+from tests.kernels.support import require_cute_dsl, tokens_from_env
+
+require_cute_dsl()
 
 from dsv41.kernels import mhc_post_pre as K  # noqa: E402
 from dsv41.models import functional  # noqa: E402
 
-TOKENS = [int(t) for t in os.environ.get("DSV41_TEST_TOKENS", "1,2,3,8,16,31,64").split(",")]
+TOKENS = tokens_from_env("1,2,3,8,16,31,64")
 DIMS = [5120, 128]
 EPS = 1e-20
 

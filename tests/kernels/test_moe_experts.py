@@ -13,23 +13,18 @@ direct calls; the op with impl="cute" is the entry; experts whose weights lie pa
 384). When CUDA is present these tests fail (never skip) if the kernel cannot run.
 """
 
-import os
 
 import pytest
 import torch
 
-try:
-    import cutlass.cute  # noqa: F401
-    import tvm_ffi  # noqa: F401
-except ImportError:
-    if torch.cuda.is_available():
-        raise
-    pytest.skip("CuTe DSL (nvidia-cutlass-dsl, apache-tvm-ffi) is not installed", allow_module_level=True)
+from tests.kernels.support import require_cute_dsl, tokens_from_env
+
+require_cute_dsl()
 
 from dsv41.kernels import moe_experts as K  # noqa: E402
 from dsv41.lowerings import moe_experts as op_module  # noqa: E402
 
-TOKENS = [int(t) for t in os.environ.get("DSV41_TEST_TOKENS", "1,2,3,5,8,16,31,64").split(",")]
+TOKENS = tokens_from_env("1,2,3,5,8,16,31,64")
 SHAPES = [(5120, 2304, 64), (128, 64, 16)]  # (D, I, E)
 TOPK, LIMIT, BLOCK = 6, 10.0, 32
 

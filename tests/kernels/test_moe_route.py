@@ -24,23 +24,18 @@ When CUDA is present these tests fail (never skip) if the kernel cannot run.
 """
 
 import math
-import os
 
 import pytest
 import torch
 
-try:
-    import cutlass.cute  # noqa: F401
-    import tvm_ffi  # noqa: F401
-except ImportError:
-    if torch.cuda.is_available():
-        raise
-    pytest.skip("CuTe DSL (nvidia-cutlass-dsl, apache-tvm-ffi) is not installed", allow_module_level=True)
+from tests.kernels.support import require_cute_dsl, tokens_from_env
+
+require_cute_dsl()
 
 from dsv41.kernels import moe_route as K  # noqa: E402
 from dsv41.lowerings.moe_route import reference  # noqa: E402
 
-TOKENS = [int(t) for t in os.environ.get("DSV41_TEST_TOKENS", "1,2,3,5,8,16,31,64").split(",")]
+TOKENS = tokens_from_env("1,2,3,5,8,16,31,64")
 SHAPES = [(5120, 384, 6), (2048, 64, 4)]  # (D, E, k)
 ROUTE_SCALE = 1.5
 BIASED_TOL = 1e-4
