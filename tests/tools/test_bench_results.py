@@ -133,3 +133,12 @@ def test_decode_rejects_an_unknown_branch_kind_before_any_work():
     with pytest.raises(SystemExit) as e:
         main(["--variants", "dsv41-streams=router", "--replays", "50"])
     assert e.value.code == 2
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only answer")
+def test_kernel_profiler_launches_need_cuda(capsys):
+    """`dsv41 bench kernels --profiler-launches` (for benchmarks/ncu_kernels.sh) parses, and without a GPU says so."""
+    from dsv41.tools.bench_kernels import main
+
+    assert main(["--profiler-launches", "--op", "mhc_coeffs", "--tokens", "1"]) == 1
+    assert "needs a CUDA device" in capsys.readouterr().out
