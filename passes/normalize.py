@@ -13,7 +13,9 @@
 - layout chains: a chain of views, unsqueezes, squeezes and permutes is at most one permute and one view of its
   root (one-step and two-step reshapes, `x[:, None]` and `x.unsqueeze(1)` are one form);
 - broadcasting: an operand viewed only to add leading size-1 dims is the operand itself;
-- `where(~m, a, b)` is `where(m, b, a)`; a negation of a view is the view of the negation;
+- `where(~m, a, b)` (or `logical_not`) is `where(m, b, a)`; a negation of a view is the view of the negation;
+- arithmetic spellings: `a + (-b)` is `a - b`, `x * x` is `x ** 2`, `x * -1` is `-x`, `max(x, d).values` is `amax(x, [d])`, and a
+  reduction over one dim followed by an unsqueeze of that dim is the reduction with keepdim;
 - unit dims: a non-leading size-1 dim that a graph input or a view of a GEMM output adds (HF's `[B, S=1, ...]`
   decode layout) sinks below the ops that do not touch it (`_sink_units`), so they run at `[B, ...]`.
 
@@ -149,6 +151,69 @@ def _view_of_full(node: fx.Node) -> bool:
     return True
 
 
+def _add_of_neg(node: fx.Node) -> bool:
+    """a + (-b) and (-b) + a are a - b (IEEE defines subtraction so: exact, signed zeros and NaNs included)."""
+    if node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
+        return False
+    for i, arg in enumerate(node.args):
+        other = node.args[1 - i]
+        if isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target is aten.neg.default \
+                and isinstance(other, fx.Node):
+            node.target, node.args = aten.sub.Tensor, (other, arg.args[0])
+            return True
+    return False
+
+
+def _square(node: fx.Node) -> bool:
+    """x * x is x ** 2 (pow by 2 computes x * x: exact)."""
+    if node.target is aten.mul.Tensor and len(node.args) == 2 and not node.kwargs and node.args[0] is node.args[1] \
+            and isinstance(node.args[0], fx.Node):
+        node.target, node.args = aten.pow.Tensor_Scalar, (node.args[0], 2)
+        return True
+    return False
+
+
+def _negation(node: fx.Node) -> bool:
+    """x * -1 is -x (exact)."""
+    if node.target is aten.mul.Tensor and len(node.args) == 2 and not node.kwargs and node.args[1] == -1 \
+            and isinstance(node.args[0], fx.Node):
+        node.target, node.args = aten.neg.default, (node.args[0],)
+        return True
+    return False
+
+
+def _max_values(graph: fx.Graph, node: fx.Node) -> bool:
+    """max(x, d, keepdim).values, the indices unused, is amax(x, [d], keepdim) (the same values, NaN included)."""
+    src = node.args[0] if node.target is operator.getitem and node.args[1] == 0 else None
+    if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target is aten.max.dim
+            and all(u.target is operator.getitem and u.args[1] == 0 for u in src.users)):
+        return False
+    x, dim, *keep = src.args
+    node.target, node.args = aten.amax.default, (x, [dim], *keep)
+    if not src.users:
+        graph.erase_node(src)
+    return True
+
+
+_KEEPDIM_REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
+
+
+def _keepdim(graph: fx.Graph, node: fx.Node) -> bool:
+    """unsqueeze(r(x, [d]), d) is r(x, [d], keepdim=True) for a reduction r over the one dim d."""
+    src = node.args[0] if node.target is aten.unsqueeze.default else None
+    if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target in _KEEPDIM_REDUCTIONS
+            and not src.kwargs and len(src.args) >= 2 and len(src.args[1]) == 1 and not (src.args[2:] and src.args[2])):
+        return False
+    x, dims = src.args[:2]
+    rank = _val(x).dim() if isinstance(_val(x), torch.Tensor) else None
+    if rank is None or dims[0] % rank != node.args[1] % (rank or 1):
+        return False
+    node.target, node.args = src.target, (x, [dims[0] % rank], True)
+    if not src.users:
+        graph.erase_node(src)
+    return True
+
+
 def _local_forms(graph: fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
@@ -160,6 +225,7 @@ def _local_forms(graph: fx.Graph) -> int:
             changed += 1
         changed += _canonical_args(node)
         changed += _view_of_full(node)
+        changed += _add_of_neg(node) + _square(node) + _negation(node) + _max_values(graph, node) + _keepdim(graph, node)
         if _is_noop(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
@@ -349,10 +415,14 @@ def _neg_before_view(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+_NOTS = (aten.bitwise_not.default, aten.logical_not.default)  # the two spellings of ~m on a bool mask
+
+
 def _where_not(node: fx.Node) -> bool:
-    """where(~m, a, b) = where(m, b, a)."""
+    """where(~m, a, b) = where(m, b, a) (m bool: `~m` and `logical_not(m)`)."""
     cond = node.args[0]
-    if isinstance(cond, fx.Node) and cond.op == "call_function" and cond.target is aten.bitwise_not.default:
+    if isinstance(cond, fx.Node) and cond.op == "call_function" and cond.target in _NOTS \
+            and isinstance(_val(cond.args[0]), torch.Tensor) and _val(cond.args[0]).dtype == torch.bool:
         node.args = (cond.args[0], node.args[2], node.args[1])
         return True
     return False
@@ -533,6 +603,6 @@ def _canonical_forms(graph: fx.Graph) -> int:
             if node.target is aten.where.self:
                 changed += _where_not(node)
     for node in reversed(list(graph.nodes)):  # layout ops and negations left without users
-        if node.op == "call_function" and not node.users and node.target in (*_LAYOUT_OPS, aten.bitwise_not.default):
+        if node.op == "call_function" and not node.users and node.target in (*_LAYOUT_OPS, *_NOTS, aten.neg.default):
             graph.erase_node(node)
     return changed
