@@ -25,9 +25,9 @@ back (`aten.copy` into `slice(base)`, then `slice_scatter(base, ...)`: a functio
 becomes the cat of base's other slices and the value, as the patterns spell it.
 
 Every rewrite is an identity of real arithmetic, and of the floating-point values where eager computes a complex
-product as two rounded products and one add or subtract per part (PyTorch's CPU kernels do: test_complex_rope
-checks it bit for bit). A kernel that contracts a product into an FMA (CUDA's complex mul may) differs from the
-real form by up to one fp32 rounding of that part.
+product as two rounded products and one add or subtract per part: PyTorch's CPU kernel does on its vector path,
+while its scalar remainder (and CUDA's complex mul, not measured) may contract a product into an FMA, which differs
+from the real form by at most eps * (|first product| + |second|) per part (test_complex_rope checks both).
 
 Complex values computed by any other op (`polar` or `exp` building the table inside the graph, a complex matmul,
 division, a product with a real value, a complex constant) are left as they are, with the graph unchanged there:
@@ -43,7 +43,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from dsv41.passes.matcher import MatchFailure
+from dsv41.passes.matcher import Derived, MatchFailure
 from dsv41.passes.normalize import _fake_call
 
 aten = torch.ops.aten
@@ -79,6 +79,8 @@ def _near_ancestors(node: fx.Node):
 def restate_failure(failure: MatchFailure, graph: fx.Graph) -> MatchFailure:
     """A fusion's failure whose first differing op is (or is just below) a view_as_real that real_pairs left
     complex: a decline ("check") that names why the RoPE there is not in real pairs; else the failure as it is."""
+    if not any(_LEFT in n.meta for n in graph.find_nodes(op="call_function", target=aten.view_as_real.default)):
+        return failure
     blocking = next((n for n in graph.nodes if n.name == failure.blocking), None)
     left = next((n for n in _near_ancestors(blocking) if _LEFT in n.meta), None) if blocking is not None else None
     if left is None:
@@ -97,6 +99,16 @@ def left_after(graph: fx.Graph, fusion: str, created: set[str]) -> list[MatchFai
             out.append(MatchFailure(fusion, vr.name, 0, 1, "check", f"%{near.name} is fused without the RoPE at "
                                     f"%{vr.name}: {vr.meta[_LEFT]}"))
     return out
+
+
+def per_token(table, tokens: int):
+    """A RoPE table (cos or sin) bound with one row that the graph broadcasts over the tokens (the reference's
+    `freqs_cis[start_pos:end_pos]` in a decode step whose rows share the position) expanded to the op's
+    [T, rd/2]; any other table as it is."""
+    v = table.meta["val"]
+    if v.dim() == 2 and v.shape[0] == 1 and tokens != 1:
+        return Derived(aten.expand.default, (table, [tokens, v.shape[1]]))
+    return table
 
 
 def _val(n):
@@ -192,11 +204,40 @@ class _Rewriter:
                 value = self.emit(n.target, value, *n.args[1:])
         return value
 
+    def write_back_as_cat(self, node: fx.Node, rewritten: set) -> None:
+        """slice_scatter(base, copy(dst, v), dim, start, end) of a rewritten rotation v is cat(base[.., :start], v
+        in dst's dtype, base[.., end:]) (the functionalised `base[..., start:end].copy_(v)`, dst that slice of base,
+        of v's shape); a slice_scatter of anything else is left as it is."""
+        base, src, dim, start, end, step = list(node.args) + [0, None, None, 1][len(node.args) - 2:]
+        bv, sv = _val(base), _val(src)
+        if step != 1 or node.kwargs or not isinstance(bv, torch.Tensor) or not isinstance(sv, torch.Tensor):
+            return
+        if not (isinstance(src, fx.Node) and src.target is aten.copy.default and _written_from(src.args[1], rewritten)):
+            return
+        value = src.args[1]
+        if (list(_val(value).shape) != list(sv.shape) or sv.dtype != bv.dtype
+                or not all(isinstance(d, int) for d in bv.shape)):
+            return
+        dim = dim % bv.dim()
+        size = bv.shape[dim]
+        start = 0 if start is None else (start + size if start < 0 else min(start, size))
+        end = size if end is None else (end + size if end < 0 else min(end, size))
+        if end - start != sv.shape[dim]:
+            return
+        self.before = node
+        pieces = [self.emit(aten.slice.Tensor, base, dim, 0, start)] if start > 0 else []
+        pieces.append(value if _val(value).dtype == bv.dtype else self.emit(_CONVERT, value, bv.dtype))
+        if end < size:
+            pieces.append(self.emit(aten.slice.Tensor, base, dim, end, size))
+        node.replace_all_uses_with(self.emit(aten.cat.default, pieces, dim))
+        self.graph.erase_node(node)
+        self.touched |= {src, *src.all_input_nodes}
+
 
 def real_pairs(graph: fx.Graph) -> tuple[int, list[str]]:
     """Rewrite `graph` in place (see the module docstring): the number of view_as_real nodes rewritten, and per
     view_as_real left complex the reason."""
-    rewriter, rewritten, left = _Rewriter(graph), {}, []
+    rewriter, rewritten, left = _Rewriter(graph), set(), []
     for vr in list(graph.find_nodes(op="call_function", target=aten.view_as_real.default)):
         z = vr.args[0]
         if not (isinstance(z, fx.Node) and z.op == "call_function"):
@@ -213,58 +254,18 @@ def real_pairs(graph: fx.Graph) -> tuple[int, list[str]]:
                                                    rewriter.emit(aten.unsqueeze.default, im, last)], last)
         vr.replace_all_uses_with(stacked)
         graph.erase_node(vr)
-        rewritten[stacked] = True
+        rewritten.add(stacked)
     for node in list(graph.find_nodes(op="call_function", target=aten.slice_scatter.default)):
-        rewriter.touched |= _write_back_as_cat(graph, node, rewritten)
+        rewriter.write_back_as_cat(node, rewritten)
     for node in reversed(list(graph.nodes)):  # what the rewrite left unused (complex values among them)
         if node.op == "call_function" and not node.users and (node in rewriter.touched or node in rewriter.parts):
             graph.erase_node(node)
     return len(rewritten), left
 
 
-def _written_from(v, rewritten: dict) -> bool:
+def _written_from(v, rewritten: set) -> bool:
     """v is a rewritten view_as_real, through views and float conversions."""
     while (isinstance(v, fx.Node) and v.op == "call_function" and v not in rewritten
            and v.target in (*_CHAIN_VIEWS, _CONVERT)):
         v = v.args[0]
     return v in rewritten
-
-
-def _write_back_as_cat(graph: fx.Graph, node: fx.Node, rewritten: dict) -> set[fx.Node]:
-    """slice_scatter(base, copy(dst, v), dim, start, end) of a rewritten rotation v = cat(base[.., :start], v in
-    dst's dtype, base[.., end:]) (the functionalised `base[..., start:end].copy_(v)`; dst is that slice of base,
-    of v's shape); the nodes it replaced (none when the node is not such a write-back)."""
-    base, src, dim, start, end = (list(node.args) + [0, None, None])[:5]
-    step = node.args[5] if len(node.args) > 5 else 1
-    bv, sv = _val(base), _val(src)
-    if step != 1 or node.kwargs or not isinstance(bv, torch.Tensor) or not isinstance(sv, torch.Tensor):
-        return set()
-    if not (isinstance(src, fx.Node) and src.target is aten.copy.default and _written_from(src.args[1], rewritten)):
-        return set()
-    value = src.args[1]
-    if (list(_val(value).shape) != list(sv.shape) or sv.dtype != bv.dtype
-            or not all(isinstance(d, int) for d in bv.shape)):
-        return set()
-    dim = dim % bv.dim()
-    size = bv.shape[dim]
-    start = 0 if start is None else (start + size if start < 0 else min(start, size))
-    end = size if end is None else (end + size if end < 0 else min(end, size))
-    if end - start != sv.shape[dim]:
-        return set()
-    with graph.inserting_before(node):
-        pieces = []
-        if start > 0:
-            pieces.append(_new(graph, aten.slice.Tensor, base, dim, 0, start))
-        pieces.append(value if _val(value).dtype == bv.dtype else _new(graph, _CONVERT, value, bv.dtype))
-        if end < size:
-            pieces.append(_new(graph, aten.slice.Tensor, base, dim, end, size))
-        cat = _new(graph, aten.cat.default, pieces, dim)
-    node.replace_all_uses_with(cat)
-    graph.erase_node(node)
-    return {src, *src.all_input_nodes}
-
-
-def _new(graph: fx.Graph, target, *args) -> fx.Node:
-    node = graph.call_function(target, tuple(args))
-    node.meta["val"] = _fake_call(target, *args)
-    return node

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from dsv41.models import functional as fn
-from dsv41.passes.complex_arith import restate_failure
+from dsv41.passes.complex_arith import per_token, restate_failure
 from dsv41.passes.fusion import Derived, FusionPass, Replacement
 from dsv41.passes.matcher import Pattern
 
@@ -75,6 +75,7 @@ class WoAPass(FusionPass):
 
     def replacement(self, m):
         o, cos, sin, w = m.inputs
+        cos, sin = (per_token(table, o.meta["val"].shape[0]) for table in (cos, sin))
         if m.pattern.name.endswith("_negated_angle"):
             sin = Derived(torch.ops.aten.neg.default, (sin,))
         groups = _groups(o.meta["val"], w.meta["val"])

@@ -81,6 +81,15 @@ def kv_copy_back(qkv, q_w, kv_w, freqs_cis, positions):
     return qr, kv
 
 
+def kv_shared_row(qkv, q_w, kv_w, freqs_cis, positions):
+    """one table row for every token (the reference's `freqs_cis[start_pos:end_pos]` when the batch shares its
+    position), broadcast over the tokens; the op takes it expanded to [T, rd/2]."""
+    qr, kv = norm(qkv[:, :QD], q_w), norm(qkv[:, QD:], kv_w)
+    z = as_complex(kv[..., -2 * freqs_cis.shape[-1]:].float())
+    y = torch.view_as_real(z * freqs_cis[5:6]).flatten(-2)
+    return qr, fn.fp8_fake_quant(rotate_back(kv, y), 32)
+
+
 def kv_indexed_inputs(seed, t=3):
     g = gen(seed)
     return [rand(g, t, QD + KVD, scale=3.0), rand(g, QD, scale=0.1, mean=1.0), rand(g, KVD, scale=0.1, mean=1.0),
@@ -135,6 +144,7 @@ CASES = {  # name -> (function, inputs, fusion, the pattern that must fuse it, t
     "kv_table_given_float_first": (kv_table_given_float_first, kv_given_inputs, "qkv_norm", "q_kv_norm_rope_fp8",
                                    BF16_ULP, (1,)),
     "kv_copy_back": (kv_copy_back, kv_indexed_inputs, "qkv_norm", "q_kv_norm_rope", BF16_ULP, ()),
+    "kv_shared_row": (kv_shared_row, kv_indexed_inputs, "qkv_norm", "q_kv_norm_rope_fp8", BF16_ULP, (1,)),
     "o_conj_indexed": (o_conj_indexed, o_indexed_inputs, "wo_a", "wo_a_einsum", BF16_ULP, ()),
     "o_negated_angle_given": (o_negated_angle_given, o_negated_inputs, "wo_a", "wo_a_einsum_negated_angle", BF16_ULP,
                               ()),
