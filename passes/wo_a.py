@@ -4,10 +4,10 @@
   -> dsv41::wo_a(o, cos, sin, w, G)                               [T, H, hd] -> [T, G*R] bf16
 
 G = H*hd / w.shape[1] follows from the shapes. Formulations: einsum (the model's) or bmm over transposed groups;
-each with the inverse rotation as the model writes it (sin negated) or as a forward rotation by a table whose angle
-is negated (DeepSeek's reference multiplies by a conjugated complex table, which `dsv41.passes.complex_arith` spells
-as real pairs; a table built with the negated angle carries -sin itself), which the op takes as sin = -(that table's
-sin): the same rotation, bit for bit (a negation is exact).
+each with the inverse rotation as the model writes it (`inverse=True`, which negates sin) or as a forward rotation
+by a table built with the negated angle (DeepSeek's reference with such a table instead of `freqs_cis.conj()`,
+whose complex arithmetic `dsv41.passes.complex_arith` spells in real pairs), for which the op takes sin = -(the
+table's sin): the same rotation, bit for bit (a negation is exact).
 """
 
 from __future__ import annotations
