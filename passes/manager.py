@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from dsv41.passes.complex_arith import real_pairs
 from dsv41.passes.fusion import GraphPass, PassResult
 from dsv41.passes.normalize import normalize_graph
 
@@ -42,7 +43,8 @@ class NormalizePass(GraphPass):
     name = "normalize"
 
     def __call__(self, graph: fx.Graph) -> PassResult:
-        return PassResult(self.name, matches=normalize_graph(graph))
+        rewritten, left = real_pairs(graph)  # complex RoPE (DeepSeek's reference) as real pairs, first
+        return PassResult(self.name, matches=rewritten + normalize_graph(graph), note="; ".join(left) or None)
 
 
 class PassManager:

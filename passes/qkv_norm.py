@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from dsv41.models import functional as fn
+from dsv41.passes.complex_arith import left_after, per_token, restate_failure
 from dsv41.passes.fusion import Derived, FusionPass, Replacement
 from dsv41.passes.matcher import Pattern
 from dsv41.passes.mhc_post_pre import BF16_NORM, norm_rounding, rms_norm_bf16_then_weight, rms_norm_functional
@@ -97,8 +98,18 @@ class QkvNormPass(FusionPass):
             qkv, rest = Derived(torch.ops.aten.cat.default, ([q, kv], 1)), m.inputs[4:6]
         else:
             (qkv, q_w, kv_w), rest = m.inputs[:3], m.inputs[3:5]
-        cos, sin = rest if tail != "none" else (None, None)
+        tokens = qkv.meta["val"].shape[0]
+        cos, sin = (per_token(table, tokens) for table in rest) if tail != "none" else (None, None)
         block = self.config.fp8_block if tail == "rope_fp8" else 0
         op = torch.ops.dsv41.qkv_norm.default
         args = (qkv, q_w, kv_w, cos, sin, self.config.norm_eps, block, norm_rounding(m.pattern.name), self.config.kernel)
         return Replacement(op, args, (0, 1))
+
+    def explain(self, failure, graph):
+        return restate_failure(failure, graph)
+
+    def __call__(self, graph):
+        result = super().__call__(graph)
+        created = {name for r in result.replaced for name in r["created"]}
+        result.declined += left_after(graph, self.name, created)  # a norm pair fused, its complex RoPE left out
+        return result

@@ -67,3 +67,17 @@ def test_bad_inputs(samples, rejects, change):
     kw = samples("qkv_norm")
     changes, match = change
     rejects(op, kw, ValueError, match, **changes(kw))
+
+
+def test_cos_sin_as_halves_of_a_complex_table(samples, rejects):
+    """cos and sin as the real and imaginary halves of a complex64 table (strided views, as
+    `dsv41.passes.complex_arith` hands them to the op) give the result of contiguous copies; the complex table
+    itself is rejected, naming the argument."""
+    kw = samples("qkv_norm", rope=True, quant_block=32)
+    halves = torch.view_as_real(torch.polar(torch.ones_like(kw["cos"]), torch.rand_like(kw["cos"]) * 6))
+    cos, sin = halves[..., 0], halves[..., 1]
+    assert not cos.is_contiguous()
+    got = op(**{**kw, "cos": cos, "sin": sin}, impl="reference")
+    want = op(**{**kw, "cos": cos.contiguous(), "sin": sin.contiguous()}, impl="reference")
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    rejects(op, kw, TypeError, r"'sin' must be torch.float32, got torch.complex64", sin=torch.view_as_complex(halves))

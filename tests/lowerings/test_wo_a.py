@@ -36,3 +36,16 @@ def test_bad_inputs(samples, rejects, change):
     kw = samples("wo_a")
     changes, match = change
     rejects(op, kw, ValueError, match, **changes(kw))
+
+
+def test_cos_sin_as_halves_of_a_complex_table(samples, rejects):
+    """cos and sin as the real and imaginary halves of a complex64 table (strided views, as
+    `dsv41.passes.complex_arith` hands them to the op) give the result of contiguous copies; the complex table
+    itself is rejected, naming the argument."""
+    kw = samples("wo_a")
+    halves = torch.view_as_real(torch.polar(torch.ones_like(kw["cos"]), torch.rand_like(kw["cos"]) * 6))
+    cos, sin = halves[..., 0], halves[..., 1]
+    assert not cos.is_contiguous()
+    got = op(**{**kw, "cos": cos, "sin": sin}, impl="reference")
+    assert torch.equal(got, op(**{**kw, "cos": cos.contiguous(), "sin": sin.contiguous()}, impl="reference"))
+    rejects(op, kw, TypeError, r"'cos' must be torch.float32, got torch.complex64", cos=torch.view_as_complex(halves))

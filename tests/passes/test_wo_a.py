@@ -43,8 +43,24 @@ def grouped_bmm(o, cos, sin, w):
     return z.transpose(0, 1).flatten(1)
 
 
-FORMULATIONS = {"wo_a_einsum": grouped_einsum, "wo_a_bmm": grouped_bmm}
-TOL = {"wo_a_einsum": dict(atol=0, rtol=0), "wo_a_bmm": dict(atol=1.6e-2, rtol=1.6e-2)}
+def grouped_einsum_negated_angle(o, cos, sin_negated, w):
+    """The inverse RoPE as a forward rotation by a table built with the negated angle (its sin is -sin)."""
+    t, g = o.shape[0], w.shape[0] // R
+    o = fn.apply_rope_tail(o, cos, sin_negated)
+    return torch.einsum("tgd,grd->tgr", o.view(t, g, -1), w.view(g, R, -1)).flatten(1)
+
+
+def grouped_bmm_negated_angle(o, cos, sin_negated, w):
+    t, g = o.shape[0], w.shape[0] // R
+    o = fn.apply_rope_tail(o, cos, sin_negated)
+    z = torch.bmm(o.view(t, g, -1).transpose(0, 1), w.view(g, R, -1).transpose(1, 2))
+    return z.transpose(0, 1).flatten(1)
+
+
+FORMULATIONS = {"wo_a_einsum": grouped_einsum, "wo_a_bmm": grouped_bmm,
+                "wo_a_einsum_negated_angle": grouped_einsum_negated_angle,
+                "wo_a_bmm_negated_angle": grouped_bmm_negated_angle}
+TOL = {name: dict(atol=0, rtol=0) if "einsum" in name else dict(atol=1.6e-2, rtol=1.6e-2) for name in FORMULATIONS}
 
 
 def test_every_formulation_has_a_test():
@@ -54,9 +70,11 @@ def test_every_formulation_has_a_test():
 @pytest.mark.parametrize("name", sorted(FORMULATIONS))
 def test_formulation_is_fused(name):
     f = FORMULATIONS[name]
-    gone = ("aten.bmm", "aten.cat", "aten.neg", "aten.stack", "prims.convert_element_type")
+    negated = name.endswith("_negated_angle")  # the op's sin is the negation of the table's: one aten.neg stays
+    gone = ("aten.bmm", "aten.cat", "aten.stack", "prims.convert_element_type") + (() if negated else ("aten.neg",))
     gm, _, node = run_fused_once(f, inputs(0), FUSION, gone)
     assert node.args[4] == G  # groups, derived from the shapes
+    assert (node.args[2].target is torch.ops.aten.neg.default) == negated
     x = inputs(1)
     assert_close(gm(*x), f(*x), **TOL[name])
 
@@ -126,11 +144,11 @@ def test_decline_fp16(name):
     assert "dtype" in reasons and "float16" in reasons
 
 
-def test_forward_rope_is_not_fused():
-    """The op undoes the RoPE: a graph that applies the forward rotation is a different computation."""
-    def f(o, cos, sin, w):
-        t, g = o.shape[0], G
-        o = fn.apply_rope_tail(o, cos, sin)
-        return torch.einsum("tgd,grd->tgr", o.view(t, g, -1), w.view(g, R, -1)).flatten(1)
-
-    run_declined(f, inputs(0), FUSION)
+def test_forward_rope_is_fused_as_the_inverse_by_the_negated_sin():
+    """The op undoes the RoPE: a graph that applies the forward rotation by (cos, sin) is the op's inverse rotation
+    by (cos, -sin), so the op's sin is the graph's sin input negated (the same sin would be another computation)."""
+    gm, _, node = run_fused_once(grouped_einsum_negated_angle, inputs(0), FUSION, ("aten.bmm",))
+    sin = next(n for i, n in enumerate(gm.graph.find_nodes(op="placeholder")) if i == 2)
+    assert node.args[2].target is torch.ops.aten.neg.default and node.args[2].args[0] is sin
+    x = inputs(1)
+    assert_close(gm(*x), grouped_einsum_negated_angle(*x), atol=0, rtol=0)
