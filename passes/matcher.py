@@ -492,7 +492,8 @@ class _Matcher:
             bound = {n for n in st.t2p if isinstance(n, fx.Node)}
             if unbound:
                 cone = _ancestors(t, stop=lambda n: n is not t and n in bound, limit=_ISLAND_NODES)
-                kinds = [(n, _kind(n)) for n in cone if n is not t and n not in bound]
+                kind_of = _kinds(t.graph)
+                kinds = [(n, kind_of(n)) for n in cone if n is not t and n not in bound]
                 near = [[n for n, kind in kinds if kind is not None and kind == want] for want in map(_kind, unbound)]
                 far = [c[::-1] for c in near]
                 chosen = next(itertools.chain(self.fitting(st, unbound, t, bound, far),
@@ -511,8 +512,9 @@ class _Matcher:
     def fitting(self, st: _State, unbound: list, t: fx.Node, bound, choices, tries: int = 64):
         """The bindings of `unbound` (one graph node each from `choices`, in product order, the first `tries`
         tried) that close island `t` and at whose shapes the pattern runs."""
+        closes = _closure(t, bound)
         for combo in itertools.islice(itertools.product(*choices), tries):
-            if len(set(combo)) == len(combo) and _closed(t, bound | set(combo)) and self._traces_with(st, unbound, combo):
+            if len(set(combo)) == len(combo) and closes(combo) and self._traces_with(st, unbound, combo):
                 yield combo
 
     def rebindings(self, st: _State):
@@ -618,6 +620,48 @@ def _closed(t: fx.Node, bound: set) -> bool:
     return True
 
 
+def _closure(t: fx.Node, bound: set):
+    """combo -> whether `_closed(t, bound | set(combo))`, for many combos of one island: each node's inputs outside
+    bound are looked up once, and when t is closed by bound alone every combo closes it (stopping at more values
+    reaches fewer nodes)."""
+    if _closed(t, bound):
+        return lambda combo: True
+    inputs: dict = {}
+
+    def closes(combo) -> bool:
+        stops = set(combo)
+        if _is_input(t):
+            return False
+        seen, order = {t}, [t]
+        i = 0
+        while i < len(order):
+            n = order[i]
+            if n not in inputs:
+                inputs[n] = [a for a in n._input_nodes if a not in bound]
+            for a in inputs[n]:
+                if a in seen or a in stops:
+                    continue
+                if a.op in ("placeholder", "get_attr") or len(order) >= _ISLAND_NODES:
+                    return False
+                seen.add(a)
+                order.append(a)
+            i += 1
+        return True
+
+    return closes
+
+
+def _kinds(graph: fx.Graph):
+    """`_kind` for the nodes of graph, cached on the graph (a node's dtype and rank do not change)."""
+    cache = graph.__dict__.setdefault("_dsv41_kinds", {})
+
+    def kind(n: fx.Node):
+        if n not in cache:
+            cache[n] = _kind(n)
+        return cache[n]
+    return kind
+
+
 def _kind(n: fx.Node) -> tuple | None:
     """(dtype, rank) of a tensor value: what a graph value must share with the pattern input it may bind to."""
     v = n.meta.get("val")
@@ -690,6 +734,7 @@ class PatternSet:
         self._structural = {p.name: [p.trace(build()) for build in (p.inputs, *p.variants)] for p in self.patterns}
         self._exact: dict[tuple, fx.GraphModule] = {}  # (pattern, input metadata, free scalars) -> exact trace
         self._shape_ok: dict[tuple, bool] = {}  # (pattern, input metadata) -> whether it traces at those shapes
+        self._firsts: dict[tuple, int] = {}  # (structural trace id, anchor op) -> its first output on the anchor
 
     def anchor_ops(self, index: int) -> list:
         pat = self.patterns[index]
@@ -720,6 +765,15 @@ class PatternSet:
         """Match pattern `index` at `anchor`; with `islands` False, only op for op (no part computed another way)."""
         return self._match_one(self.patterns[index], anchor, islands)
 
+    def _first_output(self, gm: fx.GraphModule, structural: "_Matcher", target) -> int:
+        """The first output of the structural trace gm that depends on an anchor op `target` (cached)."""
+        key = (id(gm), target)
+        if key not in self._firsts:
+            anchor_ps = {n for n in structural.call_nodes if n.target == target}
+            self._firsts[key] = next((i for i, o in enumerate(structural.outputs)
+                                      if anchor_ps & set(_ancestors(o, stop=lambda n: False))), 0)
+        return self._firsts[key]
+
     def _structural_match(self, pat: Pattern, anchor: fx.Node, islands: bool):
         """(structural matcher, state, output index, graph output node) of the first structural match whose region
         holds the anchor, or the deepest failure."""
@@ -730,8 +784,7 @@ class PatternSet:
             anchor_ps = [n for n in structural.call_nodes if n.target == anchor.target]
             if not anchor_ps:
                 continue
-            first = next((i for i, o in enumerate(structural.outputs)
-                          if any(a in _ancestors(o, stop=lambda n: False) for a in anchor_ps)), 0)
+            first = self._first_output(gm, structural, anchor.target)
             for cand in _cone([anchor], structural.outputs[first].target, _OUTPUTS):
                 st = _State()
                 try:
