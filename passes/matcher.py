@@ -604,13 +604,18 @@ def _ancestors(node: fx.Node, stop, limit: int | None = None) -> list[fx.Node]:
 def _closed(t: fx.Node, bound: set) -> bool:
     """t's ancestors reach no graph input before a bound value, within the island size limit (the walk of
     `_ancestors(t, stop=bound, limit=_ISLAND_NODES)`, ending at the first input or past the limit)."""
+    return _closes(t, lambda n: [a for a in n._input_nodes if a not in bound], ())
+
+
+def _closes(t: fx.Node, inputs_of, stops) -> bool:
+    """The walk of `_closed` over inputs_of(n) (a node's inputs outside the bound values), not entering stops."""
     if _is_input(t):
         return False
     seen, order = {t}, [t]
     i = 0
     while i < len(order):
-        for a in order[i]._input_nodes:
-            if a in seen or a in bound:
+        for a in inputs_of(order[i]):
+            if a in seen or a in stops:
                 continue
             if a.op in ("placeholder", "get_attr") or len(order) >= _ISLAND_NODES:
                 return False
@@ -628,27 +633,12 @@ def _closure(t: fx.Node, bound: set):
         return lambda combo: True
     inputs: dict = {}
 
-    def closes(combo) -> bool:
-        stops = set(combo)
-        if _is_input(t):
-            return False
-        seen, order = {t}, [t]
-        i = 0
-        while i < len(order):
-            n = order[i]
-            if n not in inputs:
-                inputs[n] = [a for a in n._input_nodes if a not in bound]
-            for a in inputs[n]:
-                if a in seen or a in stops:
-                    continue
-                if a.op in ("placeholder", "get_attr") or len(order) >= _ISLAND_NODES:
-                    return False
-                seen.add(a)
-                order.append(a)
-            i += 1
-        return True
+    def inputs_of(n):
+        if n not in inputs:
+            inputs[n] = [a for a in n._input_nodes if a not in bound]
+        return inputs[n]
 
-    return closes
+    return lambda combo: _closes(t, inputs_of, set(combo))
 
 
 def _kinds(graph: fx.Graph):
