@@ -367,8 +367,10 @@ def config_reason(heads: int, head_dim: int, n_cap: int, topk: int, cand_block: 
 
 
 def supports(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_c: torch.Tensor, candidates: torch.Tensor | None,
-             *, topk: int, offset: int, cand_block: int, cand_topk_blocks: int) -> str | None:
+             *, topk: int, offset: int, cand_block: int, cand_topk_blocks: int, score_scale: float = 1.0) -> str | None:
     """None when the kernels compute ``dsv41::indexer_topk`` (index form) of these arguments, else the reason."""
+    if score_scale != 1.0:
+        return f"score_scale {score_scale!r}: the kernel sums w[t, h] * relu(q . k) with the scale folded into w"
     if q.dim() != 3 or keys.dim() != 3:
         return f"q and keys must be 3-D, got shapes {list(q.shape)} and {list(keys.shape)}"
     (t, heads, head_dim), n_cap = q.shape, keys.shape[1]

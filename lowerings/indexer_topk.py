@@ -14,8 +14,10 @@ from dsv41.models.model import select_candidate_blocks
 NAME = "indexer_topk"
 
 
-def _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, impl):
+def _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, impl, score_scale):
     _checks.check_impl(NAME, impl)
+    _checks.check_scalar(NAME, "score_scale", score_scale,
+                         isinstance(score_scale, (int, float)) and math.isfinite(score_scale), "must be a finite number")
     device = _checks.check_devices(NAME, q=q, w=w, keys=keys, n_c=n_c, candidates=candidates)
     dims = {}
     _checks.check_tensor(NAME, "q", q, torch.bfloat16, "T IH ihd", dims)
@@ -35,25 +37,29 @@ def _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, i
 SCORE_RTOL = 2**-15  # |s - s'| / (sum_h |w_h| |q_h| . |k_n|) allowed between two fp32 summation orders
 
 
-def scores(q, w, keys, n_c):
+def scores(q, w, keys, n_c, score_scale=1.0):
     """s [T, Ncap] fp32 as the op defines it (before the candidate mask): NaN and n >= n_c are -inf."""
-    s = (torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu() * w.unsqueeze(-1)).sum(dim=1)
+    relu = torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu()
+    if score_scale != 1.0:
+        relu = relu * score_scale
+    s = (relu * w.unsqueeze(-1)).sum(dim=1)
     visible = torch.arange(keys.shape[1], device=s.device) < n_c.unsqueeze(-1)
     return s.masked_fill(~visible | s.isnan(), -math.inf)
 
 
-def score_tolerance(q, w, keys):
-    """[T, Ncap]: SCORE_RTOL x the magnitude sum_h |w_h| (|q_h| . |k_n|) that bounds two summation orders'
-    difference of s[t, n] (128-term fp32 dot products, then 32 heads)."""
+def score_tolerance(q, w, keys, score_scale=1.0):
+    """[T, Ncap]: SCORE_RTOL x the magnitude sum_h |w_h| |score_scale| (|q_h| . |k_n|) that bounds two summation
+    orders' difference of s[t, n] (128-term fp32 dot products, then 32 heads)."""
     magnitude = torch.einsum("thd,tnd->thn", q.float().abs(), keys.float().abs()) * w.abs().unsqueeze(-1)
-    return SCORE_RTOL * magnitude.sum(dim=1)
+    return SCORE_RTOL * abs(score_scale) * magnitude.sum(dim=1)
 
 
-def reference(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, mask=False):
+def reference(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, mask=False, score_scale=1.0):
     """Plain torch, the tail of the model's Indexer.forward op for op (NaN scores as -inf); with `mask`, the
-    selection scattered into an additive mask instead."""
+    selection scattered into an additive mask instead; with a `score_scale` other than 1, relu(q . k) scaled by it
+    before the head weights."""
     t, n_cap = keys.shape[0], keys.shape[1]
-    s = scores(q, w, keys, n_c)
+    s = scores(q, w, keys, n_c, score_scale)
     if cand_topk_blocks > 0:
         cand = select_candidate_blocks(s, n_c, cand_block, cand_topk_blocks)
     else:
@@ -123,10 +129,10 @@ def compare_kernel(got, want, inputs: dict | None = None) -> str | None:
         if not torch.equal(got_idx.sort(-1).values, want_idx.sort(-1).values):
             return "idx: the index sets differ"
         return None if torch.equal(got_cand, want_cand) else "cand: the candidate masks differ"
-    q, w, keys, n_c = inputs["q"], inputs["w"], inputs["keys"], inputs["n_c"]
+    q, w, keys, n_c, score_scale = inputs["q"], inputs["w"], inputs["keys"], inputs["n_c"], inputs.get("score_scale", 1.0)
     n_cap = keys.shape[1]
-    s = scores(q, w, keys, n_c)
-    tol = score_tolerance(q, w, keys).masked_fill(s == -math.inf, 0.0).amax(-1)
+    s = scores(q, w, keys, n_c, score_scale)
+    tol = score_tolerance(q, w, keys, score_scale).masked_fill(s == -math.inf, 0.0).amax(-1)
     if want_cand.shape[1]:
         block = inputs["cand_block"]
         picked = [c[:, ::block] for c in (got_cand, want_cand)]
@@ -156,13 +162,16 @@ def _block_maxima(s, n_c, block):
 
 @torch.library.custom_op("dsv41::indexer_topk", mutates_args=())
 def indexer_topk(q: Tensor, w: Tensor, keys: Tensor, n_c: Tensor, candidates: Tensor | None, topk: int, offset: int,
-                 cand_block: int, cand_topk_blocks: int, mask: bool = False, impl: str = "auto") -> tuple[Tensor, Tensor]:
+                 cand_block: int, cand_topk_blocks: int, mask: bool = False, impl: str = "auto",
+                 score_scale: float = 1.0) -> tuple[Tensor, Tensor]:
     """Top-k compressed-KV rows per token by index score (spec 2.4), as sorted indices offset past the window or,
     with `mask`, as an additive mask over the compressed rows (the form attention adds to its scores).
 
     q [T, IH, ihd] bf16 (roped, fp4-fake-quantised), w [T, IH] fp32 (scaled head weights), keys [T, Ncap, ihd] bf16,
     n_c [T] int64 (valid rows), candidates [T, Ncap] bool or None; K = min(topk, Ncap):
         s[t, n]  = sum_h w[t, h] * relu(q[t, h] . keys[t, n])  in fp32;  -inf where n >= n_c[t] or s is NaN  [T, Ncap]
+                   (with score_scale != 1: sum_h (relu(q[t, h] . keys[t, n]) * score_scale) * w[t, h], the scale
+                   applied before the head weights, as a model that does not fold it into w computes it)
         cand     = select_candidate_blocks(s, n_c, cand_block, cand_topk_blocks) if cand_topk_blocks > 0
                    (from s before the candidate mask; [T, Ncap] bool), else an empty [T, 0] bool
         s        = -inf where not candidates[t, n]  (if candidates is given)
@@ -177,21 +186,21 @@ def indexer_topk(q: Tensor, w: Tensor, keys: Tensor, n_c: Tensor, candidates: Te
     holds for the candidate blocks at the cand_topk_blocks-th block maximum. The kernel sums s in another order
     than the reference (`SCORE_RTOL`), so near-ties within that tolerance count as ties there.
     impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`); with `mask` the kernel's indices are
-    scattered into the mask in torch.
+    scattered into the mask in torch. The kernel computes score_scale = 1 only (the reference runs otherwise).
     """
-    device, _ = _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, impl)
+    device, _ = _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, impl, score_scale)
     args = (q, w, keys, n_c, candidates)
     kwargs = dict(topk=topk, offset=0 if mask else offset, cand_block=cand_block, cand_topk_blocks=cand_topk_blocks)
-    kernel = _kernels.select(NAME, NAME, impl, device, args, kwargs)
+    kernel = _kernels.select(NAME, NAME, impl, device, args, {**kwargs, "score_scale": score_scale})
     if kernel is None:
-        return reference(*args, **kwargs, mask=mask)
+        return reference(*args, **kwargs, mask=mask, score_scale=score_scale)
     idx, cand = kernel(*args, **kwargs)
     return (selection_mask(idx, keys.shape[1]), cand) if mask else (idx, cand)
 
 
 @indexer_topk.register_fake
-def _(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, mask=False, impl="auto"):
-    _, dims = _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, impl)
+def _(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, mask=False, impl="auto", score_scale=1.0):
+    _, dims = _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, impl, score_scale)
     t, n_cap = dims["T"], dims["Ncap"]
     if mask:
         selection = q.new_empty((t, n_cap), dtype=torch.float32)

@@ -153,8 +153,10 @@ class FusionPass(GraphPass):
             values = self.sample_inputs(m, g)
             try:
                 got = region(*[values[v] for v in region.inputs])
-                args = evaluate(rep.args, values.__getitem__)
-                args = tuple("reference" if i == len(args) - 1 and a in ("auto", "cute") else a for i, a in enumerate(args))
+                args = list(evaluate(rep.args, values.__getitem__))
+                impl = next((i for i, a in enumerate(rep.op._schema.arguments) if a.name == "impl"), None)
+                if impl is not None and impl < len(args):
+                    args[impl] = "reference"
                 want = rep.op(*args)
             except Exception as e:
                 return f"{where}: running the region or the op on random inputs failed: {type(e).__name__}: {e}", ""
@@ -227,7 +229,8 @@ class FusionPass(GraphPass):
         """When Dynamo has recorded graph breaks: the sites of this fusion whose region ends at this graph's
         boundary, and the breaks by name (`dynamo_graph_breaks`); None when there is none of either. A fused op
         whose result is a graph output counts only in the graph compiled as the break was recorded (the graph that
-        ends there); a candidate that reaches a graph input, in any graph after a break."""
+        ends there); a candidate that reaches a graph input, in any graph after a break, unless it feeds a site this
+        pass fused (then it is that site's input, and its walk reached the input through the site)."""
         breaks, ends_here = dynamo_graph_breaks(graph)
         if not breaks:
             return None
@@ -235,8 +238,10 @@ class FusionPass(GraphPass):
         names = {n.name: n for n in graph.nodes}
         sites = [f"%{name} ({r['pattern']}) is an output of this graph" for r in result.replaced for name in r["created"]
                  if ends_here and names.get(name) in outputs]
+        fused = {names[name] for r in result.replaced for name in r["created"] if name in names}
         sites += [f"the candidate at %{anchor.name} reaches an input of this graph ({f.reason})"
-                  for anchor, f in failures.items() if anchor not in erased and f.kind == "graph break"]
+                  for anchor, f in failures.items()
+                  if anchor not in erased and f.kind == "graph break" and not _feeds(anchor, fused)]
         if not sites:
             return None
         return f"split by a graph break? {'; '.join(sites)}; Dynamo's latest graph breaks: {'; '.join(breaks)}"
@@ -309,6 +314,11 @@ class FusionPass(GraphPass):
                     if key in pat_out.meta:
                         new.meta[key] = pat_out.meta[key]
                 created.append(new)
+            if list(new.meta["val"].shape) != list(pat_out.meta["val"].shape):  # a graph output with more unit dims
+                with graph.inserting_after(new):
+                    new = graph.call_function(torch.ops.aten.view.default, (new, list(pat_out.meta["val"].shape)))
+                new.meta["val"] = pat_out.meta["val"]
+                created.append(new)
             pat_out.replace_all_uses_with(new)
         for n in reversed(m.nodes):
             graph.erase_node(n)
@@ -328,18 +338,39 @@ _BREAKS_SEEN: dict = {"counts": {}, "latest": [], "graph": None}
 
 def dynamo_graph_breaks(graph: fx.Graph) -> tuple[list[str], bool]:
     """The graph breaks Dynamo recorded most recently in this process (`torch._dynamo.utils.counters["graph_break"]`:
-    those whose count rose since the last look), each by the first line of its reason, and whether they were first
-    seen while compiling `graph` (Dynamo compiles the graph that ends at a break right after recording it)."""
+    those whose count rose since the last look), each by its name (`break_name`), and whether they were first seen
+    while compiling `graph` (Dynamo compiles the graph that ends at a break right after recording it)."""
     from torch._dynamo.utils import counters
 
     counts = dict(counters["graph_break"])
     new = [r for r, c in counts.items() if c > _BREAKS_SEEN["counts"].get(r, 0)]
     _BREAKS_SEEN["counts"] = counts
     if new:
-        _BREAKS_SEEN.update(latest=list(dict.fromkeys(str(r).strip().splitlines()[0] for r in new)), graph=id(graph))
+        _BREAKS_SEEN.update(latest=list(dict.fromkeys(break_name(str(r)) for r in new)), graph=id(graph))
     elif not counts:
         _BREAKS_SEEN.update(latest=[], graph=None)
     return _BREAKS_SEEN["latest"], _BREAKS_SEEN["graph"] == id(graph)
+
+
+def break_name(reason: str) -> str:
+    """A Dynamo graph break by the first line of its reason and, where Dynamo gives one, its developer debug
+    context (the operator: "Dynamic shape operator (aten.bincount.default)")."""
+    lines = [line.strip() for line in reason.strip().splitlines()]
+    context = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Developer debug context:")), "")
+    return f"{lines[0]} ({context})" if context and context not in lines[0] else lines[0]
+
+
+def _feeds(node: fx.Node, targets: set, limit: int = 2000) -> bool:
+    """Some node of targets is downstream of node (within `limit` nodes, breadth first)."""
+    seen, queue = {node}, [node]
+    while queue and len(seen) < limit:
+        for u in queue.pop(0).users:
+            if u in targets:
+                return True
+            if u not in seen:
+                seen.add(u)
+                queue.append(u)
+    return False
 
 
 def _fake_output(rep: Replacement):

@@ -7,11 +7,13 @@ without materialising the [T, H, N] scores (spec 3a).
     sel = sort(topk(s, k)); idx = where(s[sel] > -inf, sel + offset, -1)
       or, as an additive mask:  mask = full(-inf).scatter(sel, 0), -inf where s == -inf     (offset 0, mask=True)
       or so with a spare column: mask = full([T, N + 1], -inf).scatter(where(s[sel] > -inf, sel, N), 0)[:, :N]
-  -> dsv41::indexer_topk(q, w, keys, n_c, cand?, k, offset, cand_block, cand_topk_blocks, mask)
+  -> dsv41::indexer_topk(q, w, keys, n_c, cand?, k, offset, cand_block, cand_topk_blocks, mask, impl, score_scale)
 
-k, offset and the candidate block size and count are read from the matched graph. Formulations: the three
-layer kinds, each with top-k unsorted (the model's) or sorted, the selection as ascending indices or as a mask
-(invalid picks masked after the scatter, or sent to a spare column that is sliced off, HF's).
+k, offset, the candidate block size and count, and a score scale are read from the matched graph. Formulations:
+the three layer kinds, each with top-k unsorted (the model's) or sorted, the selection as ascending indices or as a
+mask (invalid picks masked after the scatter, or sent to a spare column that is sliced off, HF's), the softmax
+scale folded into w (the model's) or applied to relu(q . k) before the head weights (`score_scale`, HF's: not the
+same rounding, so the op computes it so).
 """
 
 from __future__ import annotations
@@ -36,8 +38,13 @@ def _inputs(with_cand: bool):
     return inputs
 
 
-def scores(q, w, keys, n_c):
-    s = (torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu() * w.unsqueeze(-1)).sum(dim=1)
+def scores(q, w, keys, n_c, score_scale=None):
+    """The model's scores (the softmax scale folded into w) or, given `score_scale`, relu(q . k) scaled before the
+    head weights."""
+    relu = torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu()
+    if score_scale is not None:
+        relu = relu * score_scale
+    s = (relu * w.unsqueeze(-1)).sum(dim=1)
     visible = torch.arange(keys.shape[1], device=s.device) < n_c.unsqueeze(-1)
     return s.masked_fill(~visible, -math.inf)
 
@@ -66,27 +73,32 @@ def select_mask_spare(s, topk, sorted_topk):
 MASK_FORMS = (None, "", "_spare")
 
 
-def make_patterns(sorted_topk: bool, mask_form: str | None):
+KINDS = ("candidate_source", "reindex", "index_source")
+
+
+def make_patterns(sorted_topk: bool, mask_form: str | None, scaled: bool):
     mask = mask_form is not None
-    tag = ("_mask" + mask_form if mask else "") + ("_sorted" if sorted_topk else "")
+    tag = ("_mask" + mask_form if mask else "") + ("_sorted" if sorted_topk else "") + ("_scaled" if scaled else "")
     sel_free = {"topk": (aten.topk.default, -1, 1)} if mask else {"topk": (aten.topk.default, -1, 1), "offset": (aten.add.Tensor, -1, 1)}
     defaults = {"topk": 8} if mask else {"topk": 8, "offset": 8}
+    if scaled:  # the first mul of the trace: relu(q . k) * score_scale
+        sel_free, defaults = {**sel_free, "score_scale": (aten.mul.Tensor, 0, 1)}, {**defaults, "score_scale": 0.125}
 
-    def selection(s, topk, offset=0):
+    def selection(s, topk, offset=0, score_scale=None):
         if not mask:
             return select(s, topk, offset, sorted_topk)
         return (select_mask_spare if mask_form == "_spare" else select_mask)(s, topk, sorted_topk)
 
     def plain(q, w, keys, n_c, **free):
-        return selection(scores(q, w, keys, n_c), **free)
+        return selection(scores(q, w, keys, n_c, free.get("score_scale")), **free)
 
     def candidates(q, w, keys, n_c, cand_block, cand_topk, **free):
-        s = scores(q, w, keys, n_c)
+        s = scores(q, w, keys, n_c, free.get("score_scale"))
         cand = select_candidate_blocks(s, n_c, cand_block, cand_topk)
         return selection(s, **free), cand
 
     def reindex(q, w, keys, n_c, cand, **free):
-        return selection(scores(q, w, keys, n_c).masked_fill(~cand, -math.inf), **free)
+        return selection(scores(q, w, keys, n_c, free.get("score_scale")).masked_fill(~cand, -math.inf), **free)
 
     anchor = aten.scatter.value if mask else (aten.sort.default, aten.sort.stable)
     return [
@@ -103,14 +115,16 @@ class IndexerTopkPass(FusionPass):
     int_ranges = {"n_c": lambda metas, free: (0, metas["keys"].shape[1] + 1)}  # valid rows: 0 .. Ncap
 
     def patterns(self):
-        return [p for form in MASK_FORMS for sorted_topk in (False, True) for p in make_patterns(sorted_topk, form)]
+        return [p for scaled in (False, True) for form in MASK_FORMS for sorted_topk in (False, True)
+                for p in make_patterns(sorted_topk, form, scaled)]
 
     def replacement(self, m):
-        kind = m.pattern.name.removesuffix("_sorted").removesuffix("_spare").removesuffix("_mask")
+        kind = next(k for k in KINDS if m.pattern.name.startswith(k))
         q, w, keys, n_c = m.inputs[:4]
         cand = m.inputs[4] if kind == "reindex" else None
         cand_block, cand_topk = m.free.get("cand_block", 0), m.free.get("cand_topk", 0)
         outputs = (0, 1) if kind == "candidate_source" else (0,)
         mask = "_mask" in m.pattern.name
-        args = (q, w, keys, n_c, cand, m.free["topk"], m.free.get("offset", 0), cand_block, cand_topk, mask, self.config.kernel)
+        args = (q, w, keys, n_c, cand, m.free["topk"], m.free.get("offset", 0), cand_block, cand_topk, mask, self.config.kernel,
+                m.free.get("score_scale", 1.0))
         return Replacement(torch.ops.dsv41.indexer_topk.default, args, outputs)

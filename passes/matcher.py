@@ -8,7 +8,8 @@ there, in two phases as Inductor's matcher does:
 
 1. structural: compare ops, dtypes and non-numeric arguments; numbers (shapes, eps, ...) are not compared yet;
 2. exact: re-trace `search` with fake tensors shaped like the bound inputs and match again, now comparing every
-   scalar and shape list. A different eps therefore fails here, named as a scalar mismatch.
+   scalar and shape list (but for size-1 dims of a view that is a pattern output: the op's output is then viewed
+   to the graph's shape). A different eps therefore fails here, named as a scalar mismatch.
 
 Both phases treat commutative ops (add, mul, ...) as unordered. Where the graph computes a pattern value with
 other ops (`exp2(ceil(log2(a)))` for a bit-manipulated power of two, stride-2 slices for unflatten + select, ...),
@@ -18,12 +19,20 @@ rank fit an input the pattern has not bound yet). A match with islands is accept
 semantic check (`dsv41.passes.fusion`): the matched region and the fused op's reference run on fresh random inputs
 and agree. The island's first differing op is what a decline names.
 
+Inputs bind through layout: a pattern input the pattern views (only adding or dropping size-1 dims, maybe after
+a negation or cast) may bind a graph value that has that layout already (`_input_in_layout`), and an input read
+through a graph view of another shape binds that view's source; the op then takes it reshaped to its declared
+shape (`_layout_derived`), and a narrower float input that the pattern only promotes in pointwise ops takes it
+cast to the declared dtype (`_promoted`, exact: the ops promote it so). A pattern output that the graph views with
+more size-1 dims is viewed back after the op.
+
 A match also fails when an interior node of the pattern has a user outside it ("extra user"), or when the
 fusion's own `check` rejects the bound inputs (dtype, shape, token limit).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import itertools
@@ -64,10 +73,11 @@ class Pattern:
 
     `search(*tensors, **free)` returns a tensor or a tuple of tensors; `inputs()` builds small example tensors for
     the structural trace. `anchor` is the distinctive op (or ops) candidates are found by; None: the op of the
-    first output. `guard` rejects bindings that fit the ops but not the fusion (two unrelated norms as q and kv). `free` names the scalars that are not fixed by the fusion but read from the matched graph
-    (e.g. the top-k width): name -> (op, occurrence, argument path) of the pattern node that carries it, the path
-    an index or a tuple of indices into the node's args; `free_defaults` are their values for the structural
-    trace. `variants` are further example-input builders, each traced as another structural form.
+    first output. `guard` rejects bindings that fit the ops but not the fusion (two unrelated norms as q and kv).
+    `free` names the scalars that are not fixed by the fusion but read from the matched graph (the top-k width, a
+    scale: an int or a float, as its default is): name -> (op, occurrence, argument path) of the pattern node that
+    carries it, the path an index or a tuple of indices into the node's args; `free_defaults` are their values for
+    the structural trace. `variants` are further example-input builders, each traced as another structural form.
     """
 
     name: str
@@ -138,12 +148,16 @@ class _State:
     t2p: dict = field(default_factory=dict)  # graph node -> pattern node
     islands: list = field(default_factory=list)  # (pattern node, graph node, the failure that opened it)
     rebindings: list = field(default_factory=list)  # per island with unbound inputs: (inputs, island, bound, choices)
+    # pattern input -> (the shape of the pattern's view of it, the graph's shape there) where the graph has that
+    # layout without the view (`_input_in_layout`)
+    layouts: dict = field(default_factory=dict)
 
     def copy(self) -> "_State":
-        return _State(dict(self.p2t), dict(self.t2p), list(self.islands), list(self.rebindings))
+        return _State(dict(self.p2t), dict(self.t2p), list(self.islands), list(self.rebindings), dict(self.layouts))
 
     def assign(self, other: "_State") -> None:
         self.p2t, self.t2p, self.islands, self.rebindings = other.p2t, other.t2p, other.islands, other.rebindings
+        self.layouts = other.layouts
 
 
 def _fmt(n) -> str:
@@ -239,6 +253,8 @@ class _Matcher:
             if isinstance(t, fx.Node):
                 st.t2p[t] = p
             return
+        if self._input_in_layout(p, t, st):
+            return
         if not isinstance(t, fx.Node) or t.op != "call_function":
             kind = "graph break" if _is_input(t) and t.op == "placeholder" else "argument"
             raise _Fail(kind, f"expected {_op_name(p.target)}, found {_fmt(t)}" + (
@@ -252,6 +268,9 @@ class _Matcher:
         st.t2p[t] = p
         if len(p.args) != len(t.args):
             raise _Fail("argument", f"{_fmt(t)}: {len(t.args)} arguments, pattern has {len(p.args)}", t)
+        if self.exact and p.target is aten.view.default and p in self.outputs and _same_but_units(p, t):
+            self._match_arg(p.args[0], t.args[0], st, f"{_fmt(t)} argument 0")  # the op's output is viewed back
+            return
         if p.target in COMMUTATIVE and len(p.args) == 2 and not p.kwargs and all(isinstance(a, fx.Node) for a in t.args):
             self._match_unordered(p, t, st)
         elif p.target is aten.where.self and self.islands_on:
@@ -261,6 +280,44 @@ class _Matcher:
                 self._match_arg(pa, ta, st, f"{_fmt(t)} argument {i}")
         for k, pa in p.kwargs.items():
             self._match_arg(pa, t.kwargs.get(k), st, f"{_fmt(t)} keyword {k}")
+
+    def _input_in_layout(self, p: fx.Node, t, st: _State) -> bool:
+        """Whether p, a view that only adds or drops size-1 dims of a pattern input (or of unary pointwise ops of
+        one, `(-sin).view(T, 1, -1)`), matches a graph value t that is not a view but has p's layout already
+        (sin as [T, 1, rd/2], negated there, where the pattern views a [T, rd/2] input): then the ops below the view
+        match t's, the input binds the graph value at their bottom, and the replacement reshapes that value to the
+        input's shape (`_layout_derived`, from `st.layouts`)."""
+        if p.target is not aten.view.default or not isinstance(t, fx.Node) or t.target is aten.view.default:
+            return False
+        pv, tv = p.meta.get("val"), t.meta.get("val")
+        if not isinstance(tv, torch.Tensor) or tv.dim() != pv.dim() or (self.exact and list(tv.shape) != list(pv.shape)):
+            return False
+        if [d == 1 for d in tv.shape] != [d == 1 for d in pv.shape]:  # the unit dims are the layout (any phase)
+            return False
+        chain, below = [], p.args[0]
+        while below.op == "call_function" and _unary_pointwise(below):
+            chain.append(below)
+            below = next(a for a in below.args if isinstance(a, fx.Node))
+        if below.op != "placeholder" or [d for d in below.meta["val"].shape if d != 1] != [d for d in pv.shape if d != 1]:
+            return False
+        g = t
+        for c in chain:
+            if not (isinstance(g, fx.Node) and g.op == "call_function" and g.target == c.target and _unary_pointwise(g)):
+                return False
+            g = next(a for a in g.args if isinstance(a, fx.Node))
+        if not isinstance(g, fx.Node) or st.p2t.get(below, g) is not g or (g in st.t2p and st.t2p[g] is not below):
+            return False
+        trial = st.copy()
+        trial.p2t[below], trial.t2p[g] = g, below
+        trial.layouts[below] = (list(pv.shape), list(tv.shape))
+        if chain:
+            try:
+                self._match_node(chain[0], t, trial)
+            except _Fail:
+                return False
+        trial.p2t[p] = t
+        st.assign(trial)
+        return True
 
     def _match_where(self, p: fx.Node, t: fx.Node, st: _State):
         """where(c, a, b) as written, or as where(c', b, a) with the graph's condition c' an island standing for
@@ -435,7 +492,8 @@ class _Matcher:
             bound = {n for n in st.t2p if isinstance(n, fx.Node)}
             if unbound:
                 cone = _ancestors(t, stop=lambda n: n is not t and n in bound, limit=_ISLAND_NODES)
-                kinds = [(n, _kind(n)) for n in cone if n is not t and n not in bound]
+                kind_of = _kinds(t.graph)
+                kinds = [(n, kind_of(n)) for n in cone if n is not t and n not in bound]
                 near = [[n for n, kind in kinds if kind is not None and kind == want] for want in map(_kind, unbound)]
                 far = [c[::-1] for c in near]
                 chosen = next(itertools.chain(self.fitting(st, unbound, t, bound, far),
@@ -454,8 +512,9 @@ class _Matcher:
     def fitting(self, st: _State, unbound: list, t: fx.Node, bound, choices, tries: int = 64):
         """The bindings of `unbound` (one graph node each from `choices`, in product order, the first `tries`
         tried) that close island `t` and at whose shapes the pattern runs."""
+        closes = _closure(t, bound)
         for combo in itertools.islice(itertools.product(*choices), tries):
-            if len(set(combo)) == len(combo) and _closed(t, bound | set(combo)) and self._traces_with(st, unbound, combo):
+            if len(set(combo)) == len(combo) and closes(combo) and self._traces_with(st, unbound, combo):
                 yield combo
 
     def rebindings(self, st: _State):
@@ -545,13 +604,18 @@ def _ancestors(node: fx.Node, stop, limit: int | None = None) -> list[fx.Node]:
 def _closed(t: fx.Node, bound: set) -> bool:
     """t's ancestors reach no graph input before a bound value, within the island size limit (the walk of
     `_ancestors(t, stop=bound, limit=_ISLAND_NODES)`, ending at the first input or past the limit)."""
+    return _closes(t, lambda n: [a for a in n._input_nodes if a not in bound], ())
+
+
+def _closes(t: fx.Node, inputs_of, stops) -> bool:
+    """The walk of `_closed` over inputs_of(n) (a node's inputs outside the bound values), not entering stops."""
     if _is_input(t):
         return False
     seen, order = {t}, [t]
     i = 0
     while i < len(order):
-        for a in order[i]._input_nodes:
-            if a in seen or a in bound:
+        for a in inputs_of(order[i]):
+            if a in seen or a in stops:
                 continue
             if a.op in ("placeholder", "get_attr") or len(order) >= _ISLAND_NODES:
                 return False
@@ -561,21 +625,47 @@ def _closed(t: fx.Node, bound: set) -> bool:
     return True
 
 
+def _closure(t: fx.Node, bound: set):
+    """combo -> whether `_closed(t, bound | set(combo))`, for many combos of one island: each node's inputs outside
+    bound are looked up once, and when t is closed by bound alone every combo closes it (stopping at more values
+    reaches fewer nodes)."""
+    if _closed(t, bound):
+        return lambda combo: True
+    inputs: dict = {}
+
+    def inputs_of(n):
+        if n not in inputs:
+            inputs[n] = [a for a in n._input_nodes if a not in bound]
+        return inputs[n]
+
+    return lambda combo: _closes(t, inputs_of, set(combo))
+
+
+def _kinds(graph: fx.Graph):
+    """`_kind` for the nodes of graph, cached on the graph (a node's dtype and rank do not change)."""
+    cache = graph.__dict__.setdefault("_dsv41_kinds", {})
+
+    def kind(n: fx.Node):
+        if n not in cache:
+            cache[n] = _kind(n)
+        return cache[n]
+    return kind
+
+
 def _kind(n: fx.Node) -> tuple | None:
     """(dtype, rank) of a tensor value: what a graph value must share with the pattern input it may bind to."""
     v = n.meta.get("val")
     return (v.dtype, v.dim()) if isinstance(v, torch.Tensor) else None
 
 
-def _cone(starts: list[fx.Node], target) -> list[fx.Node]:
-    """Graph nodes with `target` among the users of `starts` and their users, breadth first, nearest first."""
+def _cone(starts: list[fx.Node], target, limit: int | None = None) -> list[fx.Node]:
+    """Graph nodes with `target` among the users of `starts` and their users, breadth first, nearest first (the
+    first `limit` of them when given: the walk stops there)."""
     targets = target if isinstance(target, (tuple, list, set, frozenset)) else (target,)
-    seen, queue, found = set(starts), list(starts), []
-    for n in starts:
-        if n.target in targets:
-            found.append(n)
-    while queue and len(seen) < _CONE:
-        n = queue.pop(0)
+    seen, queue = set(starts), collections.deque(starts)
+    found = [n for n in starts if n.target in targets]
+    while queue and len(seen) < _CONE and (limit is None or len(found) < limit):
+        n = queue.popleft()
         for u in n.users:
             if u in seen:
                 continue
@@ -583,7 +673,7 @@ def _cone(starts: list[fx.Node], target) -> list[fx.Node]:
             queue.append(u)
             if u.op == "call_function" and u.target in targets:
                 found.append(u)
-    return found
+    return found if limit is None else found[:limit]
 
 
 def _is_numeric_seq(x) -> bool:
@@ -634,6 +724,7 @@ class PatternSet:
         self._structural = {p.name: [p.trace(build()) for build in (p.inputs, *p.variants)] for p in self.patterns}
         self._exact: dict[tuple, fx.GraphModule] = {}  # (pattern, input metadata, free scalars) -> exact trace
         self._shape_ok: dict[tuple, bool] = {}  # (pattern, input metadata) -> whether it traces at those shapes
+        self._firsts: dict[tuple, int] = {}  # (structural trace id, anchor op) -> its first output on the anchor
 
     def anchor_ops(self, index: int) -> list:
         pat = self.patterns[index]
@@ -664,6 +755,15 @@ class PatternSet:
         """Match pattern `index` at `anchor`; with `islands` False, only op for op (no part computed another way)."""
         return self._match_one(self.patterns[index], anchor, islands)
 
+    def _first_output(self, gm: fx.GraphModule, structural: "_Matcher", target) -> int:
+        """The first output of the structural trace gm that depends on an anchor op `target` (cached)."""
+        key = (id(gm), target)
+        if key not in self._firsts:
+            anchor_ps = {n for n in structural.call_nodes if n.target == target}
+            self._firsts[key] = next((i for i, o in enumerate(structural.outputs)
+                                      if anchor_ps & set(_ancestors(o, stop=lambda n: False))), 0)
+        return self._firsts[key]
+
     def _structural_match(self, pat: Pattern, anchor: fx.Node, islands: bool):
         """(structural matcher, state, output index, graph output node) of the first structural match whose region
         holds the anchor, or the deepest failure."""
@@ -674,9 +774,8 @@ class PatternSet:
             anchor_ps = [n for n in structural.call_nodes if n.target == anchor.target]
             if not anchor_ps:
                 continue
-            first = next((i for i, o in enumerate(structural.outputs)
-                          if any(a in _ancestors(o, stop=lambda n: False) for a in anchor_ps)), 0)
-            for cand in _cone([anchor], structural.outputs[first].target)[:_OUTPUTS]:
+            first = self._first_output(gm, structural, anchor.target)
+            for cand in _cone([anchor], structural.outputs[first].target, _OUTPUTS):
                 st = _State()
                 try:
                     st = structural.run(first, cand, st)
@@ -722,8 +821,10 @@ class PatternSet:
             value = carrier.args
             for i in (path if isinstance(path, tuple) else (path,)):
                 value = value[i]
-            if not isinstance(value, int):
-                return MatchFailure(pat.name, anchor.name, total, total, "check", f"{name} is {value!r}, not a static int")
+            kind = type(pat.free_defaults[name])  # int, or float (which an int also is)
+            if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+                return MatchFailure(pat.name, anchor.name, total, total, "check", f"{name} is {value!r}, not a static {kind.__name__}")
+            value = kind(value)
             free[name] = value
         result = self._exact_match(pat, anchor, structural, st, first, out_node, islands, free)
         if isinstance(result, MatchResult) and st.rebindings:
@@ -741,7 +842,7 @@ class PatternSet:
         layout chain at the shape the pattern declares, see `_layout_derived`), match comparing every number,
         check the region's boundary."""
         total = len(structural.call_nodes)
-        bound = [_layout_derived(p, st) or st.p2t.get(p) for p in structural.placeholders]
+        bound = [_promoted(p, _layout_derived(p, st) or st.p2t.get(p)) for p in structural.placeholders]
         key = (pat.name, tuple(_meta_key(b) for b in bound), tuple(sorted(free.items())))
         if key not in self._exact:
             try:
@@ -761,7 +862,8 @@ class PatternSet:
             st2 = exact.run(first, out_node, st2)
         except _Fail as e:
             return MatchFailure(pat.name, anchor.name, exact.progress(st2), total, e.kind, e.reason, e.blocking and e.blocking.name)
-        inside = {t for p, t in st2.p2t.items() if p.op == "call_function"} | exact.island_nodes(st2)
+        inputs_bound = {t for p, t in st2.p2t.items() if p.op == "placeholder"}  # never inside (`_input_in_layout`)
+        inside = {t for p, t in st2.p2t.items() if p.op == "call_function" and t not in inputs_bound} | exact.island_nodes(st2)
         outputs = [st2.p2t[o] for o in exact.outputs]
         for t in inside:
             if t in outputs:
@@ -780,6 +882,43 @@ class PatternSet:
         return MatchResult(pat, inputs, outputs, nodes, free, found_islands)
 
 
+def _same_but_units(p: fx.Node, t: fx.Node) -> bool:
+    """p's and t's values have the same sizes but for size-1 dims (a pattern output [T, N], a graph's [B, 1, N])."""
+    pv, tv = p.meta.get("val"), t.meta.get("val")
+    return (isinstance(pv, torch.Tensor) and isinstance(tv, torch.Tensor) and pv.dtype == tv.dtype
+            and [d for d in pv.shape if d != 1] == [d for d in tv.shape if d != 1])
+
+
+def _promoted(ph: fx.Node, b):
+    """b, or b cast to the dtype of pattern input ph where the pattern only uses ph in pointwise ops with another
+    operand of that dtype (through views and negations) and b is a narrower float: those ops promote b to ph's
+    dtype exactly, so the op may take it cast (a bf16 cos multiplying fp32 values, for an op declared fp32)."""
+    want, val = ph.meta["val"].dtype, b.meta.get("val") if isinstance(b, (fx.Node, Derived)) else None
+    if not (isinstance(val, torch.Tensor) and val.dtype != want and val.dtype.is_floating_point and want.is_floating_point
+            and torch.finfo(val.dtype).bits < torch.finfo(want).bits):
+        return b
+    uses, seen = list(ph.users), set()
+    while uses:
+        u = uses.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if u.target in (aten.view.default, aten.neg.default):
+            uses.extend(u.users)
+            continue
+        operands = [a.meta["val"] for a in u.args if isinstance(a, fx.Node) and a not in seen and a is not ph]
+        if not (isinstance(u.target, torch._ops.OpOverload) and torch.Tag.pointwise in u.target.tags
+                and u.meta["val"].dtype == want and any(v.dtype == want for v in operands if isinstance(v, torch.Tensor))):
+            return b
+    return Derived(torch.ops.prims.convert_element_type.default, (b, want))
+
+
+def _unary_pointwise(n: fx.Node) -> bool:
+    """n is a pointwise op of one tensor (a negation, a cast), its other arguments not tensors."""
+    return (isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags and not n.kwargs
+            and sum(isinstance(a, fx.Node) for a in n.args) == 1 and isinstance(n.args[0], fx.Node))
+
+
 def _layout_derived(ph: fx.Node, st: _State) -> "Derived | None":
     """The op input that pattern placeholder `ph` stands for when the graph reaches it through a layout chain from
     a value of another shape: `ph` is read only by views in the pattern, each matched to a graph view of the bound
@@ -788,6 +927,11 @@ def _layout_derived(ph: fx.Node, st: _State) -> "Derived | None":
     when the bound value already has that shape or no such shape exists."""
     b = st.p2t.get(ph)
     val = b.meta.get("val") if isinstance(b, fx.Node) else None
+    if ph in st.layouts and isinstance(val, torch.Tensor):  # the graph has the pattern view's layout without the view
+        p_out, g_out = st.layouts[ph]
+        kept = iter(d for d, p in zip(g_out, p_out) if p != 1)
+        shape = tuple(1 if d == 1 else next(kept) for d in ph.meta["val"].shape)
+        return None if shape == tuple(val.shape) or math.prod(shape) != val.numel() else Derived(aten.reshape.default, (b, list(shape)))
     users = list(ph.users)
     if not isinstance(val, torch.Tensor) or not users or any(u.target is not aten.view.default for u in users):
         return None

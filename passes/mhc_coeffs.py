@@ -4,9 +4,9 @@
     pre = sigmoid(m[:, :4] s0 + b) + hc_eps; post = 2 sigmoid(m[:, 4:8] s1 + b)
     comb = Sinkhorn(softmax(m[:, 8:].view(4, 4) s2 + b) + hc_eps), 20 column / 19 row normalisations
 
-Formulations: the model's (GEMM then scale by r; normalisations as `c / (c.sum() + eps)`), and a variant that
-normalises first (`(x * r) @ fn^T`, RMSNorm-without-weight then linear) with the normalisations written as
-multiplication by the reciprocal of the sum.
+Formulations: the model's (GEMM then scale by r; normalisations as `c / (c.sum() + eps)`), and variants that
+normalise first (`(x * r) @ fn^T`, RMSNorm-without-weight then linear) with the normalisations written as
+multiplication by the reciprocal of the sum or as the model's division.
 """
 
 from __future__ import annotations
@@ -29,18 +29,27 @@ def _inputs():
     return [torch.empty(T, HC, D, dtype=torch.bfloat16), torch.empty(n, HC * D), torch.empty(n), torch.empty(3)]
 
 
-def hc_mixes_prenorm(x, fn_w, base, scale, norm_eps, hc_eps, iters):
+def hc_mixes_prenorm(x, fn_w, base, scale, norm_eps, hc_eps, iters, reciprocal=True):
+    """Normalise, then the GEMM; the Sinkhorn normalisations by the reciprocal of the sum or (`reciprocal` False)
+    by division, as the model's."""
     t, hc, _ = x.shape
     xf = x.flatten(1).float()
     m = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm_eps)) @ fn_w.t()
     pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2.0 * torch.sigmoid(m[:, hc: 2 * hc] * scale[1] + base[hc: 2 * hc])
     c = torch.softmax(m[:, 2 * hc:].view(t, hc, hc) * scale[2] + base[2 * hc:].view(hc, hc), dim=-1) + hc_eps
-    c = c * (1.0 / (c.sum(dim=-2, keepdim=True) + hc_eps))
+
+    def normalised(c, dim):
+        return c * (1.0 / (c.sum(dim=dim, keepdim=True) + hc_eps)) if reciprocal else c / (c.sum(dim=dim, keepdim=True) + hc_eps)
+
+    c = normalised(c, -2)
     for _ in range(iters - 1):
-        c = c * (1.0 / (c.sum(dim=-1, keepdim=True) + hc_eps))
-        c = c * (1.0 / (c.sum(dim=-2, keepdim=True) + hc_eps))
+        c = normalised(normalised(c, -1), -2)
     return pre, post, c
+
+
+def hc_mixes_prenorm_div(x, fn_w, base, scale, norm_eps, hc_eps, iters):
+    return hc_mixes_prenorm(x, fn_w, base, scale, norm_eps, hc_eps, iters, reciprocal=False)
 
 
 class MhcCoeffsPass(FusionPass):
@@ -50,7 +59,8 @@ class MhcCoeffsPass(FusionPass):
     def patterns(self):
         c = self.config
         out = []
-        for name, mixes in (("hc_mixes", fn.hc_mixes), ("hc_mixes_prenorm", hc_mixes_prenorm)):
+        for name, mixes in (("hc_mixes", fn.hc_mixes), ("hc_mixes_prenorm", hc_mixes_prenorm),
+                            ("hc_mixes_prenorm_div", hc_mixes_prenorm_div)):
             def search(x, fn_w, base, scale, mixes=mixes):
                 return mixes(x, fn_w, base, scale, c.norm_eps, c.hc_eps, c.sinkhorn_iters)
 

@@ -12,10 +12,14 @@
   `topk(x, k, -1, True, True)`);
 - layout chains: a chain of views, unsqueezes, squeezes and permutes is at most one permute and one view of its
   root (one-step and two-step reshapes, `x[:, None]` and `x.unsqueeze(1)` are one form);
-- broadcasting: an operand viewed only to add leading size-1 dims is the operand itself;
-- `where(~m, a, b)` (or `logical_not`) is `where(m, b, a)`; a negation of a view is the view of the negation;
-- arithmetic spellings: `a + (-b)` is `a - b`, `x * x` is `x ** 2`, `x * -1` is `-x`, `max(x, d).values` is `amax(x, [d])`, and a
-  reduction over one dim followed by an unsqueeze of that dim is the reduction with keepdim;
+- broadcasting: an operand viewed only to add leading size-1 dims is the operand itself, and a `full` operand the
+  others already broadcast to the output's shape is a 0-d `scalar_tensor`;
+- interleaved elements: `select(x.view(..., n, k), -1, i)` is the stride-k slice `x[..., i::k]`, and a cast moves
+  below a strided slice;
+- `where(~m, a, b)` (or `logical_not`) is `where(m, b, a)`, and on integers `where(a >= b, x, y)` is
+  `where(a < b, y, x)` (`>` as `<=`, `!=` as `==`); a negation of a view is the view of the negation;
+- arithmetic spellings: `a + (-b)` is `a - b`, `x * x` is `x ** 2`, `x * -1` is `-x`, `max(x, d).values` is
+  `amax(x, [d])`, and a reduction over one dim followed by an unsqueeze of that dim is the reduction with keepdim;
 - unit dims: a non-leading size-1 dim that a graph input or a view of a GEMM output adds (HF's `[B, S=1, ...]`
   decode layout) sinks below the ops that do not touch it (`_sink_units`), so they run at `[B, ...]`.
 
@@ -24,6 +28,7 @@ Shapes come from `meta["val"]`; a node without it is left alone.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import torch
@@ -398,6 +403,84 @@ def _drop_broadcast_views(node: fx.Node) -> bool:
     return changed
 
 
+def _full_as_scalar(graph: fx.Graph, node: fx.Node) -> bool:
+    """An operand `full(shape, v)` of a broadcasting op that the other operands already broadcast to the output's
+    shape, in the output's dtype, is the 0-d `scalar_tensor(v)` (`where(m, i, full_like(i, n))` and
+    `where(m, i, n)` are one form; the output's dtype and shape are checked to stay the same)."""
+    out = _val(node)
+    if not _static(out):
+        return False
+    changed = False
+    for i, a in enumerate(node.args):
+        if not (isinstance(a, fx.Node) and a.op == "call_function" and a.target is aten.full.default
+                and isinstance(a.args[1], (int, float)) and _val(a).dim() > 0 and _val(a).dtype == out.dtype):
+            continue
+        others = [_val(b).shape for j, b in enumerate(node.args) if j != i and isinstance(b, fx.Node) and _static(_val(b))]
+        if not others or list(torch.broadcast_shapes(*others)) != list(out.shape):
+            continue
+        kwargs = {"dtype": out.dtype, "layout": torch.strided, "device": a.kwargs.get("device", out.device)}
+        with graph.inserting_before(node):
+            scalar = graph.call_function(aten.scalar_tensor.default, (a.args[1],), kwargs)
+        scalar.meta["val"] = _fake_call(aten.scalar_tensor.default, a.args[1], **kwargs)
+        args = list(node.args)
+        args[i] = scalar
+        try:
+            same = _fake_call(node.target, *args, **node.kwargs)
+        except Exception:
+            same = None
+        if not isinstance(same, torch.Tensor) or same.dtype != out.dtype or same.shape != out.shape:
+            graph.erase_node(scalar)
+            continue
+        node.args, changed = tuple(args), True
+        if not a.users:
+            graph.erase_node(a)
+    return changed
+
+
+def _select_as_strided_slice(graph: fx.Graph, node: fx.Node) -> bool:
+    """select(x.view(..., n, k), -1, i) = x[..., i::k]: the i-th of each k adjacent elements of the last dim, as a
+    stride-k slice (unflatten + select and stride-2 slicing of interleaved pairs are one form); exact."""
+    src = node.args[0]
+    if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target is aten.view.default
+            and len(node.args) == 3 and isinstance(node.args[2], int)):
+        return False
+    x, v = _val(src.args[0]), _val(src)
+    if not (_static(x) and _static(v)) or v.dim() != x.dim() + 1 or node.args[1] != v.dim() - 1:
+        return False
+    n, k = v.shape[-2], v.shape[-1]
+    if list(v.shape[:-2]) != list(x.shape[:-1]) or n * k != x.shape[-1] or k < 2 or not 0 <= node.args[2] < k:
+        return False
+    with graph.inserting_before(node):
+        strided = graph.call_function(aten.slice.Tensor, (src.args[0], x.dim() - 1, node.args[2], _END, k))
+    strided.meta["val"] = _fake_call(aten.slice.Tensor, src.args[0], x.dim() - 1, node.args[2], _END, k)
+    _copy_source(node, strided)
+    node.replace_all_uses_with(strided)
+    graph.erase_node(node)
+    return True
+
+
+def _cast_after_strided_slice(graph: fx.Graph, node: fx.Node) -> bool:
+    """convert(x)[..., i::k] = convert(x[..., i::k]) for a stride k > 1: the cast moves below the strided slice
+    (`x.float()[..., 0::2]` and `x[..., 0::2].float()` are one form); exact."""
+    src = node.args[0]
+    if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target is prims.convert_element_type.default
+            and len(node.args) == 5 and isinstance(node.args[4], int) and node.args[4] > 1):
+        return False
+    with graph.inserting_before(node):
+        strided = graph.call_function(aten.slice.Tensor, (src.args[0], *node.args[1:]))
+    strided.meta["val"] = _fake_call(aten.slice.Tensor, src.args[0], *node.args[1:])
+    with graph.inserting_before(node):
+        cast = graph.call_function(src.target, (strided, *src.args[1:]), dict(src.kwargs))
+    cast.meta["val"] = _fake_call(src.target, strided, *src.args[1:], **src.kwargs)
+    _copy_source(node, strided)
+    _copy_source(node, cast)
+    node.replace_all_uses_with(cast)
+    graph.erase_node(node)
+    if not src.users:
+        graph.erase_node(src)
+    return True
+
+
 def _neg_before_view(graph: fx.Graph, node: fx.Node) -> bool:
     """neg(view(x)) = view(neg(x)): the negation moves above a view chain (`-sin.view(...)` and `(-sin).view(...)`
     are one form)."""
@@ -416,16 +499,35 @@ def _neg_before_view(graph: fx.Graph, node: fx.Node) -> bool:
 
 
 _NOTS = (aten.bitwise_not.default, aten.logical_not.default)  # the two spellings of ~m on a bool mask
+# a comparison -> its complement, the form a `where` condition takes (`where(a >= b, x, y)` is `where(a < b, y, x)`)
+_COMPLEMENTS = {aten.ge.Tensor: aten.lt.Tensor, aten.gt.Tensor: aten.le.Tensor, aten.ne.Tensor: aten.eq.Tensor,
+                aten.ge.Scalar: aten.lt.Scalar, aten.gt.Scalar: aten.le.Scalar, aten.ne.Scalar: aten.eq.Scalar}
 
 
-def _where_not(node: fx.Node) -> bool:
-    """where(~m, a, b) = where(m, b, a) (m bool: `~m` and `logical_not(m)`)."""
+def _where_not(graph: fx.Graph, node: fx.Node) -> bool:
+    """where(~m, a, b) = where(m, b, a) (m bool: `~m` and `logical_not(m)`); and where(a >= b, x, y) =
+    where(a < b, y, x) (likewise > as <=, != as ==) when a and b are integers or booleans: without NaN the
+    comparison is the negation of its complement."""
     cond = node.args[0]
-    if isinstance(cond, fx.Node) and cond.op == "call_function" and cond.target in _NOTS \
-            and isinstance(_val(cond.args[0]), torch.Tensor) and _val(cond.args[0]).dtype == torch.bool:
+    if not (isinstance(cond, fx.Node) and cond.op == "call_function"):
+        return False
+    if cond.target in _NOTS and isinstance(_val(cond.args[0]), torch.Tensor) and _val(cond.args[0]).dtype == torch.bool:
         node.args = (cond.args[0], node.args[2], node.args[1])
         return True
-    return False
+    complement = _COMPLEMENTS.get(cond.target)
+    operands = [_val(a) if isinstance(a, fx.Node) else a for a in cond.args]
+    if complement is None or not all(
+            (isinstance(v, torch.Tensor) and not v.dtype.is_floating_point and not v.dtype.is_complex)
+            or isinstance(v, (int, bool)) for v in operands):
+        return False
+    with graph.inserting_before(node):
+        flipped = graph.call_function(complement, cond.args, dict(cond.kwargs))
+    flipped.meta["val"] = _fake_call(complement, *cond.args, **cond.kwargs)
+    _copy_source(cond, flipped)
+    node.args = (flipped, node.args[2], node.args[1])
+    if not cond.users:
+        graph.erase_node(cond)
+    return True
 
 
 # ---- unit dims: a size-1 dim that a view or a graph input adds sinks below the ops it does not take part in -----
@@ -498,9 +600,9 @@ _DIM_OPERANDS = {aten.slice.Tensor: ((0,), 1), aten.select.int: ((0,), 1), aten.
 
 def _sink_units(graph: fx.Graph, node: fx.Node) -> bool:
     """op(x with size-1 dims S) = op(x without them) with the dims put back, for an op that does not touch S (a
-    pointwise op whose output has size 1 there; a reduction, slice, select, softmax, top-k, scatter, expand or cat
-    over other dims): an exact identity. S are the first non-leading unit dims of the output, as many as an
-    operand's view or graph input added (`_added_units`); the ops of a [B, 1, ...] region then run at [B, ...] as a
+    pointwise op whose output has size 1 there, a 1-D table's lookup `table[idx]`; a reduction, slice, select,
+    softmax, top-k, scatter, expand or cat over other dims): an exact identity. S are the first non-leading unit
+    dims of the output, as many as an operand's view or graph input added (`_added_units`); the ops of a [B, 1, ...] region then run at [B, ...] as a
     pattern traced at [T, ...] does, and one view restores each value's shape where the region ends."""
     out = _val(node)
     t = node.target
@@ -523,6 +625,12 @@ def _sink_units(graph: fx.Graph, node: fx.Node) -> bool:
             mine = {s - k for s in drop if s - k >= 0}
             if mine:
                 args[i] = _squeezed(graph, node, args[i], mine)
+    elif _is_lookup(node):  # table[idx]: pointwise in idx
+        idx = node.args[1][0]
+        drop = set(_units(out.shape)[:_added_units(idx)])
+        if not drop:
+            return False
+        args = [node.args[0], [_squeezed(graph, node, idx, drop)]]
     elif t in _DIM_OPERANDS or t is aten.cat.default:
         positions, dim_at = _DIM_OPERANDS.get(t, ((), 1))
         xs = list(node.args[0]) if t is aten.cat.default else [node.args[i] for i in positions if i < len(node.args)]
@@ -569,6 +677,16 @@ def _sink_units(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+def _is_lookup(node: fx.Node) -> bool:
+    """node is `table[idx]`: aten.index of a 1-D table by one integer index tensor (a lookup table's values at each
+    index, e.g. the FP4 code values), pointwise in idx."""
+    if node.target is not aten.index.Tensor or len(node.args) != 2 or len(node.args[1]) != 1:
+        return False
+    table, idx = _val(node.args[0]), _val(node.args[1][0])
+    return (_static(table) and table.dim() == 1 and isinstance(node.args[1][0], fx.Node) and _static(idx)
+            and not idx.dtype.is_floating_point and idx.dtype is not torch.bool)
+
+
 def _copy_source(node: fx.Node, new: fx.Node) -> None:
     for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
         if key in node.meta:
@@ -586,6 +704,80 @@ def _replace_lifted(graph: fx.Graph, node: fx.Node, low: fx.Node) -> None:
     graph.erase_node(node)
 
 
+def _tails(a, b) -> tuple[list[int], list[int]] | None:
+    """The shapes a view of [a] to [b] reshapes: a and b without their longest common leading dims (None: none)."""
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return (list(a[k:]), list(b[k:])) if k < len(a) or k < len(b) else None
+
+
+def _boundary_view(v: fx.Node) -> bool:
+    """v gives a graph input or a GEMM output (or a permute of one) its layout: a pattern's input may be such a
+    view's output, so the view stays where it is."""
+    root = v.args[0]
+    while isinstance(root, fx.Node) and root.op == "call_function" and root.target is aten.permute.default:
+        root = root.args[0]
+    return not isinstance(root, fx.Node) or root.op != "call_function" or root.target in _GEMMS
+
+
+def _view_below_pointwise(graph: fx.Graph, node: fx.Node) -> bool:
+    """op(view(x), view(y), s, c) = view(op(x, y, s, c)) for a pointwise op whose tensor operands are views that
+    reshape the same trailing dims the same way ([T, 16] -> [T, 4, 4] and [16] -> [4, 4]) or 0-d tensors s, c
+    numbers: an
+    exact identity (`(m * s + b).view(T, 4, 4)` and `m.view(T, 4, 4) * s + b.view(4, 4)` are one form). The op
+    takes two such operands or more: a view with numbers only (a cast, a square) stays, as such a view may be where
+    a pattern's input enters it, and a pattern does not see what its input is a view of; views of graph inputs and
+    GEMM outputs stay for that reason too (`_boundary_view`), and views that only add or drop size-1 dims are
+    `_sink_units`'."""
+    t, out = node.target, _val(node)
+    if not (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags and _static(out)) or node.kwargs:
+        return False
+    views, tails, scalars = [], None, 0
+    for a in node.args:
+        v = _val(a)
+        if not isinstance(a, fx.Node):
+            continue
+        if not _static(v):
+            return False
+        if v.dim() == 0:
+            scalars += 1
+            continue
+        if a.op != "call_function" or a.target is not aten.view.default or _boundary_view(a):
+            return False
+        src = _val(a.args[0])
+        if not _static(src) or [d for d in src.shape if d != 1] == [d for d in v.shape if d != 1]:
+            return False
+        mine = _tails(list(src.shape), list(v.shape))
+        if mine is None or tails not in (None, mine) or not mine[1] or list(out.shape[out.dim() - len(mine[1]):]) != mine[1]:
+            return False
+        tails = mine
+        views.append(a)
+    if not views or len(views) + scalars < 2:
+        return False
+    args = [a.args[0] if a in views else a for a in node.args]
+    lead = out.dim() - len(tails[1])
+    try:
+        low_val = _fake_call(t, *args)
+        with getattr(low_val, "fake_mode", None) or contextlib.nullcontext():
+            low_val.view(out.shape)  # the op's output at the lower shape must be viewable back
+    except Exception:
+        return False
+    if list(low_val.shape) != list(out.shape[:lead]) + tails[0]:
+        return False
+    with graph.inserting_before(node):
+        low = graph.call_function(t, tuple(args))
+    low.meta["val"] = low_val
+    _copy_source(node, low)
+    with graph.inserting_before(node):
+        lifted = graph.call_function(aten.view.default, (low, list(out.shape)))
+    lifted.meta["val"] = _fake_call(aten.view.default, low, list(out.shape))
+    _copy_source(node, lifted)
+    node.replace_all_uses_with(lifted)
+    graph.erase_node(node)
+    return True
+
+
 def _canonical_forms(graph: fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
@@ -595,13 +787,21 @@ def _canonical_forms(graph: fx.Graph) -> int:
             changed += _canonicalise_layout(graph, node)
         elif node.target is aten.neg.default and _neg_before_view(graph, node):
             changed += 1
+        elif _view_below_pointwise(graph, node):
+            changed += 1
+        elif node.target is aten.select.int and _select_as_strided_slice(graph, node):
+            changed += 1
+            continue
+        elif node.target is aten.slice.Tensor and _cast_after_strided_slice(graph, node):
+            changed += 1
+            continue
         elif _sink_units(graph, node):
             changed += 1
             continue
         elif node.target in _BROADCASTING:
-            changed += _drop_broadcast_views(node)
+            changed += _drop_broadcast_views(node) + _full_as_scalar(graph, node)
             if node.target is aten.where.self:
-                changed += _where_not(node)
+                changed += _where_not(graph, node)
     for node in reversed(list(graph.nodes)):  # layout ops and negations left without users
         if node.op == "call_function" and not node.users and node.target in (*_LAYOUT_OPS, *_NOTS, aten.neg.default):
             graph.erase_node(node)

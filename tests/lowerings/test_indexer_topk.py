@@ -80,6 +80,7 @@ BAD = {
     "topk": (lambda kw: dict(topk=0), r"'topk' must be >= 1, got 0"),
     "cand_topk_blocks": (lambda kw: dict(cand_topk_blocks=-1), r"'cand_topk_blocks' must be >= 0, got -1"),
     "cand_block": (lambda kw: dict(cand_block=0), r"'cand_block' must be >= 1 when cand_topk_blocks > 0, got 0"),
+    "score_scale": (lambda kw: dict(score_scale=math.inf), r"'score_scale' must be a finite number, got inf"),
 }
 
 
@@ -150,3 +151,29 @@ def test_compare_kernel_candidate_blocks(samples):
     partial = cand.clone()
     partial[row, kept[0] * b] = False
     assert "whole candidate blocks" in op_module.compare_kernel((want[0], partial), want, kw)
+
+
+def test_score_scale_is_applied_before_the_head_weights(samples):
+    """score_scale c: s = sum_h (relu(q . k) * c) * w, in that order (not relu(q . k) * (c * w)); the selection is
+    the top-k of those scores; c = 1 is the unscaled op bit for bit."""
+    kw = samples("indexer_topk", seed=3)
+    kw["n_c"][:] = kw["keys"].shape[1] - 1  # k finite scores per row: no ties among -inf picks
+    c = 32**-0.5
+    relu = torch.einsum("thd,tnd->thn", kw["q"].float(), kw["keys"].float()).relu()
+    want = (relu * c * kw["w"].unsqueeze(-1)).sum(dim=1)
+    want = want.masked_fill(torch.arange(want.shape[1]) >= kw["n_c"].unsqueeze(-1), -math.inf)
+    assert torch.equal(op_module.scores(kw["q"], kw["w"], kw["keys"], kw["n_c"], c), want)
+    idx, _ = op(**kw, impl="reference", score_scale=c)
+    sel = torch.topk(want, min(kw["topk"], want.shape[1]), dim=-1).indices.sort(-1).values
+    assert torch.equal(idx, torch.where(want.gather(-1, sel) > -math.inf, sel + kw["offset"], -1))
+    assert all(torch.equal(a, b) for a, b in zip(op(**kw, impl="reference", score_scale=1.0), op(**kw, impl="reference")))
+
+
+def test_kernel_declines_a_score_scale():
+    """The kernel folds the scale into w: it declines score_scale != 1 with a reason (the reference runs)."""
+    kernel = pytest.importorskip("dsv41.kernels.indexer_topk")
+    t, n = 2, 64
+    args = (torch.empty(t, 64, 128, dtype=torch.bfloat16), torch.empty(t, 64), torch.empty(t, n, 128, dtype=torch.bfloat16),
+            torch.zeros(t, dtype=torch.int64), None)
+    reason = kernel.supports(*args, topk=8, offset=0, cand_block=0, cand_topk_blocks=0, score_scale=0.5)
+    assert reason is not None and "score_scale 0.5" in reason

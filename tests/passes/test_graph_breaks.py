@@ -1,5 +1,6 @@
 """A fusion's subgraph split by a Dynamo graph break: the compile report's note for the fusion says so, names the
-site (a fused op whose result is an output of its graph) and names the break (the first line of Dynamo's reason).
+site (a fused op whose result is an output of its graph) and names the break (the first line of Dynamo's reason,
+with the operator of its developer debug context where Dynamo gives one).
 The MoE combine is cut from its shared-expert add by `torch._dynamo.graph_break()` or by a `bincount` of the
 tokens' rows (a data-dependent shape: the break of Hugging Face's MoE); the outputs still equal eager exactly."""
 
@@ -36,7 +37,7 @@ def inputs(seed):
     return [rand(g, T * K, D), torch.arange(T).repeat_interleave(K), rand(g, T, D)]
 
 
-@pytest.mark.parametrize("fn, named", [(broken_by_call, "torch._dynamo.graph_break()"), (broken_by_bincount, "Dynamic shape operator")],
+@pytest.mark.parametrize("fn, named", [(broken_by_call, "torch._dynamo.graph_break()"), (broken_by_bincount, "Dynamic shape operator (aten.bincount.default)")],
                          ids=["graph_break", "bincount"])
 def test_split_combine_is_noted_with_its_break(fn, named):
     torch._dynamo.reset()

@@ -3,8 +3,9 @@
 
 Every formulation the pass lists (the index-source, candidate-source and re-index layer kinds, each with
 `topk(sorted=False)` then an ascending sort (the model's) or a sorted `topk` then the sort, or either top-k
-scattered into an additive -inf mask) has a user-written function here; k, the offset and the candidate block
-size / count are read from the graph.
+scattered into an additive -inf mask; each with the softmax scale folded into w (the model's) or applied to
+relu(q . k) before the head weights, "_scaled") has a user-written function here; k, the offset, the candidate
+block size / count and the score scale are read from the graph.
 
 Comparison: the selected indices are compared per row as index sets (valid entries, offset removed), with the
 tie rule: indices whose score equals the row's k-th largest score are interchangeable (any of them is a correct
@@ -47,8 +48,12 @@ def inputs(seed, t=T, n=N, dtype=BF16, with_cand=False):
 
 
 # ---- the formulations --------------------------------------------------------------------------------------------
-def index_scores(q, w, keys, n_c, fill=-math.inf):
-    s = (torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu() * w.unsqueeze(-1)).sum(dim=1)
+SCORE_SCALE = IHD**-0.5  # the "_scaled" formulations' softmax scale, applied to relu(q . k) before the head weights
+
+
+def index_scores(q, w, keys, n_c, fill=-math.inf, score_scale=None):
+    relu = torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu()
+    s = ((relu if score_scale is None else relu * score_scale) * w.unsqueeze(-1)).sum(dim=1)
     visible = torch.arange(keys.shape[1], device=s.device) < n_c.unsqueeze(-1)
     return s.masked_fill(~visible, fill)
 
@@ -83,35 +88,36 @@ def sorted_topk_mask_spare(s, k=TOPK):
     return topk_mask_spare(s, k, sorted_topk=True)
 
 
-def index_source(select):
+def index_source(select, scale=None):
     def f(q, w, keys, n_c):
-        return select(index_scores(q, w, keys, n_c))
+        return select(index_scores(q, w, keys, n_c, score_scale=scale))
     return f
 
 
-def candidate_source(select):
+def candidate_source(select, scale=None):
     def f(q, w, keys, n_c):
-        s = index_scores(q, w, keys, n_c)
+        s = index_scores(q, w, keys, n_c, score_scale=scale)
         return select(s), select_candidate_blocks(s, n_c, CAND_BLOCK, CAND_BLOCKS)
     return f
 
 
-def reindex(select):
+def reindex(select, scale=None):
     def f(q, w, keys, n_c, cand):
-        return select(index_scores(q, w, keys, n_c).masked_fill(~cand, -math.inf))
+        return select(index_scores(q, w, keys, n_c, score_scale=scale).masked_fill(~cand, -math.inf))
     return f
 
 
-FORMULATIONS = {f"{kind}{tag}": (make(select), kind)
+FORMULATIONS = {f"{kind}{tag}{scaled}": (make(select, scale), kind)
                 for tag, select in (("", topk_then_sort), ("_sorted", sorted_topk), ("_mask", topk_mask),
                                     ("_mask_sorted", sorted_topk_mask), ("_mask_spare", topk_mask_spare),
                                     ("_mask_spare_sorted", sorted_topk_mask_spare))
                 for kind, make in (("index_source", index_source), ("candidate_source", candidate_source),
-                                   ("reindex", reindex))}
+                                   ("reindex", reindex))
+                for scaled, scale in (("", None), ("_scaled", SCORE_SCALE))}
 
 
-def scores_of(kind, q, w, keys, n_c, cand=None):
-    s = index_scores(q, w, keys, n_c)
+def scores_of(kind, q, w, keys, n_c, cand=None, score_scale=None):
+    s = index_scores(q, w, keys, n_c, score_scale=score_scale)
     return s.masked_fill(~cand, -math.inf) if kind == "reindex" else s
 
 
@@ -139,11 +145,11 @@ def mask_indices(mask, k=TOPK):
     return torch.stack([torch.cat([r, r.new_full((width - len(r),), -1)]) for r in rows])
 
 
-def check(kind, got, want, x, mask=False):
+def check(kind, got, want, x, mask=False, score_scale=None):
     if kind != "candidate_source":
         got, want = (got,), (want,)
     cand = x[4] if kind == "reindex" else None
-    s = scores_of(kind, *x[:4], cand)
+    s = scores_of(kind, *x[:4], cand, score_scale)
     if mask:
         assert_same_selection(mask_indices(got[0]), mask_indices(want[0]), s, offset=0)
     else:
@@ -161,12 +167,13 @@ def test_formulation_is_fused(name):
     f, kind = FORMULATIONS[name]
     gone = ("aten.topk", "aten.sort", "aten.bmm", "aten.relu", "aten.gather")
     gm, _, node = run_fused_once(f, inputs(0, with_cand=kind == "reindex"), FUSION, gone)
-    topk, offset, cand_block, cand_blocks, mask = node.args[5:10]
+    topk, offset, cand_block, cand_blocks, mask, _, score_scale = node.args[5:12]
     assert (topk, offset, mask) == ((TOPK, 0, True) if "_mask" in name else (TOPK, OFFSET, False))
     assert (cand_block, cand_blocks) == ((CAND_BLOCK, CAND_BLOCKS) if kind == "candidate_source" else (0, 0))
     assert (node.args[4] is None) == (kind != "reindex")
+    assert score_scale == (SCORE_SCALE if name.endswith("_scaled") else 1.0)
     x = inputs(1, with_cand=kind == "reindex")
-    check(kind, gm(*x), f(*x), x, mask="_mask" in name)
+    check(kind, gm(*x), f(*x), x, mask="_mask" in name, score_scale=SCORE_SCALE if name.endswith("_scaled") else None)
 
 
 @pytest.mark.parametrize("k, offset, n", [(5, 3, N), (8, 128, 6)])
@@ -216,7 +223,7 @@ def test_golden():
 %arg1_1: f32[2, 4] = input
 %arg2_1: bf16[2, 8, 32] = input
 %arg3_1: i64[2] = input
-%indexer_topk_default: (i64[2, 8], b8[2, 8]) = dsv41.indexer_topk(%arg0_1, %arg1_1, %arg2_1, %arg3_1, None, 8, 8, 4, 2, False, 'auto')
+%indexer_topk_default: (i64[2, 8], b8[2, 8]) = dsv41.indexer_topk(%arg0_1, %arg1_1, %arg2_1, %arg3_1, None, 8, 8, 4, 2, False, 'auto', 1.0)
 %getitem_7: b8[2, 8] = getitem(%indexer_topk_default, 1)
 %getitem_6: i64[2, 8] = getitem(%indexer_topk_default, 0)
 return [%getitem_6, %getitem_7]

@@ -37,7 +37,11 @@ def gemm_then_scale(x, w, base, scale, norm_eps=NORM_EPS, hc_eps=HC_EPS, iters=I
     t, hc, _ = x.shape
     xf = x.flatten(1).float()
     rstd = torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + norm_eps)
-    m = (xf @ w.T) * rstd
+    return divided_heads((xf @ w.T) * rstd, base, scale, t, hc, hc_eps, iters)
+
+
+def divided_heads(m, base, scale, t, hc, hc_eps, iters):
+    """pre, post and comb of the mixes m, the Sinkhorn normalisations as c / (c.sum() + eps)."""
     pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2.0 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     c = torch.softmax(m[:, 2 * hc:].view(t, hc, hc) * scale[2] + base[2 * hc:].view(hc, hc), dim=-1) + hc_eps
@@ -64,8 +68,17 @@ def prenorm_reciprocal(x, w, base, scale, norm_eps=NORM_EPS, hc_eps=HC_EPS, iter
     return pre, post, c
 
 
-FORMULATIONS = {"hc_mixes": gemm_then_scale, "hc_mixes_prenorm": prenorm_reciprocal}
-TOL = {"hc_mixes": dict(atol=0, rtol=0), "hc_mixes_prenorm": dict(atol=1e-5, rtol=1e-4)}
+def prenorm_divide(x, w, base, scale, norm_eps=NORM_EPS, hc_eps=HC_EPS, iters=ITERS):
+    """RMSNorm-without-weight first (F.linear), then Sinkhorn as the model's c / (c.sum() + eps)."""
+    t, hc, _ = x.shape
+    xf = x.flatten(1).float()
+    m = F.linear(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm_eps), w)
+    return divided_heads(m, base, scale, t, hc, hc_eps, iters)
+
+
+FORMULATIONS = {"hc_mixes": gemm_then_scale, "hc_mixes_prenorm": prenorm_reciprocal, "hc_mixes_prenorm_div": prenorm_divide}
+TOL = {"hc_mixes": dict(atol=0, rtol=0), "hc_mixes_prenorm": dict(atol=1e-5, rtol=1e-4),
+       "hc_mixes_prenorm_div": dict(atol=1e-5, rtol=1e-4)}
 
 
 def model_mixes(x, w, base, scale):

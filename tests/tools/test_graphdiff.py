@@ -315,8 +315,8 @@ def test_show_text(base):
     assert_expected_inline(out, """\
 graph 0: 2748 nodes in, 1092 out; layers 0, 2, 3; 13 passes, 9 changed
   #   pass              result     nodes         matches  declined  attempts
-  00  normalize         changed    2748 -> 2588      700         0         0
-  01  mhc_coeffs        changed    2588 -> 1694        6         0         0
+  00  normalize         changed    2748 -> 2582      760         0         0
+  01  mhc_coeffs        changed    2582 -> 1694        6         0         0
   02  moe_finalize      changed    1694 -> 1679        3         0        10
   03  allreduce_mhc     unchanged  1679                0         0         0
   04  mhc_post_pre      changed    1679 -> 1547        6         0         9

@@ -74,6 +74,58 @@ def rope_stride2(o, cos, sin, w):
     return project(torch.cat((o[..., :-rd], rot), dim=-1), w)
 
 
+def slices_then_cast(o, cos, sin, w):
+    """equal math written differently: the interleaved pairs as stride-2 slices of the bf16 tail, each cast to fp32
+    after slicing (the model casts, then unflattens and selects)."""
+    rd = cos.shape[-1] * 2
+    tail = o[..., -rd:]
+    even, odd = tail[..., 0::2].float(), tail[..., 1::2].float()
+    c, s = cos.unsqueeze(1), -sin.unsqueeze(1)
+    rot = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2).to(o.dtype)
+    return project(torch.cat((o[..., :-rd], rot), dim=-1), w)
+
+
+def angles_in_head_layout(o, cos, sin, w):
+    """layout: cos and sin given as [T, 1, rd/2] (broadcast over the heads as they are), not [T, rd/2] viewed."""
+    rd = cos.shape[-1] * 2
+    return project(torch.cat((o[..., :-rd], fn.rope(o[..., -rd:], cos, sin, inverse=True)), dim=-1), w)
+
+
+def bf16_angles(o, cos, sin, w):
+    """dtype: cos and sin in bf16, promoted to fp32 by the products with the fp32 pairs (exactly)."""
+    return project(fn.apply_rope_tail(o, cos, sin, inverse=True), w)
+
+
+def output_with_unit_dim(o, cos, sin, w):
+    """layout: the result as [T, 1, G*R] (a decode layout's sequence dim), the model's [T, G*R] viewed."""
+    t, g = o.shape[0], w.shape[0] // R
+    o = fn.apply_rope_tail(o, cos, sin, inverse=True)
+    return torch.einsum("tgd,grd->tgr", o.view(t, g, -1), w.view(g, R, -1)).reshape(t, 1, -1)
+
+
+def head_layout_inputs(seed):
+    o, cos, sin, w = inputs(seed)
+    return [o, cos.unsqueeze(1), sin.unsqueeze(1), w]
+
+
+def bf16_inputs(seed):
+    o, cos, sin, w = inputs(seed)
+    return [o, cos.bfloat16(), sin.bfloat16(), w]
+
+
+NEW_LAYOUTS = {f.__name__: (f, of) for f, of in ((slices_then_cast, inputs), (angles_in_head_layout, head_layout_inputs),
+                                                 (bf16_angles, bf16_inputs), (output_with_unit_dim, inputs))}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_LAYOUTS))
+def test_found_op_for_op_and_equal_to_eager(name):
+    """Each differs from the pattern only by an exact identity the normalisation or the binding applies: found once,
+    op for op (no part left to the semantic check), and bit-equal to eager."""
+    f, inputs_of = NEW_LAYOUTS[name]
+    report = assert_found_once(f, inputs_of, FUSION)
+    assert [r["verified"] for r in next(p for p in report.passes if p.name == FUSION).replaced] == [None]
+
+
 CASES = {f.__name__: (f, tol) for f, tol in (
     (einsum_letters, EXACT), (transposed_bmm, BF16_ULP), (permuted_bmm, BF16_ULP),
     (rope_negated_sin_first, EXACT), (flatten_by_reshape, EXACT), (rope_stride2, EXACT))}

@@ -1,0 +1,110 @@
+"""The normalisation's exact rewrites (`dsv41.passes.normalize`) on small traced graphs: each rewrite yields the
+form stated, leaves what it must not touch alone, and the rewritten graph equals the traced one (or eager) on fresh
+inputs bit for bit."""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41.passes.normalize import normalize_graph
+
+from .harness import aten_graph, gen, op_counts
+
+aten = torch.ops.aten
+
+
+def normalized(fn, *inputs):
+    gm = aten_graph(fn, *inputs)
+    normalize_graph(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def wheres(gm):
+    return [n for n in gm.graph.nodes if n.target is aten.where.self]
+
+
+def test_integer_comparison_in_a_where_becomes_its_complement():
+    """where(i >= n, a, b) is where(i < n, b, a) on integers (likewise > as <=, != as ==)."""
+    def f(s, n):
+        i = torch.arange(s.shape[1])[None, :]
+        return (torch.where(i >= n[:, None], -torch.inf, s), torch.where(i > n[:, None], s, 0.0),
+                torch.where(i != n[:, None], s, 1.0))
+
+    g = gen(0)
+    x = (torch.randn(3, 8, generator=g), torch.randint(0, 9, (3,), generator=g))
+    gm = normalized(f, *x)
+    assert [n.args[0].target for n in wheres(gm)] == [aten.lt.Tensor, aten.le.Tensor, aten.eq.Tensor]
+    assert op_counts(gm)["aten.ge.Tensor"] == op_counts(gm)["aten.gt.Tensor"] == op_counts(gm)["aten.ne.Tensor"] == 0
+    for got, want in zip(gm(*x), f(*x)):
+        assert torch.equal(got, want)
+
+
+def test_float_comparison_keeps_its_form():
+    """On floats a >= b is not the negation of a < b (NaN): the where stays as written."""
+    def f(s, t):
+        return torch.where(s >= t, s, t)
+
+    gm = normalized(f, torch.randn(4), torch.randn(4))
+    assert [n.args[0].target for n in wheres(gm)] == [aten.ge.Tensor]
+
+
+def test_view_moves_below_a_pointwise_op_by_a_scalar_and_a_reshaped_vector():
+    """`m.view(T, 4, 4) * s + b.view(4, 4)` and `(m * s + b).view(T, 4, 4)` are one form: the ops at [T, 16], one
+    view after them."""
+    def views_first(m, s, b):
+        return torch.softmax(m[:, 8:].view(m.shape[0], 4, 4) * s[2] + b[8:].view(4, 4), dim=-1)
+
+    def views_last(m, s, b):
+        return torch.softmax((m[:, 8:] * s[2] + b[8:]).view(m.shape[0], 4, 4), dim=-1)
+
+    g = gen(1)
+    x = (torch.randn(3, 24, generator=g), torch.randn(3, generator=g), torch.randn(24, generator=g))
+    forms = [normalized(f, *x) for f in (views_first, views_last)]
+    texts = [[(n.target, tuple(n.meta["val"].shape)) for n in gm.graph.nodes if n.op == "call_function"] for gm in forms]
+    assert texts[0] == texts[1]
+    add = next(n for n in forms[0].graph.nodes if n.target is aten.add.Tensor)
+    assert tuple(add.meta["val"].shape) == (3, 16)
+    for gm, f in zip(forms, (views_first, views_last)):
+        assert torch.equal(gm(*x), aten_graph(f, *x)(*x))  # the traced decomposition, not eager's softmax kernel
+
+
+def test_view_with_numbers_only_stays():
+    """A cast or square of a view stays below it: such a view may be where a pattern's input enters."""
+    def f(x):
+        y = x.view(x.shape[0], -1)
+        return torch.relu(y.float()) * 2.0
+
+    gm = normalized(f, torch.randn(3, 4, 8).bfloat16())
+    first = next(n for n in gm.graph.nodes if n.op == "call_function")
+    assert first.target is aten.view.default
+
+
+def test_a_lookup_table_runs_below_unit_dims():
+    """table[idx] is pointwise in idx: a size-1 dim a graph input adds sinks below it."""
+    def f(idx, table):
+        return table[idx] * 2.0
+
+    g = gen(2)
+    x = (torch.randint(0, 7, (3, 1, 32), generator=g), torch.randn(7, generator=g))
+    gm = normalized(f, *x)
+    index = next(n for n in gm.graph.nodes if n.target is aten.index.Tensor)
+    assert tuple(index.meta["val"].shape) == (3, 32)
+    assert torch.equal(gm(*x), f(*x))
+
+
+def test_full_operand_of_a_where_becomes_a_scalar():
+    """where(m, i, full_like(i, n)) is where(m, i, n): the filled operand adds no shape."""
+    def filled(v, i):
+        return torch.where(v > 0, i, torch.full_like(i, 7))
+
+    def scalar(v, i):
+        return torch.where(v > 0, i, 7)
+
+    g = gen(3)
+    x = (torch.randn(3, 4, generator=g), torch.randint(0, 5, (3, 4), generator=g))
+    forms = [normalized(f, *x) for f in (filled, scalar)]
+    assert [[n.target for n in gm.graph.nodes] for gm in forms][0] == [[n.target for n in gm.graph.nodes] for gm in forms][1]
+    assert op_counts(forms[0])["aten.full"] == 0
+    assert torch.equal(forms[0](*x), filled(*x))
