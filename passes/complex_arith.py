@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 
 from dsv41.passes.matcher import Derived, MatchFailure
-from dsv41.passes.normalize import _fake_call
+from dsv41.passes.normalize import _insert, _val
 
 aten = torch.ops.aten
 _LEFT = "dsv41_complex_left"  # meta key: why this view_as_real was left complex
@@ -111,10 +111,6 @@ def per_token(table, tokens: int):
     return table
 
 
-def _val(n):
-    return n.meta.get("val") if isinstance(n, fx.Node) else None
-
-
 def _is_complex(n) -> bool:
     v = _val(n)
     return isinstance(v, torch.Tensor) and v.is_complex()
@@ -132,9 +128,7 @@ class _Rewriter:
         self.touched: set[fx.Node] = set()  # nodes made or replaced here: erased below when left unused
 
     def emit(self, target, *args) -> fx.Node:
-        with self.graph.inserting_before(self.before):
-            node = self.graph.call_function(target, tuple(args))
-        node.meta["val"] = _fake_call(target, *args)
+        node = _insert(self.graph, self.before, target, args)
         self.touched.add(node)
         return node
 

@@ -200,18 +200,15 @@ def _max_values(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
-_KEEPDIM_REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
-
-
 def _keepdim(graph: fx.Graph, node: fx.Node) -> bool:
     """unsqueeze(r(x, [d]), d) is r(x, [d], keepdim=True) for a reduction r over the one dim d."""
     src = node.args[0] if node.target is aten.unsqueeze.default else None
-    if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target in _KEEPDIM_REDUCTIONS
+    if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target in _REDUCTIONS
             and not src.kwargs and len(src.args) >= 2 and len(src.args[1]) == 1 and not (src.args[2:] and src.args[2])):
         return False
     x, dims = src.args[:2]
     rank = _val(x).dim() if isinstance(_val(x), torch.Tensor) else None
-    if rank is None or dims[0] % rank != node.args[1] % (rank or 1):
+    if not rank or dims[0] % rank != node.args[1] % rank:
         return False
     node.target, node.args = src.target, (x, [dims[0] % rank], True)
     if not src.users:
@@ -340,6 +337,17 @@ def _fake_call(target, *args, **kwargs):
         return target(*vals, **kwargs)
 
 
+def _insert(graph: fx.Graph, before: fx.Node, target, args, kwargs=None, source: fx.Node | None = None) -> fx.Node:
+    """A new node target(*args, **kwargs) before `before`, with its fake value (and `source`'s stack metadata)."""
+    kwargs = dict(kwargs or {})
+    with graph.inserting_before(before):
+        new = graph.call_function(target, tuple(args), kwargs)
+    new.meta["val"] = _fake_call(target, *args, **kwargs)
+    if source is not None:
+        _copy_source(source, new)
+    return new
+
+
 def _leaves(vals):
     """The values inside nested lists and tuples."""
     for v in vals:
@@ -419,9 +427,7 @@ def _full_as_scalar(graph: fx.Graph, node: fx.Node) -> bool:
         if not others or list(torch.broadcast_shapes(*others)) != list(out.shape):
             continue
         kwargs = {"dtype": out.dtype, "layout": torch.strided, "device": a.kwargs.get("device", out.device)}
-        with graph.inserting_before(node):
-            scalar = graph.call_function(aten.scalar_tensor.default, (a.args[1],), kwargs)
-        scalar.meta["val"] = _fake_call(aten.scalar_tensor.default, a.args[1], **kwargs)
+        scalar = _insert(graph, node, aten.scalar_tensor.default, (a.args[1],), kwargs)
         args = list(node.args)
         args[i] = scalar
         try:
@@ -450,10 +456,7 @@ def _select_as_strided_slice(graph: fx.Graph, node: fx.Node) -> bool:
     n, k = v.shape[-2], v.shape[-1]
     if list(v.shape[:-2]) != list(x.shape[:-1]) or n * k != x.shape[-1] or k < 2 or not 0 <= node.args[2] < k:
         return False
-    with graph.inserting_before(node):
-        strided = graph.call_function(aten.slice.Tensor, (src.args[0], x.dim() - 1, node.args[2], _END, k))
-    strided.meta["val"] = _fake_call(aten.slice.Tensor, src.args[0], x.dim() - 1, node.args[2], _END, k)
-    _copy_source(node, strided)
+    strided = _insert(graph, node, aten.slice.Tensor, (src.args[0], x.dim() - 1, node.args[2], _END, k), source=node)
     node.replace_all_uses_with(strided)
     graph.erase_node(node)
     return True
@@ -466,14 +469,8 @@ def _cast_after_strided_slice(graph: fx.Graph, node: fx.Node) -> bool:
     if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target is prims.convert_element_type.default
             and len(node.args) == 5 and isinstance(node.args[4], int) and node.args[4] > 1):
         return False
-    with graph.inserting_before(node):
-        strided = graph.call_function(aten.slice.Tensor, (src.args[0], *node.args[1:]))
-    strided.meta["val"] = _fake_call(aten.slice.Tensor, src.args[0], *node.args[1:])
-    with graph.inserting_before(node):
-        cast = graph.call_function(src.target, (strided, *src.args[1:]), dict(src.kwargs))
-    cast.meta["val"] = _fake_call(src.target, strided, *src.args[1:], **src.kwargs)
-    _copy_source(node, strided)
-    _copy_source(node, cast)
+    strided = _insert(graph, node, aten.slice.Tensor, (src.args[0], *node.args[1:]), source=node)
+    cast = _insert(graph, node, src.target, (strided, *src.args[1:]), src.kwargs, source=node)
     node.replace_all_uses_with(cast)
     graph.erase_node(node)
     if not src.users:
@@ -488,9 +485,7 @@ def _neg_before_view(graph: fx.Graph, node: fx.Node) -> bool:
     if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target is aten.view.default
             and len(src.users) == 1 and _static(_val(src.args[0]))):
         return False
-    with graph.inserting_before(src):
-        neg = graph.call_function(aten.neg.default, (src.args[0],))
-    neg.meta["val"] = _fake_call(aten.neg.default, src.args[0])
+    neg = _insert(graph, src, aten.neg.default, (src.args[0],))
     src.args = (neg, *src.args[1:])
     src.meta["val"] = _fake_call(aten.view.default, neg, *src.args[1:])
     node.replace_all_uses_with(src)
@@ -520,10 +515,7 @@ def _where_not(graph: fx.Graph, node: fx.Node) -> bool:
             (isinstance(v, torch.Tensor) and not v.dtype.is_floating_point and not v.dtype.is_complex)
             or isinstance(v, (int, bool)) for v in operands):
         return False
-    with graph.inserting_before(node):
-        flipped = graph.call_function(complement, cond.args, dict(cond.kwargs))
-    flipped.meta["val"] = _fake_call(complement, *cond.args, **cond.kwargs)
-    _copy_source(cond, flipped)
+    flipped = _insert(graph, node, complement, cond.args, cond.kwargs, source=cond)
     node.args = (flipped, node.args[2], node.args[1])
     if not cond.users:
         graph.erase_node(cond)
@@ -582,10 +574,7 @@ def _squeezed(graph: fx.Graph, before: fx.Node, a: fx.Node, drop: set) -> fx.Nod
     same = next((u for u in src.users if u.target is aten.view.default and list(_val(u).shape) == shape), None)
     if same is not None and position(same) < position(before):
         return same
-    with graph.inserting_before(before):
-        new = graph.call_function(aten.view.default, (src, shape))
-    new.meta["val"] = _fake_call(aten.view.default, src, shape)
-    return new
+    return _insert(graph, before, aten.view.default, (src, shape))
 
 
 def _shift(dim: int, drop: set) -> int:
@@ -659,11 +648,8 @@ def _sink_units(graph: fx.Graph, node: fx.Node) -> bool:
             args[dim_at] = [_shift(d, drop) for d in dim] if isinstance(dim, (list, tuple)) else _shift(dim, drop)
     else:
         return False
-    with graph.inserting_before(node):
-        low = graph.call_function(t, tuple(args), dict(node.kwargs))
-    low.meta["val"] = _fake_call(t, *args, **node.kwargs)
+    low = _insert(graph, node, t, args, node.kwargs, source=node)
     low.meta[_SUNK] = True
-    _copy_source(node, low)
     if t is aten.topk.default:  # (values, indices): each getitem lowered and lifted back
         for user in list(node.users):
             with graph.inserting_before(user):
@@ -696,10 +682,7 @@ def _copy_source(node: fx.Node, new: fx.Node) -> None:
 def _replace_lifted(graph: fx.Graph, node: fx.Node, low: fx.Node) -> None:
     """node's users read low viewed back to node's shape; node is erased."""
     shape = list(_val(node).shape)
-    with graph.inserting_before(node):
-        lifted = graph.call_function(aten.view.default, (low, shape))
-    lifted.meta["val"] = _fake_call(aten.view.default, low, shape)
-    _copy_source(node, lifted)
+    lifted = _insert(graph, node, aten.view.default, (low, shape), source=node)
     node.replace_all_uses_with(lifted)
     graph.erase_node(node)
 
@@ -769,10 +752,7 @@ def _view_below_pointwise(graph: fx.Graph, node: fx.Node) -> bool:
         low = graph.call_function(t, tuple(args))
     low.meta["val"] = low_val
     _copy_source(node, low)
-    with graph.inserting_before(node):
-        lifted = graph.call_function(aten.view.default, (low, list(out.shape)))
-    lifted.meta["val"] = _fake_call(aten.view.default, low, list(out.shape))
-    _copy_source(node, lifted)
+    lifted = _insert(graph, node, aten.view.default, (low, list(out.shape)), source=node)
     node.replace_all_uses_with(lifted)
     graph.erase_node(node)
     return True
