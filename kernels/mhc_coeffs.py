@@ -152,6 +152,9 @@ class MhcCoeffs:
         cute.arch.barrier()
         if s_last[0] != 0:
             cute.arch.fence_acq_rel_gpu()
+            # all of base and scale in flight at once, before any output store could alias them
+            base = [mBase[i] for i in range(N_MIX)]
+            scale = [mScale[i] for i in range(3)]
             for t0 in cutlass.range(0, n_tok, _TOKENS_PER_BLOCK):
                 # Warp w sums the replicas of tokens t0 + w, t0 + w + 4, ... (lane = column, coalesced; read from
                 # L2 with relaxed gpu-scope loads), zeroes them and stages the sums in shared memory.
@@ -164,40 +167,42 @@ class MhcCoeffs:
                     sSums[r, lane] = cute_utils.tree_sum(parts)
                 cute.arch.barrier()
                 if tidx < n_blk:
-                    self.epilogue(t0 + tidx, [sSums[tidx, i] for i in range(N_MIX + 1)], mBase, mScale, mPre, mPost,
+                    self.epilogue(t0 + tidx, [sSums[tidx, i] for i in range(N_MIX + 1)], base, scale, mPre, mPost,
                                   mComb, norm_eps, hc_eps)
                 cute.arch.barrier()
             if tidx == 0:
                 mCount[0] = Int32(0)
 
     @cute.jit
-    def epilogue(self, t: Int32, sums: list, mBase: cute.Tensor, mScale: cute.Tensor, mPre: cute.Tensor,
-                 mPost: cute.Tensor, mComb: cute.Tensor, norm_eps: Float32, hc_eps: Float32):
-        """Token t from its 24 dot products and sum of squares: sigmoids, softmax, Sinkhorn; writes the outputs."""
+    def epilogue(self, t: Int32, sums: list, base: list, scale: list, mPre: cute.Tensor, mPost: cute.Tensor,
+                 mComb: cute.Tensor, norm_eps: Float32, hc_eps: Float32):
+        """Token t from its 24 dot products and sum of squares: sigmoids, softmax, Sinkhorn; writes the outputs.
+
+        The Sinkhorn iterations are a rolled loop: one thread of one CTA runs this once per launch, so unrolled
+        straight-line code would be fetched from L2 line by line (on the H200 that tail took ~25K of the kernel's
+        ~34K cycles in ncu at T = 1 and 8).
+        """
         r = cute.math.rsqrt(sums[N_MIX] * (1.0 / self.k) + norm_eps, fastmath=True)
         m = [s * r for s in sums[:N_MIX]]
-        s0, s1, s2 = mScale[0], mScale[1], mScale[2]
         for i in cutlass.range_constexpr(HC):
-            mPre[t, i] = _sigmoid(m[i] * s0 + mBase[i]) + hc_eps
-            mPost[t, i] = 2.0 * _sigmoid(m[HC + i] * s1 + mBase[HC + i])
+            mPre[t, i] = _sigmoid(m[i] * scale[0] + base[i]) + hc_eps
+            mPost[t, i] = 2.0 * _sigmoid(m[HC + i] * scale[1] + base[HC + i])
 
-        # c[j][k]: source j, target k; softmax over k, then column / row normalisations.
+        # c[HC * j + k]: source j, target k; softmax over k, then column / row normalisations.
         c = []
         for j in cutlass.range_constexpr(HC):
-            logits = [m[2 * HC + HC * j + k] * s2 + mBase[2 * HC + HC * j + k] for k in range(HC)]
+            logits = [m[2 * HC + HC * j + k] * scale[2] + base[2 * HC + HC * j + k] for k in range(HC)]
             mx = logits[0]
             for k in cutlass.range_constexpr(1, HC):
                 mx = cute.arch.fmax(mx, logits[k])
             e = [cute.math.exp(v - mx) for v in logits]
             den = (e[0] + e[1]) + (e[2] + e[3])
-            c.append([v / den + hc_eps for v in e])
+            c += [v / den + hc_eps for v in e]
         c = _normalize_cols(c, hc_eps)
-        for _ in cutlass.range_constexpr(self.iters - 1):
-            c = _normalize_rows(c, hc_eps)
-            c = _normalize_cols(c, hc_eps)
-        for j in cutlass.range_constexpr(HC):
-            for k in cutlass.range_constexpr(HC):
-                mComb[t, j, k] = c[j][k]
+        for _ in cutlass.range(self.iters - 1, unroll=1):
+            c = _normalize_cols(_normalize_rows(c, hc_eps), hc_eps)
+        for i in cutlass.range_constexpr(HC * HC):
+            mComb[t, i // HC, i % HC] = c[i]
 
 
 def _sigmoid(z: Float32) -> Float32:
@@ -205,16 +210,19 @@ def _sigmoid(z: Float32) -> Float32:
 
 
 def _normalize_rows(c: list, eps: Float32) -> list:
+    """c [HC * HC] row-major: each row j divided by its sum + eps (as a multiply by the reciprocal)."""
     out = []
-    for row in c:
+    for j in range(HC):
+        row = c[HC * j:HC * j + HC]
         inv = 1.0 / (((row[0] + row[1]) + (row[2] + row[3])) + eps)
-        out.append([v * inv for v in row])
+        out += [v * inv for v in row]
     return out
 
 
 def _normalize_cols(c: list, eps: Float32) -> list:
-    inv = [1.0 / (((c[0][k] + c[1][k]) + (c[2][k] + c[3][k])) + eps) for k in range(HC)]
-    return [[c[j][k] * inv[k] for k in range(HC)] for j in range(HC)]
+    """c [HC * HC] row-major: each column k divided by its sum + eps (as a multiply by the reciprocal)."""
+    inv = [1.0 / (((c[k] + c[HC + k]) + (c[2 * HC + k] + c[3 * HC + k])) + eps) for k in range(HC)]
+    return [c[i] * inv[i % HC] for i in range(HC * HC)]
 
 
 def supports(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, norm_eps: float,
