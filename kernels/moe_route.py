@@ -101,6 +101,8 @@ class MoeRoute:
                                                               stride=(_TOK_PASS * (ROWS + 1), ROWS + 1, 1)),
                                     byte_alignment=16)
         s_last = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+        sTop = smem.allocate_tensor(Float32, cute.make_layout((_WARPS, MAX_TOPK), stride=(MAX_TOPK, 1)),
+                                    byte_alignment=4)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -175,40 +177,43 @@ class MoeRoute:
             if s_last[0] != 0:
                 cute.arch.fence_acq_rel_gpu()
                 for t in cutlass.range(warp, n_tok, _WARPS):
-                    self.select(t, lane, mWs, bias, mWeights, mExperts, route_scale)
+                    self.select(t, warp, lane, mWs, bias, mWeights, mExperts, route_scale, sTop)
                 if tidx == 0:
                     mCount[self.groups] = Int32(0)
 
     @cute.jit
-    def select(self, t: Int32, lane: Int32, mWs: cute.Tensor, bias: list, mWeights: cute.Tensor,
-               mExperts: cute.Tensor, route_scale: Float32):
-        """Token t's experts and weights, by one warp (lane l: experts l, l + 32, ..., whose bias it holds)."""
+    def select(self, t: Int32, warp: Int32, lane: Int32, mWs: cute.Tensor, bias: list, mWeights: cute.Tensor,
+               mExperts: cute.Tensor, route_scale: Float32, sTop: cute.Tensor):
+        """Token t's experts and weights, by one warp (lane l: experts l, l + 32, ..., whose bias it holds).
+
+        The k rounds are a rolled loop (lane 0 keeps each round's winning score in sTop[warp]): one CTA runs this
+        once per launch, so unrolled code would be fetched from L2 line by line (see ``dsv41.kernels.mhc_coeffs``).
+        """
         slots = self.experts // 32
         score = [cute.arch.load(cute_utils.elem_ptr(mWs, (self.splits, t, lane + 32 * j)), Float32, sem="relaxed",
                                 scope="gpu") for j in range(slots)]
         key = [_order_key(score[j] + bias[j]) for j in range(slots)]
         idx = [lane + 32 * j for j in range(slots)]
-        experts, scores = [], []
-        for _ in cutlass.range_constexpr(self.topk):
+        for k in cutlass.range(self.topk, unroll=1):
             # the lane's best slot (a pairwise tree), then the warp's (a butterfly: every lane gets the winner)
             best = _tree_best([(key[j], idx[j], score[j]) for j in range(slots)])
             for level in cutlass.range_constexpr(5):
                 other = tuple(cute.arch.shuffle_sync_bfly(v, offset=16 >> level) for v in best)
                 best = _better(best, other)
-            experts.append(best[1])
-            scores.append(best[2])
+            if lane == 0:
+                mExperts[t, k] = Int64(best[1])
+                sTop[warp, k] = best[2]
             for j in cutlass.range_constexpr(slots):
                 taken = idx[j] == best[1]
                 key[j] = cutlass.select_(taken, Int32(_LOWEST), key[j])
                 idx[j] = cutlass.select_(taken, Int32(_NO_EXPERT), idx[j])
-        total = scores[0]
-        for k in cutlass.range_constexpr(1, self.topk):
-            total = total + scores[k]
-        total = total + 1e-20
-        if lane == 0:
+        if lane == 0:  # the thread that wrote sTop[warp]
+            total = sTop[warp, 0]
+            for k in cutlass.range_constexpr(1, self.topk):
+                total = total + sTop[warp, k]
+            total = total + 1e-20
             for k in cutlass.range_constexpr(self.topk):
-                mExperts[t, k] = Int64(experts[k])
-                mWeights[t, k] = scores[k] / total * route_scale
+                mWeights[t, k] = sTop[warp, k] / total * route_scale
 
 
 @cute.jit
