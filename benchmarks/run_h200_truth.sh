@@ -13,6 +13,8 @@
 #               about 300 s, then the per-layer graphs). If a call is cut short, call it again at once (the machine
 #               stays warm between calls only for its idle release, 30 s): the second call finds the first's caches
 #               under /tmp and runs as a warm start (its rows say so).
+#   PART=deep_inductor: Inductor alone at 40 layers, batch $BATCH, no profile, the whole call's budget: at batch 8 its
+#               cold compile of the step took 444 s on 2026-12-01 and the shared deep call cut it at 540 s.
 # Every compiled variant is checked by dsv41.models.agreement with all three tiers (per fused op, per layer teacher
 # forced, logits): its rows carry layer_rel_l2_max / layer_rel_l2_at and check.forced_rel_l2 per layer. The per-layer
 # tier compiles one more graph per layer kind (4 at layers 2,3,20,24, 7 at 40 layers), outside the GPU lock.
@@ -20,16 +22,17 @@
 # short at its limit still brings back what was measured, and the logs' summary is printed.
 source .device/bootstrap.sh >/dev/null 2>&1
 export PYTHONUNBUFFERED=1
-part=${1:?usage: run_h200_truth.sh short|long|deep}
+part=${1:?usage: run_h200_truth.sh short|long|deep|deep_inductor}
 work=/tmp/truth_$part
 start_kind=cold
-if [ "$part" = deep ] && [ -d "$work/all_b${BATCH:-1}_dsv41/inductor" ]; then
+warm_dir=$work/all_b${BATCH:-1}_dsv41/inductor && [ "$part" = deep_inductor ] && warm_dir=$work/all_b${BATCH:-1}_inductor/inductor
+if [[ $part == deep* ]] && [ -d "$warm_dir" ]; then
   start_kind=warm && rm -rf "$work/out" && mkdir -p "$work/out"  # an earlier call's caches on this machine
 else
   rm -rf "$work" && mkdir -p "$work/out"
 fi
 lock=$work/gpu.lock
-default=480 && [ "$part" = deep ] && default=540
+case $part in deep) default=540 ;; deep_inductor) default=570 ;; *) default=480 ;; esac
 budget=${BENCH_TIMEOUT:-$default}  # each process's limit, inside the device call's 600 s with bootstrap and packing
 start=$SECONDS
 pack() { tar czf "$OUT/truth_$part.tgz.tmp" -C "$work/out" . && mv "$OUT/truth_$part.tgz.tmp" "$OUT/truth_$part.tgz"; }
@@ -64,6 +67,10 @@ elif [ "$part" = deep ]; then
     --start $start_kind & others=$!
   bench all_b${b}_dsv41 $budget --layers all --batch $b --context 4096 --variants dsv41 --start $start_kind & others+=" $!"
   wait $others
+elif [ "$part" = deep_inductor ]; then
+  b=${BATCH:-1}
+  bench all_b${b}_inductor $budget --layers all --batch $b --context 4096 --variants inductor --no-profile \
+    --start $start_kind
 fi
 for log in "$work"/out/truth_*.log; do echo "-- $log"; grep -v ": [0-9]* s$" "$log" | grep "^\[bench decode\|^exit\|^ *[0-9]* *\(eager\|inductor\|dsv41\)\|^batch\|Error" | tail -14; done
 for trace in "$work"/out/*_trace_b*.json; do [ -f "$trace" ] && xz -T0 "$trace"; done
