@@ -4,7 +4,7 @@
 2. AOTAutograd turns it into a functionalised ATen inference graph with Inductor's decompositions (buffer
    mutations such as cache writes stay in the graph as trailing `copy_`s).
 3. The dsv41 pass manager rewrites that graph (normalise, fuse, schedule streams, defunctionalise) and records a
-   `CompileReport` in `backend.reports`.
+   `CompileReport` in `backend.reports`; on a warm start the pass cache hands back the rewrite and the report.
 4. Code generation: `inductor` compiles the rewritten graph with Inductor (the `dsv41::` ops stay opaque extern
    calls); `fx` runs the rewritten graph as is. A graph with a side-stream schedule is cut into stream segments,
    each compiled that way, and run by `dsv41.stream_executor.StreamExecutor`.
@@ -88,7 +88,7 @@ class Dsv41Backend:
 
     def _compile(self, gm: fx.GraphModule, example_inputs, report: CompileReport):
         def inference_compiler(aten_gm: fx.GraphModule, inputs):
-            self.pass_manager.run(aten_gm.graph, report)
+            self.pass_manager.run_cached(aten_gm, report)
             if any("symbolic shape" in r for reasons in report.declined.values() for r in reasons):
                 log.warning("dsv41: graph %d has a symbolic token count, so the decode fusions declined; compile "
                             "with torch.compile(..., dynamic=False) (one graph per batch size)", report.graph_id)

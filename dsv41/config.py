@@ -16,6 +16,7 @@ which `dsv41_backend` applies when it is first used, so a bad variable never bre
 | `DSV41_DEBUG=1` | check graph invariants after every pass (a boolean: `0/1/false/true/no/yes/off/on`, any case) |
 | `DSV41_STREAM_MAX_TOKENS=N` | the largest token count the side-stream schedule applies to |
 | `DSV41_STREAM_BRANCHES=a,b` | the branch kinds the side-stream schedule moves (default: all of `STREAM_BRANCHES`) |
+| `DSV41_PASS_CACHE=0\\|1` | keep the passes' rewritten graphs on disk for warm starts (`dsv41.pass_cache`; default on) |
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Dsv41Config:
     streams: bool = True
     stream_max_tokens: int = 16
     stream_branches: frozenset = field(default_factory=lambda: frozenset(STREAM_BRANCHES))
+    pass_cache: bool = True
     # model constants checked by the patterns
     norm_eps: float = 1e-20
     hc_eps: float = 1e-6
@@ -121,7 +123,7 @@ def _names(setting: str, value) -> frozenset:
 
 _NAMES, _PATH = object(), object()  # kinds of setting besides the plain types
 _SETTING_TYPES = {"fusions": _NAMES, "max_tokens": int, "kernel": str, "mode": str, "dump_dir": _PATH, "debug": bool,
-                  "streams": bool, "stream_max_tokens": int, "stream_branches": _NAMES, "norm_eps": (int, float),
+                  "streams": bool, "stream_max_tokens": int, "stream_branches": _NAMES, "pass_cache": bool, "norm_eps": (int, float),
                   "hc_eps": (int, float), "sinkhorn_iters": int, "route_scale": (int, float), "gate_temp": (int, float),
                   "swiglu_limit": (int, float), "fp8_block": int}
 
@@ -168,4 +170,5 @@ _ENV = (
     ("DSV41_DEBUG", lambda c, t: {"debug": parse_bool(t)}),
     ("DSV41_STREAM_MAX_TOKENS", lambda c, t: {"stream_max_tokens": _parse_int(t)}),
     ("DSV41_STREAM_BRANCHES", lambda c, t: {"stream_branches": _name_list(t)}),
+    ("DSV41_PASS_CACHE", lambda c, t: {"pass_cache": parse_bool(t)}),
 )

@@ -1,10 +1,15 @@
-"""Test-suite wiring: hardware markers skip themselves when the hardware is absent; a 1-process gloo group."""
+"""Test-suite wiring: hardware markers skip themselves when the hardware is absent; a 1-process gloo group; the
+pass cache off (tests/backend/test_pass_cache.py turns it on in its own directory), so that no test is served a
+rewrite that an earlier test or run stored (a monkeypatched pass or reference would silently not run)."""
 
+import os
 import socket
 
 import pytest
 import torch
 import torch.distributed as dist
+
+os.environ["DSV41_PASS_CACHE"] = "0"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -278,10 +278,12 @@ def gpu_turn(lock_path: str | None):
 
 
 def cache_counters() -> dict:
-    """Inductor's FX-graph-cache and AOTAutograd-cache counters so far (hits, misses, bypasses)."""
+    """Inductor's FX-graph-cache and AOTAutograd-cache counters so far (hits, misses, bypasses), and dsv41's pass
+    cache's (pass_cache_hit / _miss / _off)."""
     from torch._dynamo.utils import counters
 
-    return {k: v for k, v in counters["inductor"].items() if k.startswith(("fxgraph_cache", "autograd_cache"))}
+    return {**{k: v for k, v in counters["inductor"].items() if k.startswith(("fxgraph_cache", "autograd_cache"))},
+            **counters["dsv41"]}
 
 
 def main(argv: list[str] | None = None) -> int:
