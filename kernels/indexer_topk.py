@@ -21,8 +21,8 @@ the newest block (n_c - 1) // 8 pinned to +inf, to a second workspace bs [T, cei
 The select is an exact radix select on order-preserving 32-bit keys (NaN and -inf share the lowest key of a score;
 -0 = +0), 8-bit digits from the top: a round builds a 256-bin shared histogram (warp-aggregated shared atomics) of
 the keys matching the digits chosen so far and picks the digit of the bin holding the remaining take-th largest.
-The rounds stop as soon as that bin holds exactly the keys still to take (most rows of distinct scores stop after
-2 of the 4), which leaves the bin [lo, hi] (the keys with the chosen top bits) and how many of its keys to take.
+The rounds stop as soon as that bin holds exactly the keys still to take (rows of distinct scores stop after 2
+or 3 of the 4), which leaves the bin [lo, hi] (the keys with the chosen top bits) and how many of its keys to take.
 A collection pass keeps every key > hi and the first keys in [lo, hi] in column order, placing each at (keys > hi
 before it) + min(bin keys before it, needed) by a block-wide scan: the output comes out sorted by column, ties
 broken by the lower column. CTAs have 1024 threads.
@@ -33,13 +33,14 @@ split into ceil(N / S) slices of S columns (``select_plan``: a power of two time
 about a wave of the 132 SMs, at least 2048 and 2K, at most 16384), one CTA each (launch 2), which writes the exact
 local top-K of its slice (keys and columns in column order, padded below every score) and two bounds: kth = lo of
 its K-th key's bin (a lower bound of that key; none when the slice has fewer than K keys), and rank = the lowest key
-of round 0's bin of its r-th largest key, r = ceil(K / full slices) (none from a short last slice). Every key of the
+with the top 16 bits of its r-th largest key, r = ceil(K / full slices) (a second histogram in round 1; 8 bits when
+the rounds stop after round 0; none from a short last slice). Every key of the
 row's top-K is >= B = max(max kth, min rank): one slice alone has K keys >= its K-th key, and the full slices
 together have >= r * full slices >= K keys >= min rank. ``TopkMerge`` (launch 3, one CTA a row) reduces B, streams
 the slices' candidates from global memory 8 consecutive per thread, compacts those >= B in order into a workspace
 (block scans; round 0's histogram on the way), runs the remaining rounds and the collection over the survivors,
 streamed again, and writes the output. Nothing bounds the survivor count (a constant row keeps all slices x K
-candidates); a row of distinct scores keeps a few percent of them. Every element of the global top-K (tie rule
+candidates); a row of random scores keeps about 3% of them (1789 of 128 x 512 at 2^19 columns, in the model). Every element of the global top-K (tie rule
 included) is in its slice's local top-K and >= B, so the merge is exact. No CTA waits for another (no cooperative
 launch, no spin barrier, no atomics in global memory), so the launches are CUDA-graph capturable and
 bit-deterministic. The test file's numpy model of these steps is checked against torch.topk on the CPU.
@@ -49,7 +50,7 @@ Candidate-block mode selects min(cand_topk_blocks, ceil(Ncap / 8)) blocks from b
 
 Resources (ptxas for sm_90a, CUDA 13.0's ptxas -v on the PTX the DSL emits, CUTE_DSL_KEEP=ptx): the score kernel
 takes 168 registers (3 CTAs of 128 threads per SM); the one-CTA select (1 to 4 keys per thread) 32 registers, the
-slice CTAs 52 to 64 (2, 8 and 16 keys per thread: 52, 64, 60), the merge 64; none spills.
+slice CTAs 52 to 64 (2, 8 and 16 keys per thread: 52, 56, 64), the merge 64; none spills.
 """
 
 from __future__ import annotations
@@ -212,6 +213,7 @@ class TopkSelect:
         smem = cutlass.memory.SmemAllocator()
         sHist = smem.allocate_tensor(Int32, cute.make_layout(_BINS), byte_alignment=16)
         sScan = smem.allocate_tensor(Int32, cute.make_layout((2, _SEL_WARPS)), byte_alignment=16)
+        sRankHist = smem.allocate_tensor(Int32, cute.make_layout(_BINS), byte_alignment=16)
         sPick = smem.allocate_tensor(Int32, cute.make_layout(6), byte_alignment=8)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
@@ -238,32 +240,44 @@ class TopkSelect:
 
         # Radix select, 8-bit digits from the top: after a round, `prefix` = the top `level` bits of the take-th
         # largest key (unsigned order), `remaining` = how many keys with those bits are still to take; it stops
-        # early once they are all of that bin's keys. Slice round 0 also finds the bin of the rank-th largest key.
+        # early once they are all of that bin's keys. A slice's rounds 0 and 1 (if it runs) also find the top
+        # `rank_level` bits `rank_prefix` of its rank-th largest key, in a second histogram.
         prefix = Int32(0)
         remaining = take
         level = Int32(0)
         done = Int32(0)
-        rank_digit = Int32(0)
+        rank_prefix = Int32(0)
+        rank_remaining = rank
+        rank_level = Int32(8)
         for rnd in cutlass.range_constexpr(_ROUNDS):
             if done == 0:
                 shift = 24 - 8 * rnd
+                ranked = rnd < 2 and not self.final  # the rank's bin: round 0 shares sHist, round 1 has sRankHist
                 if tidx < _BINS:
                     sHist[tidx] = Int32(0)
+                    if const_expr(ranked and rnd == 1):
+                        sRankHist[tidx] = Int32(0)
                 cute.arch.barrier()
                 for j in cutlass.range_constexpr(self.per_thread):
                     _histogram_add(sHist, _digit(keys[j], rnd), _matches(keys[j], rnd, prefix))
+                    if const_expr(ranked and rnd == 1):
+                        _histogram_add(sRankHist, _digit(keys[j], rnd), _matches(keys[j], rnd, rank_prefix))
                 cute.arch.barrier()
                 if warp == 0:
                     _pick_digit(sHist, sPick, 0, prefix, remaining, lane)
-                    if const_expr(rnd == 0 and not self.final):
-                        _pick_digit(sHist, sPick, 3, prefix, rank, lane)
+                if const_expr(ranked):
+                    if warp == 1:
+                        _pick_digit(sRankHist if const_expr(rnd == 1) else sHist, sPick, 3, rank_prefix, rank_remaining,
+                                    lane)
                 cute.arch.barrier()
                 prefix = sPick[0]
                 remaining = sPick[1]
                 done = cutlass.select_(remaining == sPick[2], Int32(1), Int32(0))
                 level = Int32(32 - shift)
-                if const_expr(rnd == 0 and not self.final):
-                    rank_digit = sPick[3]
+                if const_expr(ranked):
+                    rank_prefix = sPick[3]
+                    rank_remaining = sPick[4]
+                    rank_level = Int32(32 - shift)
         lo, hi = _bin_edges(prefix, level)
 
         # Collection in column order: element (j, thread) goes to (keys > hi before it) + min(keys in the bin
@@ -304,7 +318,7 @@ class TopkSelect:
                 mCandIdx[t, row_base + p] = Int32(-1)
             if tidx == 0:  # the bounds: no bound from a slice with fewer than k keys (kth) or span keys (rank)
                 mBounds[t, sl] = cutlass.select_(take == self.k, lo, Int32(_PAD))
-                mBounds[t, slices + sl] = cutlass.select_(count == span, _bin_edges(rank_digit, Int32(8))[0],
+                mBounds[t, slices + sl] = cutlass.select_(count == span, _bin_edges(rank_prefix, rank_level)[0],
                                                           Int32(_INT_MAX))
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()

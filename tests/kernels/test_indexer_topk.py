@@ -1,15 +1,21 @@
 """The indexer kernels (dsv41.kernels.indexer_topk): the score kernel and the exact top-K select.
 
 CPU: every kind of launch compiles for sm_90a (score: plain, candidate-masked, block maxima, without PDL;
-select: one-CTA rows, slices, merge, at k = 512 and 2048); `supports` and `select_reason` explain what they
-reject; the bench rows per width (the op's NaN and tie rules and `compare_kernel` are tested in
-tests/lowerings/test_indexer_topk.py).
+select: one-CTA rows, slices, merge, at k = 512 and 2048); `select_plan`'s slices and ranks keep the bound valid at
+every width; a numpy model of the select's steps (slice-local radix top-K with the early stop, the two bounds,
+the filtered and compacted merge) equals the tie rule and torch.topk's values on every score pattern below at
+N = 1 to 2^20, and reaches the early stop, all 4 rounds, a bound that drops most candidates and a constant row whose
+128 x 2048 candidates all survive; `supports` and `select_reason` explain what they reject; the bench rows per width
+(the op's NaN and tie rules and `compare_kernel` are tested in tests/lowerings/test_indexer_topk.py).
 GPU (H200), outputs poisoned (-7) before each call:
 - the select (`topk_indices`) on given scores equals the tie rule exactly (a stable descending sort: equal scores,
   -inf ones included, taken lower index first; NaN as -inf; then sorted ascending, + offset, -1 for -inf), -1
   positions included: random, constant rows, rising values, crowded near-ties (4 levels; neighbours 1 ulp apart),
-  NaN and +-inf, rows with fewer valid scores than K and none, at widths one CTA (<= 16384 columns) to 2^20 (the
-  multi-CTA slices + merge), K = 512 and 2048, rows in DSV41_TEST_TOKENS (default 1,2,3,8,33,64);
+  NaN and +-inf, every slice a permutation of the same values (all slices' K-th keys equal), the largest scores in
+  a short last slice, rows with fewer valid scores than K and none, at widths 1 to 2^20: one CTA (<= 4096 columns),
+  then slices + merge, slice counts that do not divide N (4097: a 1-column last slice), K = 512 and 2048 (a
+  constant 2^20 row at K = 2048 sends 128 x 2048 candidates through the merge); rows in DSV41_TEST_TOKENS (default
+  1,2,3,8,33,64) at 4096 to 524288 columns, with short and half-constant rows;
 - the scores of the score kernel against the reference's within its tolerance (`SCORE_RTOL` x sum_h |w_h| |q_h|.|k|),
   -inf exactly where the reference has it, in the plain, candidate-masked and block modes; the block maxima equal the
   max of the kernel's own scores (newest block pinned);
@@ -166,31 +172,34 @@ def _bin_edges(prefix, level):
 
 
 def _radix_select(keys, take, rank=None, levels=None):
-    """(prefix, level, remaining, rank_digit): 8-bit rounds from the top over the non-padding keys until the bin
-    of the take-th largest holds exactly the `remaining` keys still to take, or 32 bits; rank_digit: round 0's bin
-    of the rank-th largest."""
+    """(prefix, level, remaining, rank_bin): 8-bit rounds from the top over the non-padding keys until the bin of
+    the take-th largest holds exactly the `remaining` keys still to take, or 32 bits; rank_bin: (prefix, level) of
+    the rank-th largest's bin after round 0 and, if it runs, round 1."""
     u = keys - _INT_MIN  # unsigned order
     live = keys != _PAD
-    prefix, remaining, rank_digit, level = 0, take, None, 0
+    prefix, remaining, level = 0, take, 0
+    rank_prefix, rank_remaining, rank_level = 0, rank, 8
+
+    def pick(match, shift, r):
+        """(digit, r - keys in the higher bins, the digit's count) of the bin of the r-th largest matching key."""
+        hist = np.bincount((u[match] >> shift) & 255, minlength=256)
+        above = hist[::-1].cumsum()[::-1] - hist
+        (digit,) = np.flatnonzero((above < r) & (r <= above + hist))
+        return int(digit), r - int(above[digit]), int(hist[digit])
+
     for rnd in range(4):
         shift = 24 - 8 * rnd
-        match = live & ((u >> (shift + 8)) == prefix) if rnd else live
-        hist = np.bincount((u[match] >> shift) & 255, minlength=256)
-        above = hist[::-1].cumsum()[::-1] - hist  # keys in the higher bins
-
-        def pick(r):
-            (digit,) = np.flatnonzero((above < r) & (r <= above + hist))
-            return int(digit)
-
-        digit = pick(remaining)
-        if rnd == 0 and rank is not None and rank <= hist.sum():  # (a short slice's is never used)
-            rank_digit = pick(rank)
-        prefix, remaining, level = (prefix << 8) | digit, remaining - int(above[digit]), 8 * (rnd + 1)
-        if remaining == hist[digit]:
+        digit, remaining, count = pick(live & ((u >> (shift + 8)) == prefix) if rnd else live, shift, remaining)
+        if rnd < 2 and rank is not None and rank <= live.sum():  # (a short slice's is never used)
+            match = live & ((u >> (shift + 8)) == rank_prefix) if rnd else live
+            rank_digit, rank_remaining, _ = pick(match, shift, rank_remaining)
+            rank_prefix, rank_level = (rank_prefix << 8) | rank_digit, 8 * (rnd + 1)
+        prefix, level = (prefix << 8) | digit, 8 * (rnd + 1)
+        if remaining == count:
             break
     if levels is not None:
         levels.add(level)
-    return prefix, level, remaining, rank_digit
+    return prefix, level, remaining, (rank_prefix, rank_level)
 
 
 def _collect(keys, prefix, level, remaining):
@@ -215,13 +224,13 @@ def _model_select(scores, k, offset, stats=None):
             for s in range(slices):
                 part = row[s * span:(s + 1) * span]
                 take = min(len(part), k)
-                prefix, level, remaining, rank_digit = _radix_select(part, take, rank, stats["levels"])
+                prefix, level, remaining, rank_bin = _radix_select(part, take, rank, stats["levels"])
                 chosen = _collect(part, prefix, level, remaining)
                 assert len(chosen) == take
                 cand_key += [part[chosen], np.full(k - take, _PAD)]
                 cand_col += [chosen + s * span, np.full(k - take, -1)]
                 kth.append(_bin_edges(prefix, level)[0] if take == k else _PAD)
-                ranked.append(_bin_edges(rank_digit, 8)[0] if len(part) == span else _INT_MAX)
+                ranked.append(_bin_edges(*rank_bin)[0] if len(part) == span else _INT_MAX)
             cand_key, cand_col = np.concatenate(cand_key), np.concatenate(cand_col)
             bound = max(max(kth), min(ranked))
             survive = (cand_key >= bound) & (cand_key != _PAD)
@@ -255,7 +264,7 @@ def test_select_model_paths():
     g = torch.Generator().manual_seed(0)
     random_stats = {"levels": set(), "survivors": 0}
     _model_select(torch.randn(1, 524288, generator=g), TOPK, 0, random_stats)
-    assert min(random_stats["levels"]) < 32 and random_stats["survivors"] < 128 * TOPK // 4
+    assert min(random_stats["levels"]) < 32 and random_stats["survivors"] < 128 * TOPK // 16
     constant_stats = {"levels": set(), "survivors": 0}
     got = _model_select(torch.full((1, 1 << 20), 0.25), 2048, 0, constant_stats)
     assert constant_stats["levels"] == {32} and constant_stats["survivors"] == 128 * 2048
