@@ -18,26 +18,39 @@ reference (cuBLAS) sums in another order, so scores agree to a few fp32 ulps of 
 bit. In candidate-block mode (layer 20) the same kernel writes each 8-column block's maximum (a tile is a block),
 the newest block (n_c - 1) // 8 pinned to +inf, to a second workspace bs [T, ceil(Ncap / 8)].
 
-``TopkSelect`` (launches 2 and 3) is an exact radix select on order-preserving 32-bit keys (NaN and -inf share
-the lowest key of a score; -0 = +0): a row of N <= SLICE columns is one CTA, which writes the output. A wider row
-is split into ceil(N / SLICE) slices, one CTA each, which write the exact local top-K of their slice (the keys and
-column indices, in column order, padded below every score) to a workspace; a merge kernel, one CTA per row, then
-selects the top-K of those candidates. Every element of the row's global top-K is in its slice's local top-K, so
-the merge is exact; no CTA waits for another (no cooperative launch, no spin barrier, no atomics in global memory),
-so the launches are CUDA-graph capturable and bit-deterministic. In a CTA of 1024 threads each thread holds
-``per_thread`` keys in registers (element e = j * 1024 + thread, so column order is (j, thread) order); 4 rounds of
-8-bit digits each build a 256-bin shared histogram (warp-aggregated shared atomics) of the keys that match the
-digits chosen so far and pick the digit holding the remaining K-th largest; that leaves the K-th key tau and the
-number of keys equal to tau to take. A final pass keeps every key > tau and the first ones == tau in column
-order, placing each at (keys > tau before it) + min(keys == tau before it, needed) by a block-wide scan: the
-output comes out sorted by column, with ties at tau broken by the lower column.
+The select is an exact radix select on order-preserving 32-bit keys (NaN and -inf share the lowest key of a score;
+-0 = +0), 8-bit digits from the top: a round builds a 256-bin shared histogram (warp-aggregated shared atomics) of
+the keys matching the digits chosen so far and picks the digit of the bin holding the remaining take-th largest.
+The rounds stop as soon as that bin holds exactly the keys still to take (rows of distinct scores stop after 2
+or 3 of the 4), which leaves the bin [lo, hi] (the keys with the chosen top bits) and how many of its keys to take.
+A collection pass keeps every key > hi and the first keys in [lo, hi] in column order, placing each at (keys > hi
+before it) + min(bin keys before it, needed) by a block-wide scan: the output comes out sorted by column, ties
+broken by the lower column. CTAs have 1024 threads.
+
+``TopkSelect`` holds per_thread keys a thread in registers (element e = j * 1024 + thread, column order = (j,
+thread) order). A row of N <= 4096 columns is one such CTA, which writes the output (launch 2). A wider row is
+split into ceil(N / S) slices of S columns (``select_plan``: a power of two times 1024, about N / 128 so a row fills
+about a wave of the 132 SMs, at least 2048 and 2K, at most 16384), one CTA each (launch 2), which writes the exact
+local top-K of its slice (keys and columns in column order, padded below every score) and two bounds: kth = lo of
+its K-th key's bin (a lower bound of that key; none when the slice has fewer than K keys), and rank = the lowest key
+with the top 16 bits of its r-th largest key, r = ceil(K / full slices) (a second histogram in round 1; 8 bits when
+the rounds stop after round 0; none from a short last slice). Every key of the
+row's top-K is >= B = max(max kth, min rank): one slice alone has K keys >= its K-th key, and the full slices
+together have >= r * full slices >= K keys >= min rank. ``TopkMerge`` (launch 3, one CTA a row) reduces B, streams
+the slices' candidates from global memory 8 consecutive per thread, compacts those >= B in order into a workspace
+(block scans; round 0's histogram on the way), runs the remaining rounds and the collection over the survivors,
+streamed again, and writes the output. Nothing bounds the survivor count (a constant row keeps all slices x K
+candidates); a row of random scores keeps about 3% of them (1789 of 128 x 512 at 2^19 columns, in the model). Every element of the global top-K (tie rule
+included) is in its slice's local top-K and >= B, so the merge is exact. No CTA waits for another (no cooperative
+launch, no spin barrier, no atomics in global memory), so the launches are CUDA-graph capturable and
+bit-deterministic. The test file's numpy model of these steps is checked against torch.topk on the CPU.
 
 Candidate-block mode selects min(cand_topk_blocks, ceil(Ncap / 8)) blocks from bs with the same select kernel
 (K = 2048, no offset) and expands the chosen blocks to the [T, Ncap] bool mask in torch.
 
-Resources (ptxas for sm_90a, read from the compiled objects): the score kernel takes 168 registers (3 CTAs of 128
-threads per SM), the select CTAs the 64 that 1024 threads allow; the merge of 64 slices (2^20 columns at K = 512,
-32 keys per thread) spills 88 bytes per thread, the slice CTAs (16 keys) nothing.
+Resources (ptxas for sm_90a, CUDA 13.0's ptxas -v on the PTX the DSL emits, CUTE_DSL_KEEP=ptx): the score kernel
+takes 168 registers (3 CTAs of 128 threads per SM); the one-CTA select (1 to 4 keys per thread) 32 registers, the
+slice CTAs 52 to 64 (2, 8 and 16 keys per thread: 52, 56, 64), the merge 64; none spills.
 """
 
 from __future__ import annotations
@@ -59,8 +72,9 @@ BLOCK = 8  # the candidate block size the score kernel's block maxima take (one 
 MAX_COLUMNS = 1 << 20  # Ncap
 MAX_K = 2048
 THREADS = 1024  # per select CTA
-SLICE = 16 * THREADS  # columns per select CTA
-MAX_CANDIDATES = 32 * THREADS  # merge input per row: slices * K
+SINGLE_COLUMNS = 4 * THREADS  # the widest row one CTA selects alone
+MAX_SLICE_COLUMNS = 16 * THREADS  # the widest slice
+TARGET_SLICES = 128  # slices per wide row: about one wave of the H200's 132 SMs
 _WARPS = 4  # per score CTA
 _TILE = 8  # key columns per MMA (its N)
 _TILES = 4  # MMA tiles per warp per round
@@ -71,6 +85,10 @@ _CHUNKS = HEAD_DIM // 32  # 32-column chunks of a head: 4 lanes x one 16-byte ve
 _VEC = 8  # bf16 per 16-byte vector
 _SEL_WARPS = THREADS // 32
 _BINS = 256
+_ROUNDS = 4  # of 8-bit digits, at most
+_GROUP = 8  # consecutive candidates per merge thread and chunk
+_CHUNK = _GROUP * THREADS  # candidates per merge pass step
+_INT_MAX = 2**31 - 1
 _INT_MIN = -(2**31)
 _PAD = _INT_MIN  # the key of a padding slot: below every score's key
 _KEY_NEG_INF = -(0x7F800000) - 1  # the key of -inf (and NaN): the float bits 0xFF800000 ^ 0x7FFFFFFF
@@ -164,29 +182,30 @@ class IndexScore:
 
 
 class TopkSelect:
-    """The exact top-``k`` of each row's keys, ``per_thread`` * 1024 keys per CTA at most.
+    """The exact top-``k`` of rows of scores held in registers, ``per_thread`` keys per thread (element e = j *
+    1024 + thread).
 
-    ``gathered``: the merge, one CTA per row, over the candidate keys and indices [T, C] of the slice CTAs (C =
-    slices * k); else one CTA per (row, slice) of the scores [T, N]. ``final``: write the output [T, k] int64
-    (column + offset, -1 for a -inf score); else the slice's k candidates to the candidate workspace.
+    ``final``: one CTA per row of N <= 1024 * per_thread columns, which writes the output [T, k] int64 (column +
+    offset, -1 for a -inf score). Else one CTA per (row, slice of 1024 * per_thread columns), which writes its slice's
+    k candidates (keys and columns, in column order, padded below every score) and its two bounds (module
+    docstring) to the workspace.
     """
 
-    def __init__(self, k: int, per_thread: int, gathered: bool, final: bool, pdl: bool):
+    def __init__(self, k: int, per_thread: int, final: bool, pdl: bool):
         self.k = k
         self.per_thread = per_thread
-        self.gathered = gathered
         self.final = final
         self.pdl = pdl
 
     @cute.jit
-    def __call__(self, mScores: cute.Tensor, mCandKey: cute.Tensor, mCandIdx: cute.Tensor, mOut: cute.Tensor,
-                 offset: Int64, n_ctas: Int32, stream):
-        self.kernel(mScores, mCandKey, mCandIdx, mOut, offset).launch(
+    def __call__(self, mScores: cute.Tensor, mCandKey: cute.Tensor, mCandIdx: cute.Tensor, mBounds: cute.Tensor,
+                 mOut: cute.Tensor, offset: Int64, rank: Int32, n_ctas: Int32, stream):
+        self.kernel(mScores, mCandKey, mCandIdx, mBounds, mOut, offset, rank).launch(
             grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, mScores: cute.Tensor, mCandKey: cute.Tensor, mCandIdx: cute.Tensor, mOut: cute.Tensor,
-               offset: Int64):
+    def kernel(self, mScores: cute.Tensor, mCandKey: cute.Tensor, mCandIdx: cute.Tensor, mBounds: cute.Tensor,
+               mOut: cute.Tensor, offset: Int64, rank: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()
@@ -194,107 +213,246 @@ class TopkSelect:
         smem = cutlass.memory.SmemAllocator()
         sHist = smem.allocate_tensor(Int32, cute.make_layout(_BINS), byte_alignment=16)
         sScan = smem.allocate_tensor(Int32, cute.make_layout((2, _SEL_WARPS)), byte_alignment=16)
-        sPick = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=8)
+        sRankHist = smem.allocate_tensor(Int32, cute.make_layout(_BINS), byte_alignment=16)
+        sPick = smem.allocate_tensor(Int32, cute.make_layout(6), byte_alignment=8)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
 
         n_cols = mScores.shape[1]
-        slices = (n_cols + SLICE - 1) // SLICE
+        span = self.per_thread * THREADS  # columns per CTA
+        slices = (n_cols + span - 1) // span
         t = cta
-        first = Int32(0)  # the CTA's first column (slice mode)
-        count = mCandKey.shape[1]  # its keys
-        take = Int32(self.k)  # how many it selects
-        if const_expr(not self.gathered):
+        first = Int32(0)  # the CTA's first column
+        sl = Int32(0)  # its slice
+        if const_expr(not self.final):
             t = cta // slices
-            first = (cta % slices) * SLICE
-            count = cutlass.min(n_cols - first, SLICE)
-            take = cutlass.min(count, self.k)
+            sl = cta % slices
+            first = sl * span
+        count = cutlass.min(n_cols - first, span)  # its keys
+        take = cutlass.min(count, self.k)  # how many it selects
         keys = []
         for j in cutlass.range_constexpr(self.per_thread):
             e = j * THREADS + tidx
             key = Int32(_PAD)
             if e < count:
-                if const_expr(self.gathered):
-                    key = mCandKey[t, e]
-                else:
-                    key = _order_key(mScores[t, first + e])
+                key = _order_key(mScores[t, first + e])
             keys.append(key)
 
-        # Radix select: after round r, prefix = the top 8(r + 1) bits of the K-th key (in unsigned order),
-        # remaining = how many keys with those bits are still to take.
+        # Radix select, 8-bit digits from the top: after a round, `prefix` = the top `level` bits of the take-th
+        # largest key (unsigned order), `remaining` = how many keys with those bits are still to take; it stops
+        # early once they are all of that bin's keys. A slice's rounds 0 and 1 (if it runs) also find the top
+        # `rank_level` bits `rank_prefix` of its rank-th largest key, in a second histogram.
         prefix = Int32(0)
         remaining = take
-        for rnd in cutlass.range_constexpr(4):
-            shift = 24 - 8 * rnd
-            if tidx < _BINS:
-                sHist[tidx] = Int32(0)
-            cute.arch.barrier()
-            for j in cutlass.range_constexpr(self.per_thread):
-                u = keys[j] ^ Int32(_INT_MIN)
-                live = keys[j] != Int32(_PAD)
-                if const_expr(rnd > 0):
-                    live = live & (((u >> (shift + 8)) & Int32((1 << (8 * rnd)) - 1)) == prefix)
-                _histogram_add(sHist, (u >> shift) & Int32(_BINS - 1), live)
-            cute.arch.barrier()
-            if warp == 0:
-                _pick_digit(sHist, sPick, prefix, remaining, lane)
-            cute.arch.barrier()
-            prefix = sPick[0]
-            remaining = sPick[1]
-        tau = prefix ^ Int32(_INT_MIN)  # the K-th largest key
-        need_eq = remaining  # keys equal to tau to take, the first ones in column order
+        level = Int32(0)
+        done = Int32(0)
+        rank_prefix = Int32(0)
+        rank_remaining = rank
+        rank_level = Int32(8)
+        for rnd in cutlass.range_constexpr(_ROUNDS):
+            if done == 0:
+                shift = 24 - 8 * rnd
+                ranked = rnd < 2 and not self.final  # the rank's bin: round 0 shares sHist, round 1 has sRankHist
+                if tidx < _BINS:
+                    sHist[tidx] = Int32(0)
+                    if const_expr(ranked and rnd == 1):
+                        sRankHist[tidx] = Int32(0)
+                cute.arch.barrier()
+                for j in cutlass.range_constexpr(self.per_thread):
+                    _histogram_add(sHist, _digit(keys[j], rnd), _matches(keys[j], rnd, prefix))
+                    if const_expr(ranked and rnd == 1):
+                        _histogram_add(sRankHist, _digit(keys[j], rnd), _matches(keys[j], rnd, rank_prefix))
+                cute.arch.barrier()
+                if warp == 0:
+                    _pick_digit(sHist, sPick, 0, prefix, remaining, lane)
+                if const_expr(ranked):
+                    if warp == 1:
+                        _pick_digit(sRankHist if const_expr(rnd == 1) else sHist, sPick, 3, rank_prefix, rank_remaining,
+                                    lane)
+                cute.arch.barrier()
+                prefix = sPick[0]
+                remaining = sPick[1]
+                done = cutlass.select_(remaining == sPick[2], Int32(1), Int32(0))
+                level = Int32(32 - shift)
+                if const_expr(ranked):
+                    rank_prefix = sPick[3]
+                    rank_remaining = sPick[4]
+                    rank_level = Int32(32 - shift)
+        lo, hi = _bin_edges(prefix, level)
 
-        # Collection in column order: element (j, thread) goes to (keys > tau before it) + min(== tau before, need)
-        row_base = Int32(0)
-        if const_expr(not self.gathered and not self.final):
-            row_base = (cta % slices) * self.k
+        # Collection in column order: element (j, thread) goes to (keys > hi before it) + min(keys in the bin
+        # before it, remaining); the first `remaining` keys of the bin in column order are taken.
+        row_base = sl * self.k
         lt = Int32(cute.arch.lanemask_lt())
         n_gt = Int32(0)
         n_eq = Int32(0)
         for j in cutlass.range_constexpr(self.per_thread):
             e = j * THREADS + tidx
-            gt = keys[j] > tau
-            eq = keys[j] == tau
+            gt = keys[j] > hi
+            eq = (keys[j] >= lo) & (keys[j] <= hi) & (keys[j] != Int32(_PAD))
             ball_gt = cute.arch.vote_ballot_sync(gt)
             ball_eq = cute.arch.vote_ballot_sync(eq)
             if lane == 0:
                 sScan[j % 2, warp] = cute.arch.popc(ball_gt) + (cute.arch.popc(ball_eq) << 16)
             cute.arch.barrier()
             warp_total = sScan[j % 2, lane]  # lane l: warp l's packed counts
-            incl = warp_total
-            for off in cutlass.range_constexpr(5):
-                other = cute.arch.shuffle_sync_up(incl, offset=1 << off)
-                incl = incl + cutlass.select_(lane >= (1 << off), other, Int32(0))
+            incl = _warp_inclusive_scan(warp_total, lane)
             before = cute.arch.shuffle_sync(incl - warp_total, warp) + cute.arch.popc(ball_gt & lt) + (
                 cute.arch.popc(ball_eq & lt) << 16)
             block_total = cute.arch.shuffle_sync(incl, _SEL_WARPS - 1)
             gt_before = n_gt + (before & Int32(0xFFFF))
             eq_before = n_eq + (before >> 16)
-            if gt | (eq & (eq_before < need_eq)):
-                pos = gt_before + cutlass.min(eq_before, need_eq)
-                self.emit(t, row_base + pos, keys[j], e, first, mCandKey, mCandIdx, mOut, offset)
+            if gt | (eq & (eq_before < remaining)):
+                pos = gt_before + cutlass.min(eq_before, remaining)
+                if const_expr(self.final):
+                    mOut[t, pos] = cutlass.select_(keys[j] > Int32(_KEY_NEG_INF), Int64(first + e) + offset,
+                                                   Int64(-1))
+                else:
+                    mCandKey[t, row_base + pos] = keys[j]
+                    mCandIdx[t, row_base + pos] = first + e
             n_gt = n_gt + (block_total & Int32(0xFFFF))
             n_eq = n_eq + (block_total >> 16)
         if const_expr(not self.final):
             for p in cutlass.range(take + tidx, self.k, THREADS):  # padding after a short last slice's keys
                 mCandKey[t, row_base + p] = Int32(_PAD)
                 mCandIdx[t, row_base + p] = Int32(-1)
+            if tidx == 0:  # the bounds: no bound from a slice with fewer than k keys (kth) or span keys (rank)
+                mBounds[t, sl] = cutlass.select_(take == self.k, lo, Int32(_PAD))
+                mBounds[t, slices + sl] = cutlass.select_(count == span, _bin_edges(rank_prefix, rank_level)[0],
+                                                          Int32(_INT_MAX))
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
+
+class TopkMerge:
+    """The exact top-``k`` of each row's slice candidates (one CTA per row), streamed from global memory.
+
+    mCandKey, mCandIdx [T, C] (C = slices * k, slice by slice in column order), mBounds [T, 2 * slices]; mSurvKey,
+    mSurvIdx [T, C]: a workspace for the candidates at or above the row's bound, compacted in order; mOut [T, k].
+    """
+
+    def __init__(self, k: int, pdl: bool):
+        self.k = k
+        self.pdl = pdl
+
     @cute.jit
-    def emit(self, t: Int32, pos: Int32, key: Int32, e: Int32, first: Int32, mCandKey: cute.Tensor,
-             mCandIdx: cute.Tensor, mOut: cute.Tensor, offset: Int64):
-        """Store selected element e (key ``key``) at slot ``pos`` of row t's output or candidate row."""
-        if const_expr(self.gathered):
-            column = mCandIdx[t, e]
-        else:
-            column = first + e
-        if const_expr(self.final):
-            mOut[t, pos] = cutlass.select_(key > Int32(_KEY_NEG_INF), Int64(column) + offset, Int64(-1))
-        else:
-            mCandKey[t, pos] = key
-            mCandIdx[t, pos] = column
+    def __call__(self, mCandKey: cute.Tensor, mCandIdx: cute.Tensor, mBounds: cute.Tensor, mSurvKey: cute.Tensor,
+                 mSurvIdx: cute.Tensor, mOut: cute.Tensor, offset: Int64, n_ctas: Int32, stream):
+        self.kernel(mCandKey, mCandIdx, mBounds, mSurvKey, mSurvIdx, mOut, offset).launch(
+            grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+
+    @cute.kernel
+    def kernel(self, mCandKey: cute.Tensor, mCandIdx: cute.Tensor, mBounds: cute.Tensor, mSurvKey: cute.Tensor,
+               mSurvIdx: cute.Tensor, mOut: cute.Tensor, offset: Int64):
+        tidx, _, _ = cute.arch.thread_idx()
+        t, _, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()
+        lane = cute.arch.lane_idx()
+        smem = cutlass.memory.SmemAllocator()
+        sHist = smem.allocate_tensor(Int32, cute.make_layout(_BINS), byte_alignment=16)
+        sScan = smem.allocate_tensor(Int32, cute.make_layout((2, _SEL_WARPS)), byte_alignment=16)
+        sBound = smem.allocate_tensor(Int32, cute.make_layout((2, _SEL_WARPS)), byte_alignment=16)
+        sPick = smem.allocate_tensor(Int32, cute.make_layout(3), byte_alignment=8)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+        n_cand = mCandKey.shape[1]
+        slices = mBounds.shape[1] // 2
+
+        # The bound: max(max over slices of kth, min over slices of rank), every key of the top-k is >= it.
+        kth = Int32(_PAD)
+        rank = Int32(_INT_MAX)
+        for s in cutlass.range(tidx, slices, THREADS):
+            kth = cutlass.max(kth, mBounds[t, s])
+            rank = cutlass.min(rank, mBounds[t, slices + s])
+        kth = _warp_reduce(kth, cutlass.max)
+        rank = _warp_reduce(rank, cutlass.min)
+        if lane == 0:
+            sBound[0, warp] = kth
+            sBound[1, warp] = rank
+        if tidx < _BINS:
+            sHist[tidx] = Int32(0)
+        cute.arch.barrier()
+        bound = cutlass.max(_warp_reduce(sBound[0, lane], cutlass.max), _warp_reduce(sBound[1, lane], cutlass.min))
+
+        # Compaction of the candidates >= bound, in order, with the histogram of radix round 0.
+        n_surv = Int32(0)
+        for base in cutlass.range(0, n_cand, _CHUNK):
+            e0 = base + tidx * _GROUP
+            keys = []
+            live = []
+            for j in cutlass.range_constexpr(_GROUP):
+                key = Int32(_PAD)
+                if e0 + j < n_cand:
+                    key = mCandKey[t, e0 + j]
+                keys.append(key)
+                live.append((key >= bound) & (key != Int32(_PAD)))
+                _histogram_add(sHist, _digit(key, 0), live[j])
+            mine = cute_utils.tree_sum([cutlass.select_(v, Int32(1), Int32(0)) for v in live])
+            before, total = _block_scan(mine, sScan, (base // _CHUNK) % 2, warp, lane)
+            pos = n_surv + before
+            for j in cutlass.range_constexpr(_GROUP):
+                if live[j]:
+                    mSurvKey[t, pos] = keys[j]
+                    mSurvIdx[t, pos] = mCandIdx[t, e0 + j]
+                pos = pos + cutlass.select_(live[j], Int32(1), Int32(0))
+            n_surv = n_surv + total
+        cute.arch.barrier()
+
+        # Radix select over the survivors (as TopkSelect's, each round a pass over them).
+        prefix = Int32(0)
+        remaining = Int32(self.k)
+        level = Int32(0)
+        done = Int32(0)
+        for rnd in cutlass.range_constexpr(_ROUNDS):
+            if done == 0:
+                if const_expr(rnd > 0):
+                    if tidx < _BINS:
+                        sHist[tidx] = Int32(0)
+                    cute.arch.barrier()
+                    for base in cutlass.range(0, n_surv, _CHUNK):
+                        for j in cutlass.range_constexpr(_GROUP):
+                            key = Int32(_PAD)
+                            if base + tidx * _GROUP + j < n_surv:
+                                key = mSurvKey[t, base + tidx * _GROUP + j]
+                            _histogram_add(sHist, _digit(key, rnd), _matches(key, rnd, prefix))
+                    cute.arch.barrier()
+                if warp == 0:
+                    _pick_digit(sHist, sPick, 0, prefix, remaining, lane)
+                cute.arch.barrier()
+                prefix = sPick[0]
+                remaining = sPick[1]
+                done = cutlass.select_(remaining == sPick[2], Int32(1), Int32(0))
+                level = Int32(8 * (rnd + 1))
+        lo, hi = _bin_edges(prefix, level)
+
+        # Collection in order: each thread's _GROUP consecutive survivors per chunk, one block scan per chunk.
+        n_gt = Int32(0)
+        n_eq = Int32(0)
+        for base in cutlass.range(0, n_surv, _CHUNK):
+            e0 = base + tidx * _GROUP
+            keys = []
+            for j in cutlass.range_constexpr(_GROUP):
+                key = Int32(_PAD)
+                if e0 + j < n_surv:
+                    key = mSurvKey[t, e0 + j]
+                keys.append(key)
+            gts = [cutlass.select_(key > hi, Int32(1), Int32(0)) for key in keys]
+            eqs = [cutlass.select_((key >= lo) & (key <= hi) & (key != Int32(_PAD)), Int32(1), Int32(0))
+                   for key in keys]
+            before, total = _block_scan(cute_utils.tree_sum(gts) + (cute_utils.tree_sum(eqs) << 16), sScan,
+                                        (base // _CHUNK) % 2, warp, lane)
+            gt_before = n_gt + (before & Int32(0xFFFF))
+            eq_before = n_eq + (before >> 16)
+            for j in cutlass.range_constexpr(_GROUP):
+                if (gts[j] == 1) | ((eqs[j] == 1) & (eq_before < remaining)):
+                    mOut[t, gt_before + cutlass.min(eq_before, remaining)] = cutlass.select_(
+                        keys[j] > Int32(_KEY_NEG_INF), Int64(mSurvIdx[t, e0 + j]) + offset, Int64(-1))
+                gt_before = gt_before + gts[j]
+                eq_before = eq_before + eqs[j]
+            n_gt = n_gt + (total & Int32(0xFFFF))
+            n_eq = n_eq + (total >> 16)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
 
 
 @cute.jit
@@ -318,6 +476,58 @@ def _order_key(x: Float32) -> Int32:
 
 
 @cute.jit
+def _digit(key: Int32, rnd: cutlass.Constexpr[int]) -> Int32:
+    """Digit ``rnd`` (8 bits, from the top) of ``key`` in unsigned order."""
+    return ((key ^ Int32(_INT_MIN)) >> (24 - 8 * rnd)) & Int32(_BINS - 1)
+
+
+@cute.jit
+def _matches(key: Int32, rnd: cutlass.Constexpr[int], prefix: Int32):
+    """Whether ``key`` is a key (not padding) whose digits before round ``rnd`` are ``prefix``."""
+    live = key != Int32(_PAD)
+    if const_expr(rnd > 0):
+        live = live & ((((key ^ Int32(_INT_MIN)) >> (32 - 8 * rnd)) & Int32((1 << (8 * rnd)) - 1)) == prefix)
+    return live
+
+
+@cute.jit
+def _bin_edges(prefix: Int32, level: Int32):
+    """(lowest, highest) key whose top ``level`` bits in unsigned order are ``prefix`` (8 <= level <= 32)."""
+    low_bits = 32 - level
+    lo = (prefix << low_bits) ^ Int32(_INT_MIN)
+    return lo, lo + ((Int32(1) << low_bits) - Int32(1))
+
+
+@cute.jit
+def _warp_inclusive_scan(val: Int32, lane: Int32) -> Int32:
+    for off in cutlass.range_constexpr(5):
+        other = cute.arch.shuffle_sync_up(val, offset=1 << off)
+        val = val + cutlass.select_(lane >= (1 << off), other, Int32(0))
+    return val
+
+
+@cute.jit
+def _warp_reduce(val: Int32, op: cutlass.Constexpr) -> Int32:
+    for off in cutlass.range_constexpr(5):
+        val = op(val, cute.arch.shuffle_sync_bfly(val, offset=1 << off))
+    return val
+
+
+@cute.jit
+def _block_scan(val: Int32, sScan: cute.Tensor, parity: Int32, warp: Int32, lane: Int32):
+    """(sum of ``val`` over the threads before this one, over all threads) for a CTA of THREADS threads; one barrier,
+    on the half ``parity`` of sScan [2, 32] (alternate it between consecutive calls)."""
+    incl = _warp_inclusive_scan(val, lane)
+    if lane == 31:
+        sScan[parity, warp] = incl
+    cute.arch.barrier()
+    warp_total = sScan[parity, lane]  # lane l: warp l's sum
+    warp_incl = _warp_inclusive_scan(warp_total, lane)
+    before = cute.arch.shuffle_sync(warp_incl - warp_total, warp) + incl - val
+    return before, cute.arch.shuffle_sync(warp_incl, _SEL_WARPS - 1)
+
+
+@cute.jit
 def _histogram_add(sHist: cute.Tensor, digit: Int32, live):
     """sHist[digit] += 1 for every live lane of the warp: one shared atomic per distinct digit (the lowest lane of
     the lanes that share it adds their count); nothing when no lane is live (most warps after the first round)."""
@@ -329,9 +539,11 @@ def _histogram_add(sHist: cute.Tensor, digit: Int32, live):
 
 
 @cute.jit
-def _pick_digit(sHist: cute.Tensor, sPick: cute.Tensor, prefix: Int32, remaining: Int32, lane: Int32):
+def _pick_digit(sHist: cute.Tensor, sPick: cute.Tensor, slot: cutlass.Constexpr[int], prefix: Int32,
+                remaining: Int32, lane: Int32):
     """One warp: the digit d whose bin holds the remaining-th largest key (#keys in higher bins < remaining <= that
-    + sHist[d]); sPick = (prefix extended by d, remaining - #keys in higher bins). Lane l owns bins [8l, 8l + 8)."""
+    + sHist[d]); sPick[slot:slot + 3] = (prefix extended by d, remaining - #keys in higher bins, sHist[d]). Lane l
+    owns bins [8l, 8l + 8)."""
     bins = [sHist[8 * lane + i] for i in range(8)]
     total = cute_utils.tree_sum(bins)
     suffix = total  # becomes the keys in the bins of lanes >= this one
@@ -341,8 +553,9 @@ def _pick_digit(sHist: cute.Tensor, sPick: cute.Tensor, prefix: Int32, remaining
     above = suffix - total
     for i in cutlass.range_constexpr(7, -1, -1):
         if (above < remaining) & (remaining <= above + bins[i]):
-            sPick[0] = (prefix << 8) | (8 * lane + i)
-            sPick[1] = remaining - above
+            sPick[slot] = (prefix << 8) | (8 * lane + i)
+            sPick[slot + 1] = remaining - above
+            sPick[slot + 2] = bins[i]
         above = above + bins[i]
 
 
@@ -357,8 +570,6 @@ def config_reason(heads: int, head_dim: int, n_cap: int, topk: int, cand_block: 
                        ("cand_topk_blocks", min(cand_topk_blocks, -(-n_cap // BLOCK)), -(-n_cap // BLOCK))):
         if k > MAX_K:
             return f"min({name}, {n}) = {k} is above the kernel's {MAX_K}"
-        if k and _merge_reason(n, k) is not None:
-            return f"{name}: {_merge_reason(n, k)}"
     if cand_topk_blocks > 0 and cand_block != BLOCK:
         return f"cand_block must be {BLOCK} in candidate-block mode, got {cand_block}"
     if cand_topk_blocks > 0 and masked:
@@ -390,20 +601,21 @@ def supports(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_c: torch.Te
     return hopper_reason(q=q, w=w, keys=keys, n_c=n_c, **optional)
 
 
-def _slices(n: int) -> int:
-    return -(-n // SLICE)
+def slice_columns(n: int, k: int) -> int:
+    """Columns per slice CTA of a row of n > SINGLE_COLUMNS columns at k: the power of two times 1024 nearest above
+    n / TARGET_SLICES, at least 2048 and 2k (so a slice's k-th key filters), at most MAX_SLICE_COLUMNS."""
+    want = max(-(-n // TARGET_SLICES), 2 * THREADS, 2 * k)
+    return min(1 << (want - 1).bit_length(), MAX_SLICE_COLUMNS)
 
 
-def _merge_reason(n: int, k: int) -> str | None:
-    """Why the merge cannot take the candidates of a row of n columns at k (None when it can)."""
-    if _slices(n) > 1 and _slices(n) * k > MAX_CANDIDATES:
-        return f"{_slices(n)} slices x k = {k} exceed the merge's {MAX_CANDIDATES} candidates"
-    return None
-
-
-def _per_thread(count: int) -> int:
-    """Keys per thread for ``count`` keys in a select CTA: the smallest power of two that holds them."""
-    return 1 << max(0, math.ceil(math.log2(-(-count // THREADS))))
+def select_plan(n: int, k: int) -> tuple[int, int, int]:
+    """(keys per thread, slices, rank) of the select of rows of n columns at k: one CTA (slices = 1) up to
+    SINGLE_COLUMNS columns, else slices of slice_columns(n, k) and the rank ceil(k / full slices) whose bin each
+    full slice reports (module docstring)."""
+    if n <= SINGLE_COLUMNS:
+        return 1 << max(0, math.ceil(math.log2(-(-n // THREADS)))), 1, 0
+    cols = slice_columns(n, k)
+    return cols // THREADS, -(-n // cols), -(-k // (n // cols))
 
 
 @cached_kernel(__file__, cute_utils.__file__)
@@ -419,12 +631,24 @@ def _compile_index_score(masked: bool, blocks: bool, pdl: bool):
 
 
 @cached_kernel(__file__, cute_utils.__file__)
-def _compile_topk_select(k: int, per_thread: int, gathered: bool, final: bool, pdl: bool):
+def _compile_topk_select(k: int, per_thread: int, final: bool, pdl: bool):
     t = cute.sym_int()
     return compile_tvm_ffi(
-        TopkSelect(k, per_thread, gathered, final, pdl),
+        TopkSelect(k, per_thread, final, pdl),
         fake_tensor(Float32, (t, cute.sym_int()), 4), fake_tensor(Int32, (t, cute.sym_int()), 4),
-        fake_tensor(Int32, (t, cute.sym_int()), 4), fake_tensor(Int64, (t, k), 8), Int64(0), Int32(1), env_stream(),
+        fake_tensor(Int32, (t, cute.sym_int()), 4), fake_tensor(Int32, (t, cute.sym_int()), 4),
+        fake_tensor(Int64, (t, k), 8), Int64(0), Int32(1), Int32(1), env_stream(),
+    )
+
+
+@cached_kernel(__file__, cute_utils.__file__)
+def _compile_topk_merge(k: int, pdl: bool):
+    t, c = cute.sym_int(), cute.sym_int()
+    return compile_tvm_ffi(
+        TopkMerge(k, pdl),
+        fake_tensor(Int32, (t, c), 4), fake_tensor(Int32, (t, c), 4), fake_tensor(Int32, (t, cute.sym_int()), 4),
+        fake_tensor(Int32, (t, c), 4), fake_tensor(Int32, (t, c), 4), fake_tensor(Int64, (t, k), 8), Int64(0),
+        Int32(1), env_stream(),
     )
 
 
@@ -436,12 +660,11 @@ def compile_scores(masked: bool, blocks: bool, pdl: bool = True):
 
 def select_launches(n_cols: int, k: int, pdl: bool = True) -> list:
     """The compiled select launches for rows of ``n_cols`` scores and ``k`` (memory, disk or a fresh compile):
-    [single] for one slice, else [slices, merge]."""
-    per_slice = SLICE // THREADS
-    if _slices(n_cols) == 1:
-        return [_compile_topk_select(k, _per_thread(n_cols), False, True, pdl)]
-    return [_compile_topk_select(k, per_slice, False, False, pdl),
-            _compile_topk_select(k, _per_thread(_slices(n_cols) * k), True, True, pdl)]
+    [single] for one CTA a row, else [slices, merge]."""
+    per_thread, slices, _ = select_plan(n_cols, k)
+    if slices == 1:
+        return [_compile_topk_select(k, per_thread, True, pdl)]
+    return [_compile_topk_select(k, per_thread, False, pdl), _compile_topk_merge(k, pdl)]
 
 
 def select_reason(scores: torch.Tensor, k: int) -> str | None:
@@ -453,14 +676,14 @@ def select_reason(scores: torch.Tensor, k: int) -> str | None:
         return f"N must be in [1, {MAX_COLUMNS}], got {n}"
     if not 1 <= k <= min(n, MAX_K):
         return f"k must be in [1, min(N, {MAX_K})] = [1, {min(n, MAX_K)}], got {k}"
-    return _merge_reason(n, k) or hopper_reason(scores=scores)
+    return hopper_reason(scores=scores)
 
 
 def topk_indices(scores: torch.Tensor, k: int, offset: int = 0, *, out: torch.Tensor | None = None,
                  pdl: bool = True) -> torch.Tensor:
     """idx [T, k] int64: per row the k columns of the largest scores (NaN as -inf; equal scores: the lower column
     first), sorted ascending, + offset; -1 where the score is -inf. scores [T, N] fp32 contiguous on a Hopper
-    device, 1 <= k <= min(N, 2048), N <= 2^20 (and slices * k <= 32768). ``out`` optionally supplies the output."""
+    device, 1 <= k <= min(N, 2048), N <= 2^20. ``out`` optionally supplies the output."""
     reason = select_reason(scores, k)
     if reason is not None:
         raise ValueError(f"topk_indices: {reason}")
@@ -473,15 +696,17 @@ def topk_indices(scores: torch.Tensor, k: int, offset: int = 0, *, out: torch.Te
             raise ValueError(f"topk_indices: {reason}")
     if t == 0:
         return out
-    slices = _slices(n)
-    cand_key = scores.new_empty((t, slices * k if slices > 1 else 1), dtype=torch.int32)
-    cand_idx = torch.empty_like(cand_key)
+    _, slices, rank = select_plan(n, k)
     launches = select_launches(n, k, pdl)
     if slices == 1:
-        launches[0](scores, cand_key, cand_idx, out, offset, t)
-    else:
-        launches[0](scores, cand_key, cand_idx, out, offset, t * slices)
-        launches[1](scores, cand_key, cand_idx, out, offset, t)
+        unused = scores.new_empty((t, 1), dtype=torch.int32)  # no workspace (its rows must still number T)
+        launches[0](scores, unused, unused, unused, out, offset, 0, t)
+        return out
+    # workspace: the slices' candidates, their bounds, the candidates that pass the bound
+    cand_key, cand_idx, surv_key, surv_idx = scores.new_empty((4, t, slices * k), dtype=torch.int32).unbind(0)
+    bounds = scores.new_empty((t, 2 * slices), dtype=torch.int32)
+    launches[0](scores, cand_key, cand_idx, bounds, out, offset, rank, t * slices)
+    launches[1](cand_key, cand_idx, bounds, surv_key, surv_idx, out, offset, t)
     return out
 
 

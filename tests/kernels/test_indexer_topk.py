@@ -1,15 +1,21 @@
 """The indexer kernels (dsv41.kernels.indexer_topk): the score kernel and the exact top-K select.
 
 CPU: every kind of launch compiles for sm_90a (score: plain, candidate-masked, block maxima, without PDL;
-select: one-CTA rows, slices, merge, at k = 512 and 2048); `supports` and `select_reason` explain what they
-reject; the bench rows per width (the op's NaN and tie rules and `compare_kernel` are tested in
-tests/lowerings/test_indexer_topk.py).
+select: one-CTA rows, slices, merge, at k = 512 and 2048); `select_plan`'s slices and ranks keep the bound valid at
+every width; a numpy model of the select's steps (slice-local radix top-K with the early stop, the two bounds,
+the filtered and compacted merge) equals the tie rule and torch.topk's values on every score pattern below at
+N = 1 to 2^20, and reaches the early stop, all 4 rounds, a bound that drops most candidates and a constant row whose
+128 x 2048 candidates all survive; `supports` and `select_reason` explain what they reject; the bench rows per width
+(the op's NaN and tie rules and `compare_kernel` are tested in tests/lowerings/test_indexer_topk.py).
 GPU (H200), outputs poisoned (-7) before each call:
 - the select (`topk_indices`) on given scores equals the tie rule exactly (a stable descending sort: equal scores,
   -inf ones included, taken lower index first; NaN as -inf; then sorted ascending, + offset, -1 for -inf), -1
   positions included: random, constant rows, rising values, crowded near-ties (4 levels; neighbours 1 ulp apart),
-  NaN and +-inf, rows with fewer valid scores than K and none, at widths one CTA (<= 16384 columns) to 2^20 (the
-  multi-CTA slices + merge), K = 512 and 2048, rows in DSV41_TEST_TOKENS (default 1,2,3,8,33,64);
+  NaN and +-inf, every slice a permutation of the same values (all slices' K-th keys equal), the largest scores in
+  a short last slice, rows with fewer valid scores than K and none, at widths 1 to 2^20: one CTA (<= 4096 columns),
+  then slices + merge, slice counts that do not divide N (4097: a 1-column last slice), K = 512 and 2048 (a
+  constant 2^20 row at K = 2048 sends 128 x 2048 candidates through the merge); rows in DSV41_TEST_TOKENS (default
+  1,2,3,8,33,64) at 4096 to 524288 columns, with short and half-constant rows;
 - the scores of the score kernel against the reference's within its tolerance (`SCORE_RTOL` x sum_h |w_h| |q_h|.|k|),
   -inf exactly where the reference has it, in the plain, candidate-masked and block modes; the block maxima equal the
   max of the kernel's own scores (newest block pinned);
@@ -27,6 +33,7 @@ cannot run.
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,6 +88,15 @@ def _score_rows(kind, t, n, g):
         s[(u >= 0.61) & (u < 0.7)] = -0.0
         s[(u >= 0.7) & (u < 0.8)] = 0.0
         return s
+    if kind == "slice-kth-equal":  # every slice a permutation of the same values: all full slices' k-th keys equal
+        span = K.select_plan(n, TOPK)[0] * K.THREADS
+        base = torch.randn(span, generator=g)
+        perms = [base[torch.randperm(span, generator=g)] for _ in range(t * -(-n // span))]
+        return torch.cat(perms).view(t, -1)[:, :n].contiguous()
+    if kind == "top-in-short-slice":  # the largest scores in the last (short, when N does not divide) slice
+        s = torch.randn(t, n, generator=g)
+        s[:, -min(n, 700):] += 100.0
+        return s
     if kind == "few-valid":  # row r has r * 37 valid scores (row 0: none), the rest -inf
         s = torch.full((t, n), -math.inf)
         for r in range(t):
@@ -90,7 +106,8 @@ def _score_rows(kind, t, n, g):
     raise ValueError(kind)
 
 
-KINDS = ["random", "constant", "rising", "four-levels", "ulp-apart", "nan-inf", "few-valid"]
+KINDS = ["random", "constant", "rising", "four-levels", "ulp-apart", "nan-inf", "slice-kth-equal", "top-in-short-slice",
+         "few-valid"]
 
 
 def _op_inputs(t, n_cap, seed, candidates=False, device="cuda"):
@@ -127,9 +144,131 @@ def _assert_op_matches(got, inputs, topk=TOPK, cand_topk_blocks=0):
 
 
 SCORE_VARIANTS = [(False, False, True), (True, False, True), (False, True, True), (False, False, False)]
-SELECT_VARIANTS = [(512, 1, False, True, True), (512, 16, False, True, True), (512, 16, False, False, True),
-                   (512, 32, True, True, True), (2048, 16, False, True, True), (2048, 16, False, False, True),
-                   (2048, 16, True, True, True), (512, 16, False, False, False), (512, 32, True, True, False)]
+SELECT_VARIANTS = [(512, 1, True, True), (512, 4, True, True), (512, 2, False, True), (512, 16, False, True),
+                   (2048, 4, True, True), (2048, 4, False, True), (2048, 16, False, True), (512, 8, False, False)]
+MERGE_VARIANTS = [(512, True), (2048, True), (512, False)]
+
+
+# A model of the select's algorithm (TopkSelect's slices or single CTA, TopkMerge's bound, filter and streamed radix
+# select), step for step, on int64 arrays holding the kernel's int32 keys, elements in column order (numpy: this
+# CPU torch build takes milliseconds per cumsum or boolean index of 64K elements).
+
+_INT_MIN, _INT_MAX, _KEY_NEG_INF = -(2**31), 2**31 - 1, -(0x7F800000) - 1
+_PAD = _INT_MIN
+
+
+def _order_keys(scores):
+    """The kernel's order keys [T, N] int64: signed order = score order; NaN and -inf share -inf's key, -0 is +0."""
+    bits = scores.contiguous().view(torch.int32).numpy().astype(np.int64)
+    key = np.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = np.where(bits == _INT_MIN, 0, key)
+    return np.where(scores.isnan().numpy(), _KEY_NEG_INF, key)
+
+
+def _bin_edges(prefix, level):
+    """(lowest, highest) key whose top `level` bits in unsigned order are `prefix`."""
+    lo = (prefix << (32 - level)) + _INT_MIN
+    return lo, lo + (1 << (32 - level)) - 1
+
+
+def _radix_select(keys, take, rank=None, levels=None):
+    """(prefix, level, remaining, rank_bin): 8-bit rounds from the top over the non-padding keys until the bin of
+    the take-th largest holds exactly the `remaining` keys still to take, or 32 bits; rank_bin: (prefix, level) of
+    the rank-th largest's bin after round 0 and, if it runs, round 1."""
+    u = keys - _INT_MIN  # unsigned order
+    live = keys != _PAD
+    prefix, remaining, level = 0, take, 0
+    rank_prefix, rank_remaining, rank_level = 0, rank, 8
+
+    def pick(match, shift, r):
+        """(digit, r - keys in the higher bins, the digit's count) of the bin of the r-th largest matching key."""
+        hist = np.bincount((u[match] >> shift) & 255, minlength=256)
+        above = hist[::-1].cumsum()[::-1] - hist
+        (digit,) = np.flatnonzero((above < r) & (r <= above + hist))
+        return int(digit), r - int(above[digit]), int(hist[digit])
+
+    for rnd in range(4):
+        shift = 24 - 8 * rnd
+        digit, remaining, count = pick(live & ((u >> (shift + 8)) == prefix) if rnd else live, shift, remaining)
+        if rnd < 2 and rank is not None and rank <= live.sum():  # (a short slice's is never used)
+            match = live & ((u >> (shift + 8)) == rank_prefix) if rnd else live
+            rank_digit, rank_remaining, _ = pick(match, shift, rank_remaining)
+            rank_prefix, rank_level = (rank_prefix << 8) | rank_digit, 8 * (rnd + 1)
+        prefix, level = (prefix << 8) | digit, 8 * (rnd + 1)
+        if remaining == count:
+            break
+    if levels is not None:
+        levels.add(level)
+    return prefix, level, remaining, (rank_prefix, rank_level)
+
+
+def _collect(keys, prefix, level, remaining):
+    """Positions (in order) of the keys above the bin and the first `remaining` keys in it."""
+    lo, hi = _bin_edges(prefix, level)
+    eq = (keys >= lo) & (keys <= hi) & (keys != _PAD)
+    return np.flatnonzero((keys > hi) | (eq & (eq.cumsum() - eq < remaining)))
+
+
+def _model_select(scores, k, offset, stats=None):
+    """idx [T, k] as topk_indices computes it, through the model; `stats` collects the round levels reached and the
+    largest survivor count of a merge."""
+    stats = {"levels": set(), "survivors": 0} if stats is None else stats
+    per_thread, slices, rank = K.select_plan(scores.shape[1], k)
+    span = per_thread * K.THREADS
+    out = []
+    for row in _order_keys(scores):
+        if slices == 1:
+            cols = _collect(row, *_radix_select(row, k, levels=stats["levels"])[:3])
+        else:
+            cand_key, cand_col, kth, ranked = [], [], [], []
+            for s in range(slices):
+                part = row[s * span:(s + 1) * span]
+                take = min(len(part), k)
+                prefix, level, remaining, rank_bin = _radix_select(part, take, rank, stats["levels"])
+                chosen = _collect(part, prefix, level, remaining)
+                assert len(chosen) == take
+                cand_key += [part[chosen], np.full(k - take, _PAD)]
+                cand_col += [chosen + s * span, np.full(k - take, -1)]
+                kth.append(_bin_edges(prefix, level)[0] if take == k else _PAD)
+                ranked.append(_bin_edges(*rank_bin)[0] if len(part) == span else _INT_MAX)
+            cand_key, cand_col = np.concatenate(cand_key), np.concatenate(cand_col)
+            bound = max(max(kth), min(ranked))
+            survive = (cand_key >= bound) & (cand_key != _PAD)
+            surv_key, surv_col = cand_key[survive], cand_col[survive]
+            stats["survivors"] = max(stats["survivors"], len(surv_key))
+            cols = surv_col[_collect(surv_key, *_radix_select(surv_key, k, levels=stats["levels"])[:3])]
+        assert len(cols) == k
+        out.append(np.where(row[cols] > _KEY_NEG_INF, cols + offset, -1))
+    return torch.from_numpy(np.stack(out))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [1, 7, 600, 4096, 4097, 16385, 65537, 300001, 1 << 20], ids=lambda n: f"N{n}")
+def test_select_model_is_exact(n, kind):
+    """The model equals the tie rule exactly and selects the values torch.topk selects (as multisets), at k = 512
+    and 2048: one CTA, 3 slices with a 1-column last one (4097), slice counts that do not divide N, 2^20."""
+    t = 1 if n > 65537 else 2
+    g = torch.Generator().manual_seed(7 * n + KINDS.index(kind))
+    s = _score_rows(kind, t, n, g)
+    for k in sorted({min(TOPK, n), min(2048, n)}):
+        got = _model_select(s, k, OFFSET)
+        assert torch.equal(got, _tie_rule(s, k, OFFSET)), f"k={k}"
+        clean = s.masked_fill(s.isnan(), -math.inf)
+        taken = torch.where(got >= 0, clean.gather(-1, (got - OFFSET).clamp(min=0)), -math.inf)
+        assert torch.equal(taken.sort(-1).values, torch.topk(clean, k, dim=-1).values.sort(-1).values), f"k={k}"
+
+
+def test_select_model_paths():
+    """The adversarial rows reach every path: the early stop and all 4 rounds, a bound that drops most candidates
+    (random), and a constant row whose 128 x 2048 candidates all survive (no fixed merge capacity)."""
+    g = torch.Generator().manual_seed(0)
+    random_stats = {"levels": set(), "survivors": 0}
+    _model_select(torch.randn(1, 524288, generator=g), TOPK, 0, random_stats)
+    assert min(random_stats["levels"]) < 32 and random_stats["survivors"] < 128 * TOPK // 16
+    constant_stats = {"levels": set(), "survivors": 0}
+    got = _model_select(torch.full((1, 1 << 20), 0.25), 2048, 0, constant_stats)
+    assert constant_stats["levels"] == {32} and constant_stats["survivors"] == 128 * 2048
+    assert torch.equal(got[0], torch.arange(2048))
 
 
 @pytest.mark.parametrize("variant", SCORE_VARIANTS, ids=lambda c: "masked{}-blocks{}-pdl{}".format(*c))
@@ -141,7 +280,7 @@ def test_score_compiles_for_sm90a(variant, monkeypatch, tmp_path):
     K._compile_index_score.cache_clear()
 
 
-@pytest.mark.parametrize("variant", SELECT_VARIANTS, ids=lambda c: "k{}-per{}-gathered{}-final{}-pdl{}".format(*c))
+@pytest.mark.parametrize("variant", SELECT_VARIANTS, ids=lambda c: "k{}-per{}-final{}-pdl{}".format(*c))
 def test_select_compiles_for_sm90a(variant, monkeypatch, tmp_path):
     monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path))
     K._compile_topk_select.cache_clear()
@@ -150,13 +289,32 @@ def test_select_compiles_for_sm90a(variant, monkeypatch, tmp_path):
     K._compile_topk_select.cache_clear()
 
 
-def test_select_launches_cover_the_widths():
-    """One launch up to SLICE columns (its keys per thread the smallest power of two that holds the row), then
-    slices + merge. SELECT_VARIANTS compiles each kind (single, slice, merge) at both k and the smallest and largest
-    keys per thread; the other per-thread counts (2, 4, 8) only change an unrolled loop's length."""
-    assert [K._per_thread(n) for n in (1, 1024, 1025, 4096, 16384)] == [1, 1, 2, 4, 16]
-    assert K._slices(K.SLICE) == 1 and K._slices(K.SLICE + 1) == 2 and K._slices(1 << 20) == 64
-    assert K._per_thread(K._slices(1 << 20) * 512) == 32 and K._per_thread(K._slices(131072) * 2048) == 16
+@pytest.mark.parametrize("variant", MERGE_VARIANTS, ids=lambda c: "k{}-pdl{}".format(*c))
+def test_merge_compiles_for_sm90a(variant, monkeypatch, tmp_path):
+    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path))
+    K._compile_topk_merge.cache_clear()
+    assert callable(K._compile_topk_merge(*variant))
+    assert K._compile_topk_merge.object_path(*variant).exists()
+    K._compile_topk_merge.cache_clear()
+
+
+def test_select_plan_covers_the_widths():
+    """One CTA up to 4096 columns (keys per thread the smallest power of two that holds the row), then about 128
+    slices of a power of two times 1024 columns (at least 2048 and 2k, at most 16384), whose full slices times the
+    rank reach k. SELECT_VARIANTS compiles each kind (single, slice) at both k and the smallest and largest keys per
+    thread; the other counts only change an unrolled loop's length."""
+    assert [K.select_plan(n, 512)[:2] for n in (1, 1024, 1025, 4096)] == [(1, 1), (1, 1), (2, 1), (4, 1)]
+    assert K.select_plan(4097, 512) == (2, 3, 256)  # slices of 2048, 2048 and 1 columns
+    assert K.select_plan(65536, 512) == (2, 32, 16) and K.select_plan(524288, 512) == (4, 128, 4)
+    assert K.select_plan(1 << 20, 512) == (8, 128, 4) and K.select_plan(131072, 2048) == (4, 32, 64)
+    for k in (1, 5, 512, 2048):
+        for n in [k, 4096, 4097, 8191, 65537, 300001, (1 << 20) - 1, 1 << 20]:
+            if n < k or n <= K.SINGLE_COLUMNS:
+                continue
+            per_thread, slices, rank = K.select_plan(n, k)
+            span = per_thread * K.THREADS
+            assert (slices - 1) * span < n <= slices * span and 2 * k <= span <= K.MAX_SLICE_COLUMNS
+            assert (n // span) * rank >= k and rank <= span and slices <= 2 * K.TARGET_SLICES
 
 
 def test_supports_explains():
@@ -191,7 +349,7 @@ def test_select_reason_explains():
     assert "k must be in [1, min(N, 2048)] = [1, 100], got 101" in K.select_reason(s, 101)
     assert "k must be in [1, min(N, 2048)] = [1, 100], got 0" in K.select_reason(s, 0)
     assert "N must be in [1, 1048576], got 1048577" in K.select_reason(torch.zeros(1, (1 << 20) + 1), 5)
-    assert "64 slices x k = 1024 exceed the merge's 32768" in K.select_reason(torch.zeros(1, 1 << 20), 1024)
+    assert K.select_reason(torch.zeros(1, 1 << 20), 2048) == "scores is not a CUDA tensor"  # no candidate limit
     with pytest.raises(ValueError, match="topk_indices: k must be in"):
         K.topk_indices(s, 0)
 
@@ -201,11 +359,12 @@ def test_select_reason_explains():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n", _widths(600, 4096, 16384, 16385, 65536, 1 << 20), ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("n", _widths(1, 7, 600, 4096, 4097, 16385, 65536, 65537, 300001, (1 << 20) - 1, 1 << 20),
+                         ids=lambda n: f"N{n}")
 def test_select_matches_the_tie_rule(n, kind):
-    t = 2 if n > 65536 else 3
+    t = 2 if n > 65537 else 3
     g = torch.Generator().manual_seed(n + KINDS.index(kind))
-    for k in (TOPK, min(2048, n)) if K._slices(n) * 2048 <= K.MAX_CANDIDATES else (TOPK,):
+    for k in sorted({min(TOPK, n), min(2048, n)}):
         s = _score_rows(kind, t, n, g).cuda()
         got = _select(s, k)
         want = _tie_rule(s, k, OFFSET)
@@ -216,9 +375,10 @@ def test_select_matches_the_tie_rule(n, kind):
 @pytest.mark.parametrize("t", TOKENS, ids=lambda t: f"T{t}")
 def test_select_rows(t):
     g = torch.Generator().manual_seed(t)
-    for n in _widths(4096, 40000):
+    for n in _widths(4096, 40000, 524288):
         s = _score_rows("random", t, n, g).cuda()
         s[::3, 300:] = -math.inf  # every third row: fewer valid scores than k
+        s[1::3, : n // 2] = 0.5  # and every third from the second: half the row one value
         assert torch.equal(_select(s, TOPK, pdl=t % 2 == 0), _tie_rule(s, TOPK, OFFSET))
 
 
