@@ -88,6 +88,10 @@ class Pattern:
     variants: tuple = ()  # more example-input builders: shapes (e.g. a dim of 1) at which the ops decompose differently
     anchor: object = None
     guard: Callable | None = None  # bound graph inputs -> None, or why they are not this pattern's (not a decline)
+    # the last `optional_outputs` outputs of `search` are values inside the region that the op can also return:
+    # where the graph reads one outside the region it is an output of the match (`MatchResult.exposed`), else
+    # not, and any other interior value read outside is an extra user
+    optional_outputs: int = 0
 
     def trace(self, args: Sequence, free: dict | None = None) -> fx.GraphModule:
         kwargs = dict(self.free_defaults if free is None else free)
@@ -121,6 +125,8 @@ class MatchResult:
     # () -> further MatchResults of the same site, an island's unbound inputs bound to other graph values that fit
     # (nearest to the island first); the semantic check tries them in order when this binding disagrees
     alternatives: Callable | None = None
+    # per optional output of the pattern: whether the graph reads it outside the region (then it is in `outputs`)
+    exposed: tuple = ()
 
 
 @dataclass
@@ -176,8 +182,9 @@ def _is_input(n) -> bool:
 
 
 class _Matcher:
-    def __init__(self, pattern_gm: fx.GraphModule, exact: bool, islands: bool = True, traces=None):
+    def __init__(self, pattern_gm: fx.GraphModule, exact: bool, islands: bool = True, traces=None, optional: int = 0):
         self.pg = pattern_gm.graph
+        self.optional = optional  # the last outputs are interior values, matched where the rest binds them
         self.exact = exact
         self.traces = traces  # bound inputs -> whether the pattern traces at their shapes (None: not checked)
         self.placeholders = [n for n in self.pg.nodes if n.op == "placeholder"]
@@ -428,7 +435,7 @@ class _Matcher:
         if isinstance(found, _Fail):
             raise found
         st.assign(found)
-        for out in self.outputs:
+        for out in self.outputs[:len(self.outputs) - self.optional]:
             if out not in st.p2t:
                 self._match_downstream(out, st)
         self._close_islands(st)
@@ -769,7 +776,8 @@ class PatternSet:
         holds the anchor, or the deepest failure."""
         failure, best = None, None
         for gm in self._structural[pat.name]:
-            structural = _Matcher(gm, exact=False, islands=islands, traces=lambda bound: self._traces(pat, bound))
+            structural = _Matcher(gm, exact=False, islands=islands, traces=lambda bound: self._traces(pat, bound),
+                                  optional=pat.optional_outputs)
             total = len(structural.call_nodes)
             anchor_ps = [n for n in structural.call_nodes if n.target == anchor.target]
             if not anchor_ps:
@@ -853,7 +861,7 @@ class PatternSet:
         if isinstance(self._exact[key], Exception):
             return MatchFailure(pat.name, anchor.name, structural.progress(st), total, "inconsistent input",
                                 f"re-trace with the matched shapes failed: {self._exact[key]}")
-        exact = _Matcher(self._exact[key], exact=True, islands=islands)
+        exact = _Matcher(self._exact[key], exact=True, islands=islands, optional=pat.optional_outputs)
         st2 = _State()
         for p_struct, p_exact in zip(structural.placeholders, exact.placeholders):  # the same inputs as before
             if isinstance(st.p2t.get(p_struct), fx.Node):
@@ -864,7 +872,11 @@ class PatternSet:
             return MatchFailure(pat.name, anchor.name, exact.progress(st2), total, e.kind, e.reason, e.blocking and e.blocking.name)
         inputs_bound = {t for p, t in st2.p2t.items() if p.op == "placeholder"}  # never inside (`_input_in_layout`)
         inside = {t for p, t in st2.p2t.items() if p.op == "call_function" and t not in inputs_bound} | exact.island_nodes(st2)
-        outputs = [st2.p2t[o] for o in exact.outputs]
+        required = len(exact.outputs) - pat.optional_outputs
+        outputs = [st2.p2t[o] for o in exact.outputs[:required]]
+        optional = [st2.p2t.get(o) for o in exact.outputs[required:]]
+        exposed = tuple(isinstance(t, fx.Node) and t in inside and any(u not in inside for u in t.users) for t in optional)
+        outputs += [t for t, e in zip(optional, exposed) if e]
         for t in inside:
             if t in outputs:
                 continue
@@ -879,7 +891,7 @@ class PatternSet:
                                 f"input {_fmt(cyclic)} depends on the matched region", cyclic.name)
         nodes = [n for n in anchor.graph.nodes if n in inside]
         found_islands = [(_op_name(p.target), t, why) for p, t, why in st2.islands]
-        return MatchResult(pat, inputs, outputs, nodes, free, found_islands)
+        return MatchResult(pat, inputs, outputs, nodes, free, found_islands, exposed=exposed)
 
 
 def _same_but_units(p: fx.Node, t: fx.Node) -> bool:
