@@ -26,8 +26,13 @@ shape (`_layout_derived`), and a narrower float input that the pattern only prom
 cast to the declared dtype (`_promoted`, exact: the ops promote it so). A pattern output that the graph views with
 more size-1 dims is viewed back after the op.
 
-A match also fails when an interior node of the pattern has a user outside it ("extra user"), or when the
-fusion's own `check` rejects the bound inputs (dtype, shape, token limit).
+A match also fails when an interior node of the pattern has a user outside it ("extra user"; but for a value the
+pattern declares an optional output, which the op then also returns), or when the fusion's own `check` rejects
+the bound inputs (dtype, shape, token limit).
+
+Costs: an island's closure tests are shared by the patterns of a pass until a replacement changes the graph, the
+nearest bindings skip those already tried farthest first, and the shape trace of a binding creates its fake
+inputs inside the fake mode rather than converting meta tensors.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ _SEPARATE = 48       # candidates (nearest in graph order) for an output that sh
 _OUTPUTS = 12        # graph nodes (nearest downstream of the anchor) tried as the pattern's first output
 _NEAR_TRIES = 16     # bindings nearest to an island tried when none farthest from it fits
 _ALTERNATIVES = 12   # other bindings of an island's unbound inputs kept for the semantic check to choose among
+_TRIES = 64          # bindings (farthest from an island first) tried for its unbound inputs
 
 
 @dataclass
@@ -96,7 +102,7 @@ class Pattern:
     def trace(self, args: Sequence, free: dict | None = None) -> fx.GraphModule:
         kwargs = dict(self.free_defaults if free is None else free)
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            fake = [_to_fake(mode, a) for a in args]
             fn = torch.func.functionalize(lambda *a: self.search(*a, **kwargs), remove="mutations")
             gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="real")(*fake)
         normalize_graph(gm.graph)
@@ -182,8 +188,10 @@ def _is_input(n) -> bool:
 
 
 class _Matcher:
-    def __init__(self, pattern_gm: fx.GraphModule, exact: bool, islands: bool = True, traces=None, optional: int = 0):
+    def __init__(self, pattern_gm: fx.GraphModule, exact: bool, islands: bool = True, traces=None, optional: int = 0,
+                 closure_cache: dict | None = None):
         self.pg = pattern_gm.graph
+        self.closure_cache = closure_cache  # (island node, bound nodes) -> closes(combo); None: not kept
         self.optional = optional  # the last outputs are interior values, matched where the rest binds them
         self.exact = exact
         self.traces = traces  # bound inputs -> whether the pattern traces at their shapes (None: not checked)
@@ -503,8 +511,12 @@ class _Matcher:
                 kinds = [(n, kind_of(n)) for n in cone if n is not t and n not in bound]
                 near = [[n for n, kind in kinds if kind is not None and kind == want] for want in map(_kind, unbound)]
                 far = [c[::-1] for c in near]
-                chosen = next(itertools.chain(self.fitting(st, unbound, t, bound, far),
-                                              self.fitting(st, unbound, t, bound, near, tries=_NEAR_TRIES)), None)
+
+                def fits(far=far, near=near, unbound=unbound, t=t, bound=bound):
+                    yield from self.fitting(st, unbound, t, bound, far)
+                    tried = set(itertools.islice(itertools.product(*far), _TRIES))  # none of them fit
+                    yield from self.fitting(st, unbound, t, bound, near, tries=_NEAR_TRIES, skip=tried)
+                chosen = next(fits(), None)
                 if chosen is None:
                     raise _Fail(why.kind, f"{why.reason}; the graph's part there reaches inputs the pattern does not bind",
                                 why.blocking, self.progress(st))
@@ -516,13 +528,31 @@ class _Matcher:
                 raise _Fail(why.kind, f"{why.reason}; the graph's part there reaches values outside the pattern",
                             why.blocking, self.progress(st))
 
-    def fitting(self, st: _State, unbound: list, t: fx.Node, bound, choices, tries: int = 64):
+    def fitting(self, st: _State, unbound: list, t: fx.Node, bound, choices, tries: int = _TRIES, skip=frozenset()):
         """The bindings of `unbound` (one graph node each from `choices`, in product order, the first `tries`
-        tried) that close island `t` and at whose shapes the pattern runs."""
-        closes = _closure(t, bound)
+        tried, but for those in `skip`, known not to fit) that close island `t` and at whose shapes the pattern
+        runs."""
+        closes = self.closures(t, bound)
         for combo in itertools.islice(itertools.product(*choices), tries):
-            if len(set(combo)) == len(combo) and closes(combo) and self._traces_with(st, unbound, combo):
+            if combo not in skip and len(set(combo)) == len(combo) and closes(combo) and self._traces_with(st, unbound, combo):
                 yield combo
+
+    def closures(self, t: fx.Node, bound):
+        """`_closure(t, bound)`, shared by every pattern of the pass through `self.closure_cache` (graph node ids
+        are stable until a replacement, which empties it), each combo's answer kept."""
+        if self.closure_cache is None:
+            return _closure(t, bound)
+        key = (t, frozenset(bound))
+        if key not in self.closure_cache:
+            closes, answers = _closure(t, key[1]), {}  # a frozen copy: the caller's set grows later
+
+            def cached(combo):
+                k = frozenset(combo)
+                if k not in answers:
+                    answers[k] = closes(combo)
+                return answers[k]
+            self.closure_cache[key] = cached
+        return self.closure_cache[key]
 
     def rebindings(self, st: _State):
         """Other states of the match `st`: one island's unbound inputs bound to other values that fit (nearest to
@@ -703,6 +733,17 @@ def _fake_like(v):
     return val
 
 
+def _to_fake(mode: FakeTensorMode, a):
+    """a as a fake tensor of mode (a meta tensor, as `_fake_like` makes, is created anew inside the mode: an order of
+    magnitude cheaper than converting it); a non-tensor as is."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    if a.device.type != "meta":
+        return mode.from_tensor(a)
+    with mode:
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+
+
 def _meta_key(v):
     """What a trace at v's fake value depends on: shape, strides and dtype (v itself when not a tensor)."""
     val = v.meta.get("val") if isinstance(v, (fx.Node, Derived)) else v
@@ -732,6 +773,12 @@ class PatternSet:
         self._exact: dict[tuple, fx.GraphModule] = {}  # (pattern, input metadata, free scalars) -> exact trace
         self._shape_ok: dict[tuple, bool] = {}  # (pattern, input metadata) -> whether it traces at those shapes
         self._firsts: dict[tuple, int] = {}  # (structural trace id, anchor op) -> its first output on the anchor
+        # island closure tests of the graph being matched, shared by the patterns; `forget_graph` empties it (the
+        # fusion pass does so when it starts and after each replacement)
+        self.closure_cache: dict = {}
+
+    def forget_graph(self) -> None:
+        self.closure_cache = {}
 
     def anchor_ops(self, index: int) -> list:
         pat = self.patterns[index]
@@ -751,8 +798,7 @@ class PatternSet:
         if key not in self._shape_ok:
             try:
                 with quiet_fake_tensor(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                    pat.search(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
-                                 for a in (_fake_like(b) for b in bound)], **pat.free_defaults)
+                    pat.search(*[_to_fake(mode, _fake_like(b)) for b in bound], **pat.free_defaults)
                 self._shape_ok[key] = True
             except Exception:
                 self._shape_ok[key] = False
@@ -777,7 +823,7 @@ class PatternSet:
         failure, best = None, None
         for gm in self._structural[pat.name]:
             structural = _Matcher(gm, exact=False, islands=islands, traces=lambda bound: self._traces(pat, bound),
-                                  optional=pat.optional_outputs)
+                                  optional=pat.optional_outputs, closure_cache=self.closure_cache)
             total = len(structural.call_nodes)
             anchor_ps = [n for n in structural.call_nodes if n.target == anchor.target]
             if not anchor_ps:
