@@ -578,8 +578,11 @@ def config_reason(heads: int, head_dim: int, n_cap: int, topk: int, cand_block: 
 
 
 def supports(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_c: torch.Tensor, candidates: torch.Tensor | None,
-             *, topk: int, offset: int, cand_block: int, cand_topk_blocks: int, score_scale: float = 1.0) -> str | None:
+             *, topk: int, offset: int, cand_block: int, cand_topk_blocks: int, score_scale: float = 1.0,
+             return_scores: bool = False) -> str | None:
     """None when the kernels compute ``dsv41::indexer_topk`` (index form) of these arguments, else the reason."""
+    if return_scores:
+        return "return_scores: the kernel does not write the scores out"
     if score_scale != 1.0:
         return f"score_scale {score_scale!r}: the kernel sums w[t, h] * relu(q . k) with the scale folded into w"
     if q.dim() != 3 or keys.dim() != 3:

@@ -14,8 +14,9 @@ from dsv41.models.model import select_candidate_blocks
 NAME = "indexer_topk"
 
 
-def _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, impl, score_scale):
+def _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, impl, score_scale, return_scores=False):
     _checks.check_impl(NAME, impl)
+    _checks.check_scalar(NAME, "return_scores", return_scores, isinstance(return_scores, bool), "must be a bool")
     _checks.check_scalar(NAME, "score_scale", score_scale,
                          isinstance(score_scale, (int, float)) and math.isfinite(score_scale), "must be a finite number")
     device = _checks.check_devices(NAME, q=q, w=w, keys=keys, n_c=n_c, candidates=candidates)
@@ -31,20 +32,28 @@ def _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, i
     _checks.check_scalar(NAME, "cand_topk_blocks", cand_topk_blocks, cand_topk_blocks >= 0, "must be >= 0")
     if cand_topk_blocks > 0:
         _checks.check_scalar(NAME, "cand_block", cand_block, cand_block >= 1, "must be >= 1 when cand_topk_blocks > 0")
+    _checks.check_scalar(NAME, "return_scores", return_scores, not (return_scores and cand_topk_blocks > 0),
+                         "must be False when cand_topk_blocks > 0 (the second output holds the candidate blocks)")
     return device, dims
 
 
 SCORE_RTOL = 2**-15  # |s - s'| / (sum_h |w_h| |q_h| . |k_n|) allowed between two fp32 summation orders
 
 
-def scores(q, w, keys, n_c, score_scale=1.0):
-    """s [T, Ncap] fp32 as the op defines it (before the candidate mask): NaN and n >= n_c are -inf."""
+def visible_scores(q, w, keys, n_c, score_scale=1.0):
+    """s [T, Ncap] fp32 with n >= n_c at -inf and NaN kept: the scores a model computes (`return_scores`)."""
     relu = torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu()
     if score_scale != 1.0:
         relu = relu * score_scale
     s = (relu * w.unsqueeze(-1)).sum(dim=1)
     visible = torch.arange(keys.shape[1], device=s.device) < n_c.unsqueeze(-1)
-    return s.masked_fill(~visible | s.isnan(), -math.inf)
+    return s.masked_fill(~visible, -math.inf)
+
+
+def scores(q, w, keys, n_c, score_scale=1.0):
+    """s [T, Ncap] fp32 as the op selects by (before the candidate mask): NaN and n >= n_c are -inf."""
+    s = visible_scores(q, w, keys, n_c, score_scale)
+    return s.masked_fill(s.isnan(), -math.inf)
 
 
 def score_tolerance(q, w, keys, score_scale=1.0):
@@ -54,13 +63,17 @@ def score_tolerance(q, w, keys, score_scale=1.0):
     return SCORE_RTOL * abs(score_scale) * magnitude.sum(dim=1)
 
 
-def reference(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, mask=False, score_scale=1.0):
+def reference(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, mask=False, score_scale=1.0,
+              return_scores=False):
     """Plain torch, the tail of the model's Indexer.forward op for op (NaN scores as -inf); with `mask`, the
     selection scattered into an additive mask instead; with a `score_scale` other than 1, relu(q . k) scaled by it
-    before the head weights."""
+    before the head weights; with `return_scores`, the visible scores (NaN kept) as the second output."""
     t, n_cap = keys.shape[0], keys.shape[1]
-    s = scores(q, w, keys, n_c, score_scale)
-    if cand_topk_blocks > 0:
+    visible = visible_scores(q, w, keys, n_c, score_scale)
+    s = visible.masked_fill(visible.isnan(), -math.inf)  # scores(...)
+    if return_scores:
+        cand = visible
+    elif cand_topk_blocks > 0:
         cand = select_candidate_blocks(s, n_c, cand_block, cand_topk_blocks)
     else:
         cand = torch.empty((t, 0), dtype=torch.bool, device=s.device)
@@ -163,7 +176,7 @@ def _block_maxima(s, n_c, block):
 @torch.library.custom_op("dsv41::indexer_topk", mutates_args=())
 def indexer_topk(q: Tensor, w: Tensor, keys: Tensor, n_c: Tensor, candidates: Tensor | None, topk: int, offset: int,
                  cand_block: int, cand_topk_blocks: int, mask: bool = False, impl: str = "auto",
-                 score_scale: float = 1.0) -> tuple[Tensor, Tensor]:
+                 score_scale: float = 1.0, return_scores: bool = False) -> tuple[Tensor, Tensor]:
     """Top-k compressed-KV rows per token by index score (spec 2.4), as sorted indices offset past the window or,
     with `mask`, as an additive mask over the compressed rows (the form attention adds to its scores).
 
@@ -178,7 +191,9 @@ def indexer_topk(q: Tensor, w: Tensor, keys: Tensor, n_c: Tensor, candidates: Te
         sel      = the indices of the K largest s[t, n] (torch.topk(s, K)), sorted ascending                  [T, K]
         idx      = sel + offset where s[t, sel] > -inf, else -1                                         [T, K] int64
         mask     = 0 where n is in sel[t] and s[t, n] > -inf, else -inf  (offset unused)           [T, Ncap] fp32
-    -> (idx, cand), or (mask, cand) with `mask`.
+    -> (idx, cand), or (mask, cand) with `mask`; with `return_scores` (cand_topk_blocks = 0) the second output is
+    instead s [T, Ncap] fp32 before the candidate mask, -inf where n >= n_c and NaN kept (the value a model that
+    also reads its index scores elsewhere computes, e.g. its own candidate-block selection).
     NaN is never a valid score: it counts as -inf (so it is never selected ahead of a number, and is -1 if taken).
     Tie rule: scores equal to the K-th largest may be taken in any order; the kernel takes the lower indices first,
     the reference takes what torch.topk takes (its order among equal values is unspecified), so the two are
@@ -186,24 +201,29 @@ def indexer_topk(q: Tensor, w: Tensor, keys: Tensor, n_c: Tensor, candidates: Te
     holds for the candidate blocks at the cand_topk_blocks-th block maximum. The kernel sums s in another order
     than the reference (`SCORE_RTOL`), so near-ties within that tolerance count as ties there.
     impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`); with `mask` the kernel's indices are
-    scattered into the mask in torch. The kernel computes score_scale = 1 only (the reference runs otherwise).
+    scattered into the mask in torch. The kernel computes score_scale = 1 and no return_scores only (the reference
+    runs otherwise).
     """
-    device, _ = _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, impl, score_scale)
+    device, _ = _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, impl, score_scale, return_scores)
     args = (q, w, keys, n_c, candidates)
     kwargs = dict(topk=topk, offset=0 if mask else offset, cand_block=cand_block, cand_topk_blocks=cand_topk_blocks)
-    kernel = _kernels.select(NAME, NAME, impl, device, args, {**kwargs, "score_scale": score_scale})
+    kernel = _kernels.select(NAME, NAME, impl, device, args,
+                             {**kwargs, "score_scale": score_scale, "return_scores": return_scores})
     if kernel is None:
-        return reference(*args, **kwargs, mask=mask, score_scale=score_scale)
+        return reference(*args, **kwargs, mask=mask, score_scale=score_scale, return_scores=return_scores)
     idx, cand = kernel(*args, **kwargs)
     return (selection_mask(idx, keys.shape[1]), cand) if mask else (idx, cand)
 
 
 @indexer_topk.register_fake
-def _(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, mask=False, impl="auto", score_scale=1.0):
-    _, dims = _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, impl, score_scale)
+def _(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, mask=False, impl="auto", score_scale=1.0,
+      return_scores=False):
+    _, dims = _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, impl, score_scale, return_scores)
     t, n_cap = dims["T"], dims["Ncap"]
     if mask:
         selection = q.new_empty((t, n_cap), dtype=torch.float32)
     else:
         selection = q.new_empty((t, torch.sym_min(topk, n_cap)), dtype=torch.int64)
+    if return_scores:
+        return selection, q.new_empty((t, n_cap), dtype=torch.float32)
     return selection, q.new_empty((t, n_cap if cand_topk_blocks > 0 else 0), dtype=torch.bool)

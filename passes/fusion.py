@@ -178,6 +178,7 @@ class FusionPass(GraphPass):
                 _PATTERN_SETS[key] = PatternSet(self.patterns())
             self._patterns = _PATTERN_SETS[key]
         result = PassResult(self.name)
+        self._patterns.forget_graph()
         erased: set[fx.Node] = set()
         failures: dict[fx.Node, MatchFailure] = {}  # per anchor: the deepest op-for-op failure
         island_failures: dict[fx.Node, MatchFailure] = {}  # per anchor: a semantic disagreement or graph break
@@ -204,6 +205,7 @@ class FusionPass(GraphPass):
                         continue
                     m, rep, value, verified = m
                     result.replaced.append(self._replace(graph, m, rep, value))
+                    self._patterns.forget_graph()
                     result.replaced[-1]["verified"] = verified
                     erased.update(m.nodes)
                     result.matches += 1

@@ -13,7 +13,9 @@ k, offset, the candidate block size and count, and a score scale are read from t
 the three layer kinds, each with top-k unsorted (the model's) or sorted, the selection as ascending indices or as a
 mask (invalid picks masked after the scatter, or sent to a spare column that is sliced off, HF's), the softmax
 scale folded into w (the model's) or applied to relu(q . k) before the head weights (`score_scale`, HF's: not the
-same rounding, so the op computes it so).
+same rounding, so the op computes it so). The index-source and re-index forms also return the scores s (before
+the candidate mask) where the graph reads them outside the region, e.g. a model's own candidate-block selection
+that no pattern matches (`return_scores`; then only the selection is fused, and s comes from the op).
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ def make_patterns(sorted_topk: bool, mask_form: str | None, scaled: bool):
         return (select_mask_spare if mask_form == "_spare" else select_mask)(s, topk, sorted_topk)
 
     def plain(q, w, keys, n_c, **free):
-        return selection(scores(q, w, keys, n_c, free.get("score_scale")), **free)
+        s = scores(q, w, keys, n_c, free.get("score_scale"))
+        return selection(s, **free), s
 
     def candidates(q, w, keys, n_c, cand_block, cand_topk, **free):
         s = scores(q, w, keys, n_c, free.get("score_scale"))
@@ -98,15 +101,16 @@ def make_patterns(sorted_topk: bool, mask_form: str | None, scaled: bool):
         return selection(s, **free), cand
 
     def reindex(q, w, keys, n_c, cand, **free):
-        return selection(scores(q, w, keys, n_c, free.get("score_scale")).masked_fill(~cand, -math.inf), **free)
+        s = scores(q, w, keys, n_c, free.get("score_scale"))
+        return selection(s.masked_fill(~cand, -math.inf), **free), s
 
     anchor = aten.scatter.value if mask else (aten.sort.default, aten.sort.stable)
     return [
         Pattern("candidate_source" + tag, candidates, _inputs(False),
                 {**sel_free, "cand_topk": (aten.topk.default, 0, 1), "cand_block": (aten.view.default, 2, (1, 2))},
                 {**defaults, "cand_block": 4, "cand_topk": 2}, anchor=anchor),
-        Pattern("reindex" + tag, reindex, _inputs(True), sel_free, defaults, anchor=anchor),
-        Pattern("index_source" + tag, plain, _inputs(False), sel_free, defaults, anchor=anchor),
+        Pattern("reindex" + tag, reindex, _inputs(True), sel_free, defaults, anchor=anchor, optional_outputs=1),
+        Pattern("index_source" + tag, plain, _inputs(False), sel_free, defaults, anchor=anchor, optional_outputs=1),
     ]
 
 
@@ -123,8 +127,9 @@ class IndexerTopkPass(FusionPass):
         q, w, keys, n_c = m.inputs[:4]
         cand = m.inputs[4] if kind == "reindex" else None
         cand_block, cand_topk = m.free.get("cand_block", 0), m.free.get("cand_topk", 0)
-        outputs = (0, 1) if kind == "candidate_source" else (0,)
+        return_scores = any(m.exposed)  # the graph reads the scores elsewhere too (its own candidate selection)
+        outputs = (0, 1) if kind == "candidate_source" or return_scores else (0,)
         mask = "_mask" in m.pattern.name
         args = (q, w, keys, n_c, cand, m.free["topk"], m.free.get("offset", 0), cand_block, cand_topk, mask, self.config.kernel,
-                m.free.get("score_scale", 1.0))
+                m.free.get("score_scale", 1.0), *((True,) if return_scores else ()))
         return Replacement(torch.ops.dsv41.indexer_topk.default, args, outputs)

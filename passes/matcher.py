@@ -26,8 +26,13 @@ shape (`_layout_derived`), and a narrower float input that the pattern only prom
 cast to the declared dtype (`_promoted`, exact: the ops promote it so). A pattern output that the graph views with
 more size-1 dims is viewed back after the op.
 
-A match also fails when an interior node of the pattern has a user outside it ("extra user"), or when the
-fusion's own `check` rejects the bound inputs (dtype, shape, token limit).
+A match also fails when an interior node of the pattern has a user outside it ("extra user"; but for a value the
+pattern declares an optional output, which the op then also returns), or when the fusion's own `check` rejects
+the bound inputs (dtype, shape, token limit).
+
+Costs: an island's closure tests are shared by the patterns of a pass until a replacement changes the graph, the
+nearest bindings skip those already tried farthest first, and the shape trace of a binding creates its fake
+inputs inside the fake mode rather than converting meta tensors.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ _SEPARATE = 48       # candidates (nearest in graph order) for an output that sh
 _OUTPUTS = 12        # graph nodes (nearest downstream of the anchor) tried as the pattern's first output
 _NEAR_TRIES = 16     # bindings nearest to an island tried when none farthest from it fits
 _ALTERNATIVES = 12   # other bindings of an island's unbound inputs kept for the semantic check to choose among
+_TRIES = 64          # bindings (farthest from an island first) tried for its unbound inputs
 
 
 @dataclass
@@ -88,11 +94,15 @@ class Pattern:
     variants: tuple = ()  # more example-input builders: shapes (e.g. a dim of 1) at which the ops decompose differently
     anchor: object = None
     guard: Callable | None = None  # bound graph inputs -> None, or why they are not this pattern's (not a decline)
+    # the last `optional_outputs` outputs of `search` are values inside the region that the op can also return:
+    # where the graph reads one outside the region it is an output of the match (`MatchResult.exposed`), else
+    # not, and any other interior value read outside is an extra user
+    optional_outputs: int = 0
 
     def trace(self, args: Sequence, free: dict | None = None) -> fx.GraphModule:
         kwargs = dict(self.free_defaults if free is None else free)
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            fake = [_to_fake(mode, a) for a in args]
             fn = torch.func.functionalize(lambda *a: self.search(*a, **kwargs), remove="mutations")
             gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="real")(*fake)
         normalize_graph(gm.graph)
@@ -121,6 +131,8 @@ class MatchResult:
     # () -> further MatchResults of the same site, an island's unbound inputs bound to other graph values that fit
     # (nearest to the island first); the semantic check tries them in order when this binding disagrees
     alternatives: Callable | None = None
+    # per optional output of the pattern: whether the graph reads it outside the region (then it is in `outputs`)
+    exposed: tuple = ()
 
 
 @dataclass
@@ -176,8 +188,11 @@ def _is_input(n) -> bool:
 
 
 class _Matcher:
-    def __init__(self, pattern_gm: fx.GraphModule, exact: bool, islands: bool = True, traces=None):
+    def __init__(self, pattern_gm: fx.GraphModule, exact: bool, islands: bool = True, traces=None, optional: int = 0,
+                 closure_cache: dict | None = None):
         self.pg = pattern_gm.graph
+        self.closure_cache = closure_cache  # (island node, bound nodes) -> closes(combo); None: not kept
+        self.optional = optional  # the last outputs are interior values, matched where the rest binds them
         self.exact = exact
         self.traces = traces  # bound inputs -> whether the pattern traces at their shapes (None: not checked)
         self.placeholders = [n for n in self.pg.nodes if n.op == "placeholder"]
@@ -428,7 +443,7 @@ class _Matcher:
         if isinstance(found, _Fail):
             raise found
         st.assign(found)
-        for out in self.outputs:
+        for out in self.outputs[:len(self.outputs) - self.optional]:
             if out not in st.p2t:
                 self._match_downstream(out, st)
         self._close_islands(st)
@@ -496,8 +511,12 @@ class _Matcher:
                 kinds = [(n, kind_of(n)) for n in cone if n is not t and n not in bound]
                 near = [[n for n, kind in kinds if kind is not None and kind == want] for want in map(_kind, unbound)]
                 far = [c[::-1] for c in near]
-                chosen = next(itertools.chain(self.fitting(st, unbound, t, bound, far),
-                                              self.fitting(st, unbound, t, bound, near, tries=_NEAR_TRIES)), None)
+
+                def fits(far=far, near=near, unbound=unbound, t=t, bound=bound):
+                    yield from self.fitting(st, unbound, t, bound, far)
+                    tried = set(itertools.islice(itertools.product(*far), _TRIES))  # none of them fit
+                    yield from self.fitting(st, unbound, t, bound, near, tries=_NEAR_TRIES, skip=tried)
+                chosen = next(fits(), None)
                 if chosen is None:
                     raise _Fail(why.kind, f"{why.reason}; the graph's part there reaches inputs the pattern does not bind",
                                 why.blocking, self.progress(st))
@@ -509,13 +528,31 @@ class _Matcher:
                 raise _Fail(why.kind, f"{why.reason}; the graph's part there reaches values outside the pattern",
                             why.blocking, self.progress(st))
 
-    def fitting(self, st: _State, unbound: list, t: fx.Node, bound, choices, tries: int = 64):
+    def fitting(self, st: _State, unbound: list, t: fx.Node, bound, choices, tries: int = _TRIES, skip=frozenset()):
         """The bindings of `unbound` (one graph node each from `choices`, in product order, the first `tries`
-        tried) that close island `t` and at whose shapes the pattern runs."""
-        closes = _closure(t, bound)
+        tried, but for those in `skip`, known not to fit) that close island `t` and at whose shapes the pattern
+        runs."""
+        closes = self.closures(t, bound)
         for combo in itertools.islice(itertools.product(*choices), tries):
-            if len(set(combo)) == len(combo) and closes(combo) and self._traces_with(st, unbound, combo):
+            if combo not in skip and len(set(combo)) == len(combo) and closes(combo) and self._traces_with(st, unbound, combo):
                 yield combo
+
+    def closures(self, t: fx.Node, bound):
+        """`_closure(t, bound)`, shared by every pattern of the pass through `self.closure_cache` (graph node ids
+        are stable until a replacement, which empties it), each combo's answer kept."""
+        if self.closure_cache is None:
+            return _closure(t, bound)
+        key = (t, frozenset(bound))
+        if key not in self.closure_cache:
+            closes, answers = _closure(t, key[1]), {}  # a frozen copy: the caller's set grows later
+
+            def cached(combo):
+                k = frozenset(combo)
+                if k not in answers:
+                    answers[k] = closes(combo)
+                return answers[k]
+            self.closure_cache[key] = cached
+        return self.closure_cache[key]
 
     def rebindings(self, st: _State):
         """Other states of the match `st`: one island's unbound inputs bound to other values that fit (nearest to
@@ -696,6 +733,17 @@ def _fake_like(v):
     return val
 
 
+def _to_fake(mode: FakeTensorMode, a):
+    """a as a fake tensor of mode (a meta tensor, as `_fake_like` makes, is created anew inside the mode: an order of
+    magnitude cheaper than converting it); a non-tensor as is."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    if a.device.type != "meta":
+        return mode.from_tensor(a)
+    with mode:
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+
+
 def _meta_key(v):
     """What a trace at v's fake value depends on: shape, strides and dtype (v itself when not a tensor)."""
     val = v.meta.get("val") if isinstance(v, (fx.Node, Derived)) else v
@@ -725,6 +773,12 @@ class PatternSet:
         self._exact: dict[tuple, fx.GraphModule] = {}  # (pattern, input metadata, free scalars) -> exact trace
         self._shape_ok: dict[tuple, bool] = {}  # (pattern, input metadata) -> whether it traces at those shapes
         self._firsts: dict[tuple, int] = {}  # (structural trace id, anchor op) -> its first output on the anchor
+        # island closure tests of the graph being matched, shared by the patterns; `forget_graph` empties it (the
+        # fusion pass does so when it starts and after each replacement)
+        self.closure_cache: dict = {}
+
+    def forget_graph(self) -> None:
+        self.closure_cache = {}
 
     def anchor_ops(self, index: int) -> list:
         pat = self.patterns[index]
@@ -744,8 +798,7 @@ class PatternSet:
         if key not in self._shape_ok:
             try:
                 with quiet_fake_tensor(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                    pat.search(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
-                                 for a in (_fake_like(b) for b in bound)], **pat.free_defaults)
+                    pat.search(*[_to_fake(mode, _fake_like(b)) for b in bound], **pat.free_defaults)
                 self._shape_ok[key] = True
             except Exception:
                 self._shape_ok[key] = False
@@ -769,7 +822,8 @@ class PatternSet:
         holds the anchor, or the deepest failure."""
         failure, best = None, None
         for gm in self._structural[pat.name]:
-            structural = _Matcher(gm, exact=False, islands=islands, traces=lambda bound: self._traces(pat, bound))
+            structural = _Matcher(gm, exact=False, islands=islands, traces=lambda bound: self._traces(pat, bound),
+                                  optional=pat.optional_outputs, closure_cache=self.closure_cache)
             total = len(structural.call_nodes)
             anchor_ps = [n for n in structural.call_nodes if n.target == anchor.target]
             if not anchor_ps:
@@ -853,7 +907,7 @@ class PatternSet:
         if isinstance(self._exact[key], Exception):
             return MatchFailure(pat.name, anchor.name, structural.progress(st), total, "inconsistent input",
                                 f"re-trace with the matched shapes failed: {self._exact[key]}")
-        exact = _Matcher(self._exact[key], exact=True, islands=islands)
+        exact = _Matcher(self._exact[key], exact=True, islands=islands, optional=pat.optional_outputs)
         st2 = _State()
         for p_struct, p_exact in zip(structural.placeholders, exact.placeholders):  # the same inputs as before
             if isinstance(st.p2t.get(p_struct), fx.Node):
@@ -864,7 +918,11 @@ class PatternSet:
             return MatchFailure(pat.name, anchor.name, exact.progress(st2), total, e.kind, e.reason, e.blocking and e.blocking.name)
         inputs_bound = {t for p, t in st2.p2t.items() if p.op == "placeholder"}  # never inside (`_input_in_layout`)
         inside = {t for p, t in st2.p2t.items() if p.op == "call_function" and t not in inputs_bound} | exact.island_nodes(st2)
-        outputs = [st2.p2t[o] for o in exact.outputs]
+        required = len(exact.outputs) - pat.optional_outputs
+        outputs = [st2.p2t[o] for o in exact.outputs[:required]]
+        optional = [st2.p2t.get(o) for o in exact.outputs[required:]]
+        exposed = tuple(isinstance(t, fx.Node) and t in inside and any(u not in inside for u in t.users) for t in optional)
+        outputs += [t for t, e in zip(optional, exposed) if e]
         for t in inside:
             if t in outputs:
                 continue
@@ -879,7 +937,7 @@ class PatternSet:
                                 f"input {_fmt(cyclic)} depends on the matched region", cyclic.name)
         nodes = [n for n in anchor.graph.nodes if n in inside]
         found_islands = [(_op_name(p.target), t, why) for p, t, why in st2.islands]
-        return MatchResult(pat, inputs, outputs, nodes, free, found_islands)
+        return MatchResult(pat, inputs, outputs, nodes, free, found_islands, exposed=exposed)
 
 
 def _same_but_units(p: fx.Node, t: fx.Node) -> bool:

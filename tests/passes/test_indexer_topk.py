@@ -248,3 +248,15 @@ def test_decline_other_mask_value():
 
     reasons = run_declined(f, inputs(0), FUSION)
     assert "scalar" in reasons and "-inf" in reasons and "-1e+30" in reasons, reasons
+
+
+def test_decline_extra_user_of_unscored_interior():
+    """A value inside the region other than the scores s (which the op can return) read elsewhere, here the
+    unmasked head-weighted sums: an extra user, named."""
+    def f(q, w, keys, n_c):
+        raw = (torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu() * w.unsqueeze(-1)).sum(dim=1)
+        visible = torch.arange(keys.shape[1]) < n_c.unsqueeze(-1)
+        return topk_then_sort(raw.masked_fill(~visible, -math.inf)), raw.amax(-1)
+
+    reasons = run_declined(f, inputs(0), FUSION)
+    assert "extra user" in reasons and "inside the pattern is also used by" in reasons and "amax" in reasons, reasons

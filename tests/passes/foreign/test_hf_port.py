@@ -13,12 +13,13 @@ unit-dim sinking brings to the patterns' [T, ...]; its RMSNorm rounds to bf16 be
 norm_rounding="bf16_then_weight"; its comb logits are scaled before their [hc, hc] view, a view the normalisation
 moves below pointwise ops by scalars and like-viewed operands; its inverse RoPE takes the pairs by stride-2 slices
 cast after slicing, cos/sin as bf16 [B, 1, rd/2], and the wo_a result is [B, 1, G*R]); moe_route fuses once in the MoE graph (7 of 7 sites
-at run time), whose routing outputs leave it at the bincount break, which its note names. indexer_topk fuses at 2
-of the 3 index-source layers (the re-index layer and the last index source: visibility as iota >= n_c, the spare
-column's index as full_like, the softmax scale on relu(q.k) before the head weights, score_scale). Not fused yet:
-the candidate-source indexer (its scores also feed HF's block selection, F.pad + amax + a scatter of the valid
-picks + repeat_interleave, which no pattern matches: declined for an extra user), moe_finalize and the ffn-side mHC post (eager frames behind a bincount
-graph break and a data-dependent expert loop). Any change here is a change of what the backend finds in the port:
+at run time), whose routing outputs leave it at the bincount break, which its note names. indexer_topk fuses at
+all 3 index-source layers (visibility as iota >= n_c, the spare column's index as full_like, the softmax scale on
+relu(q.k) before the head weights, score_scale); at the candidate source its scores also feed HF's block selection
+(F.pad + amax + a scatter of the valid picks + repeat_interleave, which no pattern matches), so the op fuses the
+top-k and returns the scores to that selection (return_scores), which stays in the graph. Not fused yet:
+moe_finalize and the ffn-side mHC post (eager frames behind a bincount graph break and a data-dependent expert
+loop). Any change here is a change of what the backend finds in the port:
 update the counts with the reason."""
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def test_hf_port_decode_step_is_fused():
     assert all(r.fallback is None for r in backend.reports)
     fired = {name: sum(r.matches[name] for r in backend.reports) for name in FUSION_NAMES}
     assert fired == {**dict.fromkeys(FUSION_NAMES, 0), "qkv_norm": 7, "mhc_post_pre": 7, "mhc_coeffs": 7, "wo_a": 7,
-                     "indexer_topk": 2, "moe_route": 1}, [r.near_misses for r in backend.reports]
+                     "indexer_topk": 3, "moe_route": 1}, [r.near_misses for r in backend.reports]
     split = [(name, note) for r in backend.reports for name, note in r.notes.items() if "split by a graph break" in note]
     assert [name for name, _ in split] == ["moe_route"], split  # only the route, whose outputs leave at the break
     route_notes = [note for _, note in split]

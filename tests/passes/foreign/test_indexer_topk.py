@@ -126,7 +126,18 @@ def spare_column_full_like(q, w, keys, n_c):
     return torch.full((s.shape[0], n + 1), -math.inf).scatter(-1, sel, 0.0)[:, :n]
 
 
-CASES = {f.__name__: f for f in (spare_column_full_like, validity_by_index, weights_first, where_fill, take_along_dim, sorted_by_values,
+def scores_also_read(q, w, keys, n_c):
+    """op contract: the scores also feed the model's own selection of 2 of the 4-row blocks (by block maximum, no
+    newest-block pin, as unflatten + amax + topk + a bool scatter + repeat_interleave), which no pattern computes:
+    the op returns the scores for it (`return_scores`) and fuses the top-k."""
+    s = scores(q, w, keys, n_c)
+    blocks = s.unflatten(-1, (-1, 4)).amax(-1)
+    top = blocks.topk(2, dim=-1)
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter(-1, top.indices, top.values > -math.inf)
+    return select(s, gathered), keep.repeat_interleave(4, dim=-1)
+
+
+CASES = {f.__name__: f for f in (scores_also_read, spare_column_full_like, validity_by_index, weights_first, where_fill, take_along_dim, sorted_by_values,
                                  bmm_scores, mask_by_visibility, mask_in_place, mask_spare_column, hidden_by_ge,
                                  scale_before_head_weights)}
 
@@ -143,3 +154,20 @@ def test_found_op_for_op(name):
     report = assert_found_once(CASES[name], inputs, FUSION)
     replaced = next(p for p in report.passes if p.name == FUSION).replaced
     assert [r["verified"] for r in replaced] == [None]
+
+
+def test_scores_returned_to_their_other_reader():
+    """The scores' other reader (the block selection) takes the op's second output, s as the graph computes it
+    (NaN kept), and stays in the graph; the op is called with return_scores."""
+    from ..harness import run_passes
+
+    gm, report = run_passes(scores_also_read, inputs(0), FUSION)
+    fused = [n for n in gm.graph.nodes if n.op == "call_function" and "indexer_topk" in str(n.target)]
+    assert report.matches == {FUSION: 1} and len(fused) == 1 and fused[0].args[-1] is True
+    readers = {u.args[1] for u in fused[0].users}
+    assert readers == {0, 1}, readers
+    q, w, keys, n_c = inputs(2)
+    keys[1, 3] = float("nan")  # a visible NaN score (n_c[1] = 5): the block selection still sees it as eager does
+    got, want = gm(q, w, keys, n_c), scores_also_read(q, w, keys, n_c)
+    assert torch.equal(got[1], want[1])
+    assert torch.equal(got[0][[0, 3]], want[0][[0, 3]])  # rows without NaN (the op selects a NaN as -inf: its contract)
