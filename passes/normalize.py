@@ -25,8 +25,8 @@
 - implicit promotion: an fp32 add/sub/mul/div/maximum/minimum with a bf16/fp16 tensor operand takes it cast to fp32
   (`xf * w` for a bf16 RMSNorm weight is `xf * w.float()`);
 - block rows: pointwise ops and keepdim last-dim reductions on `x.reshape(-1, k)` rows of blocks of x's last dim
-  run at `x.unflatten(-1, (-1, k))` (`_split_rows`), and a cast moves below a view merging the last two dims, so
-  the reference's `view(-1, block)` quantisation and the model's unflatten form are one form;
+  run at `x.unflatten(-1, (-1, k))` (`_split_rows`), and the cast where they end moves below the view merging the
+  blocks back, so the reference's `view(-1, block)` quantisation and the model's unflatten form are one form;
 - unit dims: a non-leading size-1 dim that a graph input or a view of a GEMM output adds (HF's `[B, S=1, ...]`
   decode layout) sinks below the ops that do not touch it (`_sink_units`), so they run at `[B, ...]`.
 
@@ -269,7 +269,9 @@ def _implicit_promotion(graph: fx.Graph, node: fx.Node) -> bool:
     for i, a in enumerate(args[:2]):
         v = _val(a)
         if isinstance(v, torch.Tensor) and v.dtype in _NARROW_FLOATS:
-            args[i] = _insert(graph, node, prims.convert_element_type.default, (a, torch.float32), source=node)
+            cast = next((u for u in a.users if u.target is prims.convert_element_type.default and u.args[1:] == (torch.float32,)
+                         and not u.kwargs and position(u) < position(node)), None)  # one cast of a value for all its uses
+            args[i] = cast or _insert(graph, node, prims.convert_element_type.default, (a, torch.float32), source=node)
             changed = True
     node.args = tuple(args)
     return changed
@@ -625,16 +627,20 @@ def _without(shape, drop) -> list[int]:
     return [d for i, d in enumerate(shape) if i not in drop]
 
 
+def _view_once(graph: fx.Graph, before: fx.Node, a: fx.Node, shape: list[int]) -> fx.Node:
+    """a viewed to shape: a view of a to it that comes before `before`, or a new one."""
+    same = next((u for u in a.users if u.target is aten.view.default and list(_val(u).shape) == shape
+                 and position(u) < position(before)), None)
+    return same if same is not None else _insert(graph, before, aten.view.default, (a, shape))
+
+
 def _squeezed(graph: fx.Graph, before: fx.Node, a: fx.Node, drop: set) -> fx.Node:
     """a without its size-1 dims `drop`: a view's input viewed once (the chain collapses), or a new view of a."""
     shape = _without(_val(a).shape, drop)
     src = a.args[0] if a.op == "call_function" and a.target is aten.view.default else a
     if list(_val(src).shape) == shape:
         return src
-    same = next((u for u in src.users if u.target is aten.view.default and list(_val(u).shape) == shape), None)
-    if same is not None and position(same) < position(before):
-        return same
-    return _insert(graph, before, aten.view.default, (src, shape))
+    return _view_once(graph, before, src, shape)
 
 
 def _shift(dim: int, drop: set) -> int:
@@ -867,9 +873,9 @@ def _split_rows(graph: fx.Graph, node: fx.Node) -> bool:
             return False
         if splits[i] is not None:
             src, shape = splits[i]
-            args[i] = src if list(_val(src).shape) == shape else _insert(graph, node, aten.view.default, (src, shape), source=node)
+            args[i] = src if list(_val(src).shape) == shape else _view_once(graph, node, src, shape)
         elif v.dim() == 2 and v.shape[0] == out.shape[0]:
-            args[i] = _insert(graph, node, aten.view.default, (args[i], lead + [v.shape[1]]), source=node)
+            args[i] = _view_once(graph, node, args[i], lead + [v.shape[1]])
         elif not (v.dim() == 0 or v.dim() == 1 or (v.dim() == 2 and v.shape[0] == 1)):
             return False
     if reduction:
@@ -881,14 +887,16 @@ def _split_rows(graph: fx.Graph, node: fx.Node) -> bool:
 
 
 def _cast_below_merge(graph: fx.Graph, node: fx.Node) -> bool:
-    """convert(x).flatten(-2) = convert(x.flatten(-2)): a cast moves below a view that merges the last two dims
-    (`(q * s).to(bf16).reshape(shape)` and `(q * s).flatten(-2).to(bf16)` of a blocked quantisation are one form,
-    and a view of an input stays where the input enters); exact."""
+    """convert(x).flatten(-2) = convert(x.flatten(-2)) for an x that `_split_rows` computed: where blocked rows end,
+    a cast moves below the view that merges the blocks back (`(q * s).to(bf16).reshape(shape)` of rows and
+    `(q * s).flatten(-2).to(bf16)` are one form); exact. Other casts stay: a cast's output may be a pattern's
+    input, which the pattern then views."""
     src = node.args[0]
     if not (node.target is aten.view.default and isinstance(src, fx.Node) and src.op == "call_function"
             and src.target is prims.convert_element_type.default and len(src.users) == 1 and not src.kwargs
-            and _static(_val(node)) and _static(_val(src))):
-        return False
+            and isinstance(src.args[0], fx.Node) and src.args[0].meta.get(_ROWS)
+            and _static(_val(node)) and _static(_val(src)) and not any(u.target in _LAYOUT_OPS for u in node.users)):
+        return False  # (a view that a layout chain continues: the chain is one view first)
     x, v = list(_val(src).shape), list(_val(node).shape)
     if not (len(x) >= 2 and v == x[:-2] + [x[-2] * x[-1]]):
         return False
