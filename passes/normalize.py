@@ -20,6 +20,13 @@
   `where(a < b, y, x)` (`>` as `<=`, `!=` as `==`); a negation of a view is the view of the negation;
 - arithmetic spellings: `a + (-b)` is `a - b`, `x * x` is `x ** 2`, `x * -1` is `-x`, `max(x, d).values` is
   `amax(x, [d])`, and a reduction over one dim followed by an unsqueeze of that dim is the reduction with keepdim;
+- pieces: `split(x, s, d)[i]` / `split_with_sizes` (`torch.split`, `chunk`) are the slices of x they cover, and
+  `unbind(x, d)[i]` is `select(x, d, i)`;
+- implicit promotion: an fp32 add/sub/mul/div/maximum/minimum with a bf16/fp16 tensor operand takes it cast to fp32
+  (`xf * w` for a bf16 RMSNorm weight is `xf * w.float()`);
+- block rows: pointwise ops and keepdim last-dim reductions on `x.reshape(-1, k)` rows of blocks of x's last dim
+  run at `x.unflatten(-1, (-1, k))` (`_split_rows`), and the cast where they end moves below the view merging the
+  blocks back, so the reference's `view(-1, block)` quantisation and the model's unflatten form are one form;
 - unit dims: a non-leading size-1 dim that a graph input or a view of a GEMM output adds (HF's `[B, S=1, ...]`
   decode layout) sinks below the ops that do not touch it (`_sink_units`), so they run at `[B, ...]`.
 
@@ -29,6 +36,7 @@ Shapes come from `meta["val"]`; a node without it is left alone.
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 
 import torch
@@ -216,11 +224,65 @@ def _keepdim(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+
+
+def _piece_of_split(graph: fx.Graph, node: fx.Node) -> bool:
+    """split(x, size, d)[i], split_with_sizes(x, sizes, d)[i] (`torch.split`, `chunk`) are the slice of x along d
+    that the piece covers, and unbind(x, d)[i] is select(x, d, i): the same values (exact)."""
+    src = node.args[0] if node.target is operator.getitem else None
+    if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target in _SPLITS and not src.kwargs
+            and isinstance(node.args[1], int) and _static(_val(src.args[0]))):
+        return False
+    x, i = src.args[0], node.args[1]
+    if src.target is aten.unbind.int:
+        dim = src.args[1] if len(src.args) > 1 else 0
+        node.target, node.args = aten.select.int, (x, dim, i)
+    else:
+        dim = src.args[2] if len(src.args) > 2 else 0
+        size = _val(x).shape[dim]
+        if src.target is aten.split.Tensor:
+            start = i * src.args[1]
+            end = min(start + src.args[1], size)
+        else:
+            start = sum(src.args[1][:i])
+            end = start + src.args[1][i]
+        node.target, node.args = aten.slice.Tensor, (x, dim, start, end)
+    if not src.users:
+        graph.erase_node(src)
+    return True
+
+
+_PROMOTING = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.maximum.default,
+              aten.minimum.default)
+_NARROW_FLOATS = (torch.bfloat16, torch.float16)
+
+
+def _implicit_promotion(graph: fx.Graph, node: fx.Node) -> bool:
+    """An fp32 pointwise op with a bf16/fp16 tensor operand (`xf * w` for a bf16 w) is the op of that operand cast
+    to fp32 (`xf * w.float()`): type promotion casts it so, and the cast is exact."""
+    out = _val(node)
+    if node.target not in _PROMOTING or not isinstance(out, torch.Tensor) or out.dtype is not torch.float32:
+        return False
+    changed = False
+    args = list(node.args)
+    for i, a in enumerate(args[:2]):
+        v = _val(a)
+        if isinstance(v, torch.Tensor) and v.dtype in _NARROW_FLOATS:
+            cast = next((u for u in a.users if u.target is prims.convert_element_type.default and u.args[1:] == (torch.float32,)
+                         and not u.kwargs and position(u) < position(node)), None)  # one cast of a value for all its uses
+            args[i] = cast or _insert(graph, node, prims.convert_element_type.default, (a, torch.float32), source=node)
+            changed = True
+    node.args = tuple(args)
+    return changed
+
+
 def _local_forms(graph: fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
+        changed += _piece_of_split(graph, node) + _implicit_promotion(graph, node)
         changed += _fill_defaults(node)
         if node.target is aten._unsafe_view.default:
             node.target = aten.view.default
@@ -565,16 +627,20 @@ def _without(shape, drop) -> list[int]:
     return [d for i, d in enumerate(shape) if i not in drop]
 
 
+def _view_once(graph: fx.Graph, before: fx.Node, a: fx.Node, shape: list[int]) -> fx.Node:
+    """a viewed to shape: a view of a to it that comes before `before`, or a new one."""
+    same = next((u for u in a.users if u.target is aten.view.default and list(_val(u).shape) == shape
+                 and position(u) < position(before)), None)
+    return same if same is not None else _insert(graph, before, aten.view.default, (a, shape))
+
+
 def _squeezed(graph: fx.Graph, before: fx.Node, a: fx.Node, drop: set) -> fx.Node:
     """a without its size-1 dims `drop`: a view's input viewed once (the chain collapses), or a new view of a."""
     shape = _without(_val(a).shape, drop)
     src = a.args[0] if a.op == "call_function" and a.target is aten.view.default else a
     if list(_val(src).shape) == shape:
         return src
-    same = next((u for u in src.users if u.target is aten.view.default and list(_val(u).shape) == shape), None)
-    if same is not None and position(same) < position(before):
-        return same
-    return _insert(graph, before, aten.view.default, (src, shape))
+    return _view_once(graph, before, src, shape)
 
 
 def _shift(dim: int, drop: set) -> int:
@@ -758,17 +824,105 @@ def _view_below_pointwise(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+# ---- block rows: a blocked computation over the last dim is one form however its rows are grouped ---------------
+_ROWS = "dsv41_block_rows"  # meta key of a value `_split_rows` computes at [*A, n, k] instead of [prod(A) n, k]
+
+
+def _row_split(a) -> tuple[fx.Node, list[int]] | None:
+    """(source, its [*A, n, k] shape) when `a` is [M, k] rows of blocks of the last dim of a value: a view of a
+    computed (not a graph input's or GEMM output's, `_boundary_view`) value [*A, n k] with n, k > 1 to
+    [prod(A) n, k] (`x.reshape(-1, k)`), or a view of a value `_split_rows` computed at [*A, n, k]; else None."""
+    v = _val(a)
+    if not (isinstance(a, fx.Node) and a.op == "call_function" and a.target is aten.view.default and _static(v)
+            and v.dim() == 2 and isinstance(a.args[0], fx.Node) and _static(_val(a.args[0]))):
+        return None
+    src, shape = a.args[0], list(_val(a.args[0]).shape)
+    if src.meta.get(_ROWS):
+        return (src, shape) if shape[-1] == v.shape[1] and math.prod(shape[:-1]) == v.shape[0] else None
+    k = v.shape[1]
+    if _boundary_view(a) or len(shape) < 2 or k < 2 or shape[-1] % k or shape[-1] // k < 2 \
+            or math.prod(shape[:-1]) * (shape[-1] // k) != v.shape[0]:
+        return None
+    return src, shape[:-1] + [shape[-1] // k, k]
+
+
+def _split_rows(graph: fx.Graph, node: fx.Node) -> bool:
+    """op(x.reshape(-1, k), ...) = op(x.unflatten(-1, (-1, k)), ...).reshape(-1, ...) for a pointwise op, or a
+    reduction over the last dim with keepdim, on [M, k] rows that are blocks of the last dim of x [*A, n k]: the op
+    runs at [*A, n, k] (its [M, j] operands viewed so, its [j] and [1, j] ones broadcast as they were) and one view
+    gives the users its [M, j] value: an exact identity, so the reference's `x.view(-1, block)` and
+    `x.unflatten(-1, (-1, block))` quantisations are one form."""
+    t, out = node.target, _val(node)
+    if not (isinstance(t, torch._ops.OpOverload) and _static(out) and out.dim() == 2) or node.kwargs:
+        return False
+    reduction = t in _REDUCTIONS
+    if reduction and not (len(node.args) == 3 and list(node.args[1]) == [1] and node.args[2] is True):
+        return False
+    if not reduction and torch.Tag.pointwise not in t.tags:
+        return False
+    tensors = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node)]
+    splits = {i: _row_split(node.args[i]) for i in tensors}
+    lead = {tuple(sp[1][:-1]) for sp in splits.values() if sp is not None}
+    if len(lead) != 1:
+        return False
+    lead = list(lead.pop())
+    args = list(node.args)
+    for i in tensors:
+        v = _val(args[i])
+        if not _static(v):
+            return False
+        if splits[i] is not None:
+            src, shape = splits[i]
+            args[i] = src if list(_val(src).shape) == shape else _view_once(graph, node, src, shape)
+        elif v.dim() == 2 and v.shape[0] == out.shape[0]:
+            args[i] = _view_once(graph, node, args[i], lead + [v.shape[1]])
+        elif not (v.dim() == 0 or v.dim() == 1 or (v.dim() == 2 and v.shape[0] == 1)):
+            return False
+    if reduction:
+        args[1] = [len(lead)]
+    low = _insert(graph, node, t, args, source=node)
+    low.meta[_ROWS] = True
+    _replace_lifted(graph, node, low)
+    return True
+
+
+def _cast_below_merge(graph: fx.Graph, node: fx.Node) -> bool:
+    """convert(x).flatten(-2) = convert(x.flatten(-2)) for an x that `_split_rows` computed: where blocked rows end,
+    a cast moves below the view that merges the blocks back (`(q * s).to(bf16).reshape(shape)` of rows and
+    `(q * s).flatten(-2).to(bf16)` are one form); exact. Other casts stay: a cast's output may be a pattern's
+    input, which the pattern then views."""
+    src = node.args[0]
+    if not (node.target is aten.view.default and isinstance(src, fx.Node) and src.op == "call_function"
+            and src.target is prims.convert_element_type.default and len(src.users) == 1 and not src.kwargs
+            and isinstance(src.args[0], fx.Node) and src.args[0].meta.get(_ROWS)
+            and _static(_val(node)) and _static(_val(src)) and not any(u.target in _LAYOUT_OPS for u in node.users)):
+        return False  # (a view that a layout chain continues: the chain is one view first)
+    x, v = list(_val(src).shape), list(_val(node).shape)
+    if not (len(x) >= 2 and v == x[:-2] + [x[-2] * x[-1]]):
+        return False
+    view = _insert(graph, node, aten.view.default, (src.args[0], v), source=node)
+    cast = _insert(graph, node, src.target, (view, *src.args[1:]), source=src)
+    node.replace_all_uses_with(cast)
+    graph.erase_node(node)
+    graph.erase_node(src)
+    return True
+
 def _canonical_forms(graph: fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.graph is not graph or not node.users and node.target in _LAYOUT_OPS:
             continue
         if node.target in _LAYOUT_OPS:
-            changed += _canonicalise_layout(graph, node)
+            if _canonicalise_layout(graph, node) or _cast_below_merge(graph, node):
+                changed += 1
+                continue
         elif node.target is aten.neg.default and _neg_before_view(graph, node):
             changed += 1
         elif _view_below_pointwise(graph, node):
             changed += 1
+        elif _split_rows(graph, node):
+            changed += 1
+            continue
         elif node.target is aten.select.int and _select_as_strided_slice(graph, node):
             changed += 1
             continue

@@ -108,3 +108,68 @@ def test_full_operand_of_a_where_becomes_a_scalar():
     assert [[n.target for n in gm.graph.nodes] for gm in forms][0] == [[n.target for n in gm.graph.nodes] for gm in forms][1]
     assert op_counts(forms[0])["aten.full"] == 0
     assert torch.equal(forms[0](*x), filled(*x))
+
+
+def _ops(gm):
+    return [(n.target, tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_split_chunk_and_unbind_pieces_are_slices_and_selects():
+    """torch.split / chunk pieces are the slices they cover, unbind items are selects: one form with indexing."""
+    def pieces(x, t):
+        a, b = torch.split(x, [24, 40], dim=-1)
+        c, d = x.chunk(2, dim=1)
+        c0, s0 = t.unbind(-1)
+        return a * 2.0, b + 1.0, c - d, c0 * s0
+
+    def indexing(x, t):
+        return x[:, :24] * 2.0, x[:, 24:] + 1.0, x[:, :32] - x[:, 32:], t[..., 0] * t[..., 1]
+
+    g = gen(3)
+    x = (torch.randn(3, 64, generator=g), torch.randn(3, 8, 2, generator=g))
+    forms = [normalized(f, *x) for f in (pieces, indexing)]
+    assert sorted(map(str, _ops(forms[0]))) == sorted(map(str, _ops(forms[1])))
+    split_ops = {"aten.split_with_sizes", "aten.split.Tensor", "aten.unbind.int"}
+    assert split_ops <= set(op_counts(aten_graph(pieces, *x))) and not split_ops & set(op_counts(forms[0]))
+    for got, want in zip(forms[0](*x), pieces(*x)):
+        assert torch.equal(got, want)
+
+
+def test_implicit_promotion_is_an_explicit_cast_made_once():
+    """xf * w for a bf16 w is xf * w.float(): the cast type promotion makes, one cast node for every use of w."""
+    def implicit(x, w):
+        xf = x.float()
+        return xf * w, xf + w
+
+    def explicit(x, w):
+        xf, wf = x.float(), w.float()
+        return xf * wf, xf + wf
+
+    g = gen(4)
+    x = (torch.randn(3, 32, generator=g).bfloat16(), torch.randn(32, generator=g).bfloat16())
+    forms = [normalized(f, *x) for f in (implicit, explicit)]
+    assert _ops(forms[0]) == _ops(forms[1])
+    assert op_counts(forms[0])["prims.convert_element_type"] == 2  # x's and w's
+    for got, want in zip(forms[0](*x), implicit(*x)):
+        assert torch.equal(got, want)
+
+
+def test_blocked_rows_run_at_the_unflatten_layout():
+    """The reference's x.reshape(-1, k) blocks and the model's x.unflatten(-1, (-1, k)) are one form: the rows' ops
+    run at [T, n, k], and the cast after them moves below the merge view (`(q * s).flatten(-2).to(bf16)`)."""
+    def rows(x):
+        xf = x.float().reshape(-1, 32)
+        s = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-4) / 448.0
+        return ((xf / s).round() * s).to(torch.bfloat16).reshape(x.shape)
+
+    def unflattened(x):
+        xf = x.float().unflatten(-1, (-1, 32))
+        s = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4) / 448.0
+        return ((xf / s).round() * s).flatten(-2).to(torch.bfloat16)
+
+    x = (torch.randn(3, 96, generator=gen(5)).bfloat16(),)
+    forms = [normalized(f, *x) for f in (rows, unflattened)]
+    assert _ops(forms[0]) == _ops(forms[1])
+    amax = next(n for n in forms[0].graph.nodes if n.target is aten.amax.default)
+    assert tuple(amax.meta["val"].shape) == (3, 3, 1)
+    assert torch.equal(forms[0](*x), rows(*x)) and torch.equal(forms[1](*x), unflattened(*x))

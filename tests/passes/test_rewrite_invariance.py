@@ -11,6 +11,8 @@ rewritten by a random mix of exact identities, the spellings another author coul
 - `where(c, a, b)` as `where(~c, b, a)`;
 - `x ** 2` as `x * x`, `-x` as `x * -1`, `clamp_min(x, a)` as `clamp(x, a)`, `amax` as `max(...).values`, a
   keepdim sum as a sum and an unsqueeze;
+- a slice as a piece of `torch.split`, a select as an `unbind` item, `x.float() * y` as `x * y` for an fp32 y of
+  rank >= 1 (implicit promotion);
 - a value reshaped in two steps (through its flat shape), or given a leading unit dim that is squeezed away again.
 
 Each rewritten graph must still fuse exactly once. The rewrites are checked to be exact: on graphs without integer
@@ -54,7 +56,43 @@ def _is_tensor_node(arg) -> bool:
 
 
 KINDS = ("commute", "sub as add of neg", "flip", "where swapped", "square as product", "neg as product",
-         "clamp_min as clamp", "amax as max", "keepdim as unsqueeze", "two-step view", "unit dim round trip")
+         "clamp_min as clamp", "amax as max", "keepdim as unsqueeze", "slice as split piece", "select as unbind",
+         "implicit promotion", "two-step view", "unit dim round trip")
+_PROMOTING = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor)
+
+
+def _slice_as_piece(graph: fx.Graph, node: fx.Node) -> bool:
+    """x[start:end] along d (step 1) as torch.split(x, [start, end - start, rest], d)[i]."""
+    a = node.args
+    x = _val(a[0])
+    if len(a) < 4 or (len(a) > 4 and a[4] != 1) or not all(isinstance(b, int) for b in a[1:4]) or x is None:
+        return False
+    size = x.shape[a[1]]
+    start, end = min(a[2], size), min(a[3], size)
+    sizes = [n for n in (start, end - start, size - end) if n > 0]
+    if end <= start or len(sizes) < 2:
+        return False
+    with graph.inserting_before(node):
+        pieces = graph.call_function(aten.split_with_sizes.default, (a[0], sizes, a[1]))
+    node.target, node.args = operator.getitem, (pieces, 1 if start else 0)
+    return True
+
+
+def _implicit_promotion(node: fx.Node) -> bool:
+    """An fp32 add/sub/mul/div of x.float() (x bf16) and an fp32 tensor of rank >= 1 reads x itself: type
+    promotion casts it so."""
+    if node.target not in _PROMOTING or len(node.args) != 2 or node.kwargs:
+        return False
+    for i, arg in enumerate(node.args):
+        other = _val(node.args[1 - i])
+        if isinstance(arg, fx.Node) and arg.target is torch.ops.prims.convert_element_type.default \
+                and arg.args[1] is torch.float32 and _val(arg.args[0]) is not None \
+                and _val(arg.args[0]).dtype is torch.bfloat16 and isinstance(other, torch.Tensor) \
+                and other.dtype is torch.float32 and other.dim() >= 1:
+            node.args = tuple(arg.args[0] if j == i else b for j, b in enumerate(node.args))
+            return True
+    return False
+
 
 
 def rewrite(graph: fx.Graph, rng: random.Random, p: float = 0.5, kinds=KINDS) -> list[str]:
@@ -102,6 +140,15 @@ def rewrite(graph: fx.Graph, rng: random.Random, p: float = 0.5, kinds=KINDS) ->
                 reduced = graph.call_function(aten.sum.dim_IntList, (a[0], a[1], False))
             node.target, node.args = aten.unsqueeze.default, (reduced, a[1][0])
             made.append(f"keepdim as unsqueeze {node.name}")
+        elif "slice as split piece" in kinds and node.target is aten.slice.Tensor and _slice_as_piece(graph, node):
+            made.append(f"slice as split piece {node.name}")
+        elif "select as unbind" in kinds and node.target is aten.select.int and len(a) == 3:
+            with graph.inserting_before(node):
+                pieces = graph.call_function(aten.unbind.int, (a[0], a[1]))
+            node.target, node.args = operator.getitem, (pieces, a[2])
+            made.append(f"select as unbind {node.name}")
+        elif "implicit promotion" in kinds and _implicit_promotion(node):
+            made.append(f"implicit promotion {node.name}")
         elif {"two-step view", "unit dim round trip"} & set(kinds) and _is_tensor_node(node) and _val(node).dim() >= 1 and _val(node).is_contiguous() \
                 and all(isinstance(d, int) for d in _val(node).shape) and node.users:
             shape = list(_val(node).shape)
