@@ -19,7 +19,8 @@
 - `where(~m, a, b)` (or `logical_not`) is `where(m, b, a)`, and on integers `where(a >= b, x, y)` is
   `where(a < b, y, x)` (`>` as `<=`, `!=` as `==`); a negation of a view is the view of the negation;
 - arithmetic spellings: `a + (-b)` is `a - b`, `x * x` is `x ** 2`, `x * -1` is `-x`, `max(x, d).values` is
-  `amax(x, [d])`, and a reduction over one dim followed by an unsqueeze of that dim is the reduction with keepdim;
+  `amax(x, [d])`, and a reduction over one dim followed by an unsqueeze of that dim is the reduction with keepdim
+  (and a keepdim reduction viewed without that dim is the reduction without keepdim);
 - unit dims: a non-leading size-1 dim that a graph input or a view of a GEMM output adds (HF's `[B, S=1, ...]`
   decode layout) sinks below the ops that do not touch it (`_sink_units`), so they run at `[B, ...]`.
 
@@ -216,6 +217,22 @@ def _keepdim(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+def _keepdim_dropped(graph: fx.Graph, node: fx.Node) -> bool:
+    """view(r(x, [d], keepdim=True), s), s the reduction's shape without its kept dim d, is r(x, [d])."""
+    src = node.args[0] if node.target is aten.view.default else None
+    if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target in _REDUCTIONS and not src.kwargs
+            and len(src.args) == 3 and len(src.args[1]) == 1 and src.args[2] is True
+            and isinstance(_val(src), torch.Tensor)):
+        return False
+    shape, d = list(_val(src).shape), src.args[1][0] % _val(src).dim()
+    if list(node.args[1]) != shape[:d] + shape[d + 1:]:
+        return False
+    node.target, node.args = src.target, (src.args[0], src.args[1], False)
+    if not src.users:
+        graph.erase_node(src)
+    return True
+
+
 def _local_forms(graph: fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
@@ -228,6 +245,7 @@ def _local_forms(graph: fx.Graph) -> int:
         changed += _canonical_args(node)
         changed += _view_of_full(node)
         changed += _add_of_neg(node) + _square(node) + _negation(node) + _max_values(graph, node) + _keepdim(graph, node)
+        changed += _keepdim_dropped(graph, node)
         if _is_noop(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)

@@ -108,3 +108,17 @@ def test_full_operand_of_a_where_becomes_a_scalar():
     assert [[n.target for n in gm.graph.nodes] for gm in forms][0] == [[n.target for n in gm.graph.nodes] for gm in forms][1]
     assert op_counts(forms[0])["aten.full"] == 0
     assert torch.equal(forms[0](*x), filled(*x))
+
+
+def test_keepdim_reduction_viewed_without_its_dim_is_the_plain_reduction():
+    """x.sum(0).unsqueeze(0).squeeze(0) (the unsqueeze folds into keepdim, the squeeze becomes a view dropping the
+    kept dim) is x.sum(0); a view to any other shape stays."""
+    def f(x):
+        return x.sum(0).unsqueeze(0).squeeze(0), x.sum(0, keepdim=True).view(2, 4)
+
+    x = torch.randn(5, 8, generator=gen(0))
+    gm = normalized(f, x)
+    sums = [n for n in gm.graph.nodes if n.target is aten.sum.dim_IntList]
+    assert [n.args[2:] for n in sums] == [(False,), (True,)] and op_counts(gm)["aten.view"] == 1
+    for got, want in zip(gm(x), f(x), strict=True):
+        assert torch.equal(got, want)
