@@ -20,7 +20,7 @@
   `where(a < b, y, x)` (`>` as `<=`, `!=` as `==`); a negation of a view is the view of the negation;
 - arithmetic spellings: `a + (-b)` is `a - b`, `x * x` is `x ** 2`, `x * -1` is `-x`, `max(x, d).values` is
   `amax(x, [d])`, and a reduction over one dim followed by an unsqueeze of that dim is the reduction with keepdim
-  (and a keepdim reduction viewed without that dim is the reduction without keepdim);
+  (and a keepdim reduction over the leading dim viewed without it is the reduction without keepdim);
 - unit dims: a non-leading size-1 dim that a graph input or a view of a GEMM output adds (HF's `[B, S=1, ...]`
   decode layout) sinks below the ops that do not touch it (`_sink_units`), so they run at `[B, ...]`.
 
@@ -218,14 +218,15 @@ def _keepdim(graph: fx.Graph, node: fx.Node) -> bool:
 
 
 def _keepdim_dropped(graph: fx.Graph, node: fx.Node) -> bool:
-    """view(r(x, [d], keepdim=True), s), s the reduction's shape without its kept dim d, is r(x, [d])."""
+    """view(r(x, [0], keepdim=True), s), s the reduction's shape without its kept leading dim, is r(x, [0]) (only
+    the leading dim: a view that drops a kept inner dim may be the first step of a reshape back to it)."""
     src = node.args[0] if node.target is aten.view.default else None
     if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target in _REDUCTIONS and not src.kwargs
             and len(src.args) == 3 and len(src.args[1]) == 1 and src.args[2] is True
             and isinstance(_val(src), torch.Tensor)):
         return False
     shape, d = list(_val(src).shape), src.args[1][0] % _val(src).dim()
-    if list(node.args[1]) != shape[:d] + shape[d + 1:]:
+    if d != 0 or list(node.args[1]) != shape[1:]:
         return False
     node.target, node.args = src.target, (src.args[0], src.args[1], False)
     if not src.users:

@@ -188,6 +188,7 @@ def moe_layer():
 def test_tiny_moe_layer(moe_layer, fusions):
     """The model's own MoE through the real backend (static shapes): the metadata fuses once per graph, alone and
     beside moe_route, moe_experts and moe_finalize, bit-exact with eager at T = 1, 5, 8."""
+    torch._dynamo.reset()  # other test files compiled the same forward (Dynamo's recompile limit)
     backend = make_backend(config(*fusions))
     compiled = torch.compile(moe_layer.forward, backend=backend, fullgraph=True, dynamic=False)
     for t in (1, 5, 8):
