@@ -31,8 +31,8 @@ share the counters (one set per device) must therefore be stream-ordered.
 With ``pdl`` the kernel is a programmatic dependent launch: it lets the next kernel launch at once, loads its slice
 of the weight, and only then waits for the preceding kernel before reading h.
 
-``route_metadata`` is a separate kernel (not part of the op): from experts [T, k] the per-expert row counts, the
-offsets and the expert-sorted permutation of the T * k (token, slot) pairs that grouped expert GEMMs take.
+The grouped-GEMM metadata of the routing (row order, offsets, row weights) is ``dsv41::moe_metadata``'s kernel
+(``dsv41.kernels.moe_metadata``).
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ ROWS = 16  # weight rows per CTA: the MMA's M
 K_PER_CTA = 1024  # columns per CTA
 MAX_EXPERTS = 512  # E / 32 score slots per lane in the selection
 MAX_TOPK = 8
-MAX_PAIRS = 2048  # T * k of route_metadata
-_META_THREADS = 1024
 _WARPS = 16
 _CHUNKS = 2  # 32-column chunks per warp: K_PER_CTA = _WARPS * _CHUNKS * 32
 _VEC = 8  # bf16 per 16-byte vector
@@ -300,114 +298,6 @@ def compile_for(dim: int, experts: int, topk: int, pdl: bool = True):
     """The compiled kernel for hidden size ``dim``, ``experts`` experts, ``topk`` and programmatic dependent launch
     on or off (memory, disk or a fresh compile)."""
     return _compile_moe_route(dim, experts, topk, pdl)
-
-
-class RouteMetadata:
-    """The grouped-GEMM metadata of a routing, in one CTA: with n = T * k pairs p = t * k + slot and
-    key(p) = experts[t, slot] (an id outside [0, E) counts as E: after every expert),
-
-        counts[e]  = #{p : key(p) == e}                          e < E        int32 [E]
-        offsets[e] = #{p : key(p) < e}                           e <= E       int32 [E + 1]
-        perm[offsets[key(p)] + #{p' < p : key(p') == key(p)}] = p            int32 [T, k] (row-major: n entries)
-
-    so perm lists the pairs sorted by expert, stably (expert e's rows are perm[offsets[e]:offsets[e + 1]], token
-    perm // k). Thread e counts for expert e and thread p ranks pair p by scans over the keys in shared memory:
-    deterministic, no atomics.
-    """
-
-    def __init__(self, experts: int, topk: int, pdl: bool):
-        self.experts = experts
-        self.topk = topk
-        self.pdl = pdl
-
-    @cute.jit
-    def __call__(self, mExperts: cute.Tensor, mCounts: cute.Tensor, mOffsets: cute.Tensor, mPerm: cute.Tensor,
-                 stream):
-        self.kernel(mExperts, mCounts, mOffsets, mPerm).launch(grid=[1, 1, 1], block=[_META_THREADS, 1, 1],
-                                                               stream=stream, use_pdl=self.pdl)
-
-    @cute.kernel
-    def kernel(self, mExperts: cute.Tensor, mCounts: cute.Tensor, mOffsets: cute.Tensor, mPerm: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        n = mExperts.shape[0] * self.topk
-        smem = cutlass.memory.SmemAllocator()
-        sKey = smem.allocate_tensor(Int32, cute.make_layout(MAX_PAIRS), byte_alignment=16)
-        sOff = smem.allocate_tensor(Int32, cute.make_layout(self.experts + 1), byte_alignment=16)
-        if const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
-            cute.arch.griddepcontrol_wait()
-        experts = cute.make_tensor(mExperts.iterator, cute.make_layout(n))
-        perm = cute.make_tensor(mPerm.iterator, cute.make_layout(n))
-        for p in cutlass.range(tidx, n, _META_THREADS):
-            e = experts[p]
-            sKey[p] = cutlass.select_((e < 0) | (e >= self.experts), Int32(self.experts), Int32(e))
-        cute.arch.barrier()
-        if tidx <= self.experts:
-            below, equal = Int32(0), Int32(0)
-            for p in cutlass.range(0, n):
-                key = sKey[p]
-                below = below + Int32(key < tidx)
-                equal = equal + Int32(key == tidx)
-            sOff[tidx] = below
-            mOffsets[tidx] = below
-            if tidx < self.experts:
-                mCounts[tidx] = equal
-        cute.arch.barrier()
-        for p in cutlass.range(tidx, n, _META_THREADS):
-            key = sKey[p]
-            rank = Int32(0)
-            for q in cutlass.range(0, p):
-                rank = rank + Int32(sKey[q] == key)
-            perm[sOff[key] + rank] = p
-
-
-def metadata_reason(experts: torch.Tensor, num_experts: int) -> str | None:
-    """None when ``route_metadata`` takes these arguments, else the reason it cannot."""
-    if experts.dtype != torch.int64 or experts.dim() != 2:
-        return f"experts must be a 2-D torch.int64 tensor [T, k], got {experts.dtype} of shape {list(experts.shape)}"
-    t, k = experts.shape
-    if not 1 <= k <= MAX_TOPK:
-        return f"experts must have 1 to {MAX_TOPK} columns (k), got {k}"
-    if t * k > MAX_PAIRS:
-        return f"T * k must be at most {MAX_PAIRS}, got {t * k}"
-    if not 1 <= num_experts < _META_THREADS:
-        return f"num_experts must be in [1, {_META_THREADS - 1}], got {num_experts}"
-    return hopper_reason(experts=experts)
-
-
-@cached_kernel(__file__, cute_utils.__file__)
-def _compile_route_metadata(experts: int, topk: int, pdl: bool):
-    t = cute.sym_int()
-    return compile_tvm_ffi(
-        RouteMetadata(experts, topk, pdl), fake_tensor(Int64, (t, topk), 8), fake_tensor(Int32, (experts,), 4),
-        fake_tensor(Int32, (experts + 1,), 4), fake_tensor(Int32, (t, topk), 4), env_stream(),
-    )
-
-
-def route_metadata(experts: torch.Tensor, num_experts: int, *,
-                   out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, pdl: bool = True):
-    """(counts [E] int32, offsets [E + 1] int32, perm [T, k] int32) of a routing (``RouteMetadata``).
-
-    experts [T, k] int64 (``moe_route``'s second output) on a Hopper device, T * k <= 2048, 1 <= E <= 1023.
-    ``out`` optionally supplies the three outputs. ``pdl``: launch as a programmatic dependent of the preceding
-    kernel.
-    """
-    reason = metadata_reason(experts, num_experts)
-    if reason is not None:
-        raise ValueError(f"route_metadata: {reason}")
-    shapes = ((num_experts,), (num_experts + 1,), tuple(experts.shape))
-    if out is None:
-        out = tuple(experts.new_empty(shape, dtype=torch.int32) for shape in shapes)
-    for i, (o, shape) in enumerate(zip(out, shapes, strict=True)):
-        reason = shape_reason(f"out[{i}]", o, torch.int32, shape) or hopper_reason(experts=experts, **{f"out[{i}]": o})
-        if reason is not None:
-            raise ValueError(f"route_metadata: {reason}")
-    if experts.shape[0] == 0:
-        out[0].zero_()
-        out[1].zero_()
-    else:
-        _compile_route_metadata(num_experts, experts.shape[1], pdl)(experts, *out)
-    return out
 
 
 _COUNTERS: dict[int, torch.Tensor] = {}  # device index -> the zeroed ticket counters (row groups + 1)

@@ -19,7 +19,8 @@
 - `where(~m, a, b)` (or `logical_not`) is `where(m, b, a)`, and on integers `where(a >= b, x, y)` is
   `where(a < b, y, x)` (`>` as `<=`, `!=` as `==`); a negation of a view is the view of the negation;
 - arithmetic spellings: `a + (-b)` is `a - b`, `x * x` is `x ** 2`, `x * -1` is `-x`, `max(x, d).values` is
-  `amax(x, [d])`, and a reduction over one dim followed by an unsqueeze of that dim is the reduction with keepdim;
+  `amax(x, [d])`, a reduction over one dim followed by an unsqueeze of that dim is the reduction with keepdim,
+  and a keepdim reduction over the leading dim viewed without it is the reduction without keepdim;
 - pieces: `split(x, s, d)[i]` / `split_with_sizes` (`torch.split`, `chunk`) are the slices of x they cover, and
   `unbind(x, d)[i]` is `select(x, d, i)`;
 - implicit promotion: an fp32 add/sub/mul/div/maximum/minimum with a bf16/fp16 tensor operand takes it cast to fp32
@@ -253,6 +254,23 @@ def _piece_of_split(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+def _keepdim_dropped(graph: fx.Graph, node: fx.Node) -> bool:
+    """view(r(x, [0], keepdim=True), s), s the reduction's shape without its kept leading dim, is r(x, [0]) (only
+    the leading dim: a view that drops a kept inner dim may be the first step of a reshape back to it)."""
+    src = node.args[0] if node.target is aten.view.default else None
+    if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target in _REDUCTIONS and not src.kwargs
+            and len(src.args) == 3 and len(src.args[1]) == 1 and src.args[2] is True
+            and isinstance(_val(src), torch.Tensor)):
+        return False
+    shape, d = list(_val(src).shape), src.args[1][0] % _val(src).dim()
+    if d != 0 or list(node.args[1]) != shape[1:]:
+        return False
+    node.target, node.args = src.target, (src.args[0], src.args[1], False)
+    if not src.users:
+        graph.erase_node(src)
+    return True
+
+
 _PROMOTING = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.maximum.default,
               aten.minimum.default)
 _NARROW_FLOATS = (torch.bfloat16, torch.float16)
@@ -290,6 +308,7 @@ def _local_forms(graph: fx.Graph) -> int:
         changed += _canonical_args(node)
         changed += _view_of_full(node)
         changed += _add_of_neg(node) + _square(node) + _negation(node) + _max_values(graph, node) + _keepdim(graph, node)
+        changed += _keepdim_dropped(graph, node)
         if _is_noop(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)

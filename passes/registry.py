@@ -5,7 +5,8 @@ its patterns), its op is `dsv41::<name>` in `dsv41.lowerings.<name>`, and `kerne
 `dsv41.kernels.<kernel>` the op runs on Hopper (None: the reference only). `FUSIONS` is in run order, most specific
 first: moe_finalize takes the TP combine before allreduce_mhc claims the post + pre sites behind an all-reduce, and
 those before mhc_post_pre; moe_experts may come after moe_finalize, which binds the expert rows as its input (the
-rows moe_experts' op then produces). This module imports nothing heavy, so `dsv41.config` can read it.
+rows moe_experts' op then produces); moe_metadata's outputs (token, offsets, row weights) are graph values that
+moe_experts and moe_finalize bind as inputs, so it may run before or after them. This module imports nothing heavy, so `dsv41.config` can read it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ FUSIONS = (
     Fusion("wo_a"),
     Fusion("indexer_topk", kernel="indexer_topk"),
     Fusion("moe_route", kernel="moe_route"),
+    Fusion("moe_metadata", kernel="moe_metadata"),
     Fusion("moe_experts", kernel="moe_experts"),
 )
 FUSION_NAMES = tuple(f.name for f in FUSIONS)

@@ -1,7 +1,8 @@
 """`dsv41 bench kernels`: time each CuTe DSL kernel against its reference subgraph, eager and Inductor-compiled.
 
 For every op and token count T, each variant -- ``dsv41`` (the kernel), ``inductor`` (the reference functions of
-``dsv41.models.functional`` under ``torch.compile(mode="max-autotune-no-cudagraphs", fullgraph=True)``, in the
+``dsv41.models.functional``, or the op's reference for ``moe_experts`` and ``moe_metadata``, under
+``torch.compile(mode="max-autotune-no-cudagraphs", fullgraph=True)``, in the
 default mode for ``moe_experts`` and ``indexer_topk``: see their ops) and
 ``eager`` (the same functions, uncompiled) -- is captured in one CUDA graph that calls it once per input set, round
 robin over enough sets that they exceed 2.5x the L2 cache (so every call reads its inputs, weights included, from
@@ -178,6 +179,28 @@ def _experts_op(cfg, device="cuda") -> Op:
     )
 
 
+def _metadata_op(cfg) -> Op:
+    """The routing metadata of one layer: each input set a routing as moe_route makes it (each token's k experts
+    distinct), flattened; the Inductor and eager variants are the op's reference, the model's own ops."""
+    from dsv41.kernels.moe_metadata import moe_metadata
+    from dsv41.lowerings.moe_metadata import reference
+
+    e, k = cfg.n_routed_experts, cfg.n_activated_experts
+
+    def make_inputs(t, g):
+        experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).flatten()
+        return [experts, 1.5 * torch.rand(t * k, generator=g) / k]
+
+    return Op(
+        name="moe_metadata",
+        make_inputs=make_inputs,
+        # read the ids (int64) and weights (fp32); write token (int64), row_weights (fp32) and the offsets (int32)
+        nbytes=lambda t: t * k * (8 + 4 + 8 + 4) + e * 4,
+        reference=lambda flat_e, flat_w: reference(flat_e, flat_w, k, e),
+        kernel=lambda flat_e, flat_w, pdl=True: moe_metadata(flat_e, flat_w, topk=k, num_experts=e, pdl=pdl),
+    )
+
+
 def _indexer_op(cfg, columns: int) -> Op:
     """dsv41::indexer_topk (index form) over a key cache of ``columns`` rows per token, all visible."""
     from dsv41.kernels.indexer_topk import index_scores, indexer_topk, topk_indices
@@ -214,7 +237,7 @@ def _indexer_op(cfg, columns: int) -> Op:
 
 
 OPS = {"mhc_coeffs": _coeffs_op, "mhc_post_pre": _post_pre_op, "moe_route": _route_op, "moe_experts": _experts_op,
-       "indexer_topk": _indexer_op}
+       "moe_metadata": _metadata_op, "indexer_topk": _indexer_op}
 COLUMN_OPS = ("indexer_topk",)  # built per --columns width
 DEFAULT_COLUMNS = "4096,65536,524288,1048576"
 

@@ -17,7 +17,7 @@ from dsv41.models.config import get_config
 def kernels_for(cfg, max_context: int | None = None) -> list[tuple[str, object]]:
     """(label, thunk that compiles or loads it) for every kernel a decode step of ``cfg`` uses; the indexer's top-K
     launches depend on the key-cache length, so they are listed only with the model's ``max_context``."""
-    from dsv41.kernels import indexer_topk, mhc_coeffs, mhc_post_pre, moe_experts, moe_route
+    from dsv41.kernels import indexer_topk, mhc_coeffs, mhc_post_pre, moe_experts, moe_metadata, moe_route
     route = (cfg.dim, cfg.n_routed_experts, cfg.n_activated_experts)
     experts = (cfg.dim, cfg.moe_inter_dim, cfg.n_routed_experts, cfg.fp8_block)
     builds = [
@@ -28,6 +28,8 @@ def kernels_for(cfg, max_context: int | None = None) -> list[tuple[str, object]]
         # a kernel without a build for the config (the tiny one) leaves its op on the reference
         *([(f"moe_route(D={route[0]}, E={route[1]}, k={route[2]})", lambda: moe_route.compile_for(*route))]
           if moe_route.config_reason(*route) is None else []),
+        *([(f"moe_metadata(E={route[1]}, k={route[2]})", lambda: moe_metadata.compile_for(*route[1:]))]
+          if route[1] <= moe_metadata.MAX_EXPERTS else []),
         *([(f"moe_experts(D={experts[0]}, I={experts[1]}, E={experts[2]}, quant_block={experts[3]})",
             lambda: moe_experts.compile_for(*experts))] if moe_experts.config_reason(*experts) is None else []),
     ]

@@ -44,7 +44,7 @@ def expected_matches(cfg, layers) -> dict[str, int]:
     """The issue's counts: two mHC sites per layer, one of each per-layer fusion, one indexer per index source."""
     n = len(layers)
     return {"mhc_coeffs": 2 * n, "mhc_post_pre": 2 * n, "qkv_norm": n, "wo_a": n, "moe_route": n, "moe_finalize": n,
-            "moe_experts": n, "indexer_topk": sum(1 for layer in layers if layer in cfg.index_source_layers),
+            "moe_experts": n, "moe_metadata": n, "indexer_topk": sum(1 for layer in layers if layer in cfg.index_source_layers),
             "allreduce_mhc": 0}
 
 
@@ -98,7 +98,7 @@ def run(request, warmed_model):
 def test_expected_counts_follow_the_config():
     assert expected_matches(TINY, range(TINY.n_layers)) == {
         "mhc_coeffs": 16, "mhc_post_pre": 16, "qkv_norm": 8, "wo_a": 8, "moe_route": 8, "moe_finalize": 8,
-        "moe_experts": 8, "indexer_topk": 3, "allreduce_mhc": 0}
+        "moe_experts": 8, "moe_metadata": 8, "indexer_topk": 3, "allreduce_mhc": 0}
     assert set(expected_matches(TINY, [0])) == set(FUSIONS)
 
 

@@ -149,7 +149,7 @@ def test_per_layer_fusion_counts(tp_run):
     for rank, r in enumerate(tp_run[0]):
         assert r["matches"] == {
             "allreduce_mhc": 2 * n, "mhc_post_pre": 0, "mhc_coeffs": 2 * n, "qkv_norm": n, "wo_a": n,
-            "moe_route": n, "moe_finalize": n, "moe_experts": n,
+            "moe_route": n, "moe_finalize": n, "moe_experts": n, "moe_metadata": n,
             "indexer_topk": sum(1 for layer in LAYERS if layer in TINY.index_source_layers)}, (rank, r["matches"])
 
 

@@ -88,8 +88,15 @@ def moe_experts(g, t=3, d=64, inter=64, experts=8, topk=6, quant_block=32):
                 w2=_rand(g, experts, d, inter, scale=inter**-0.5), swiglu_limit=10.0, quant_block=quant_block)
 
 
+def moe_metadata(g, t=3, topk=6, experts=8):
+    """A routing's flat expert ids (every other expert gets no pair) and weights."""
+    m = t * topk
+    return dict(flat_experts=torch.randint(0, experts // 2, (m,), generator=g) * 2,
+                flat_weights=torch.rand(m, generator=g), topk=topk, num_experts=experts)
+
+
 BUILDERS = {f.__name__: f for f in (mhc_coeffs, mhc_post_pre, allreduce_mhc, qkv_norm, wo_a, indexer_topk, moe_route,
-                                    moe_finalize, moe_experts)}
+                                    moe_finalize, moe_experts, moe_metadata)}
 
 
 @pytest.fixture

@@ -173,3 +173,17 @@ def test_blocked_rows_run_at_the_unflatten_layout():
     amax = next(n for n in forms[0].graph.nodes if n.target is aten.amax.default)
     assert tuple(amax.meta["val"].shape) == (3, 3, 1)
     assert torch.equal(forms[0](*x), rows(*x)) and torch.equal(forms[1](*x), unflattened(*x))
+
+
+def test_keepdim_reduction_viewed_without_its_dim_is_the_plain_reduction():
+    """x.sum(0).unsqueeze(0).squeeze(0) (the unsqueeze folds into keepdim, the squeeze becomes a view dropping the
+    kept dim) is x.sum(0); a view to any other shape stays."""
+    def f(x):
+        return x.sum(0).unsqueeze(0).squeeze(0), x.sum(0, keepdim=True).view(2, 4)
+
+    x = torch.randn(5, 8, generator=gen(0))
+    gm = normalized(f, x)
+    sums = [n for n in gm.graph.nodes if n.target is aten.sum.dim_IntList]
+    assert [n.args[2:] for n in sums] == [(False,), (True,)] and op_counts(gm)["aten.view"] == 1
+    for got, want in zip(gm(x), f(x), strict=True):
+        assert torch.equal(got, want)

@@ -313,7 +313,7 @@ def test_show_text(base):
     assert rc == 0 and err == ""
     assert "\x1b[" not in out  # colour only on a tty
     assert_expected_inline(out, """\
-graph 0: 2748 nodes in, 1092 out; layers 0, 2, 3; 13 passes, 9 changed
+graph 0: 2748 nodes in, 1080 out; layers 0, 2, 3; 14 passes, 10 changed
   #   pass              result     nodes         matches  declined  attempts
   00  normalize         changed    2748 -> 2582      760         0         0
   01  mhc_coeffs        changed    2582 -> 1694        6         0         0
@@ -324,10 +324,11 @@ graph 0: 2748 nodes in, 1092 out; layers 0, 2, 3; 13 passes, 9 changed
   06  wo_a              changed    1373 -> 1283        3         0         0
   07  indexer_topk      changed    1283 -> 1263        1         0         0
   08  moe_route         changed    1263 -> 1218        3         0         0
-  09  moe_experts       changed    1218 -> 1092        3         0         0
-  10  streams           unchanged  1092                0         0         0
-  11  lower_references  unchanged  1092                0         0         0
-  12  defunctionalize   unchanged  1092                0         0         0
+  09  moe_metadata      changed    1218 -> 1206        3         0         0
+  10  moe_experts       changed    1206 -> 1080        3         0         0
+  11  streams           unchanged  1080                0         0         0
+  12  lower_references  unchanged  1080                0         0         0
+  13  defunctionalize   unchanged  1080                0         0         0
 
   matches per layer  L0  L2  L3
   mhc_coeffs          2   2   2
@@ -337,6 +338,7 @@ graph 0: 2748 nodes in, 1092 out; layers 0, 2, 3; 13 passes, 9 changed
   wo_a                1   1   1
   indexer_topk        0   1   0
   moe_route           1   1   1
+  moe_metadata        1   1   1
   moe_experts         1   1   1
 """)
 

@@ -1,0 +1,98 @@
+"""`moe_metadata`: the grouped-GEMM metadata of a routing, from the flat expert ids and weights to the rows the
+expert GEMMs and the combine take.
+
+    order = argsort(flat_experts, stable=True);  token = order // k
+    offsets = cumsum(bincount(flat_experts, minlength=E)) (int32);  row_weights = flat_weights[order]
+  -> dsv41::moe_metadata(flat_experts, flat_weights, k, E)
+
+The pattern starts at the flat ids after any TP masking (the `where` that sends other ranks' pairs to local expert
+0 stays outside, a plain input); k and E are read from the graph. Formulations: the model's (counts by an int32
+scatter_add_, cumsum in int32), the same by index_add_, and counts in int64 by scatter_add_, index_add_ or
+one_hot(...).sum(0) with the cumsum in int64 cast to int32; torch.sort(..., stable=True).indices is the same graph as the stable argsort.
+`bincount(minlength=E)` has no formulation: its output shape depends on the values, so it does not trace (Dynamo
+breaks the graph there). An unstable argsort orders equal expert ids arbitrarily, so its rows differ from the
+stable order's: declined with that reason.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsv41.lowerings.moe_metadata import reference
+from dsv41.passes.fusion import FusionPass, Replacement
+from dsv41.passes.matcher import Pattern
+
+M, E = 18, 8
+aten, prims = torch.ops.aten, torch.ops.prims
+UNSTABLE = "unstable_argsort"
+
+
+def _inputs():
+    return [torch.empty(M, dtype=torch.int64), torch.empty(M)]
+
+
+def _formulation(count, int32_counts):
+    """The metadata with the counts of `count(flat_experts, E, dtype)`: int32 counts summed by cumsum(dtype=int32),
+    as the model does, or int64 counts whose int64 cumsum is cast to int32."""
+    def metadata(flat_experts, flat_weights, topk, num_experts):
+        order = torch.sort(flat_experts, stable=True).indices
+        if int32_counts:
+            offsets = torch.cumsum(count(flat_experts, num_experts, torch.int32), 0, dtype=torch.int32)
+        else:
+            offsets = count(flat_experts, num_experts, torch.int64).cumsum(0).to(torch.int32)
+        return order // topk, offsets, flat_weights[order]
+    return metadata
+
+
+def _scatter_add(flat_experts, num_experts, dtype):
+    zeros = torch.zeros(num_experts, dtype=dtype, device=flat_experts.device)
+    return zeros.scatter_add_(0, flat_experts, torch.ones_like(flat_experts, dtype=dtype))
+
+
+def _index_add(flat_experts, num_experts, dtype):
+    zeros = torch.zeros(num_experts, dtype=dtype, device=flat_experts.device)
+    return zeros.index_add_(0, flat_experts, torch.ones_like(flat_experts, dtype=dtype))
+
+
+def _one_hot(flat_experts, num_experts, dtype):
+    return F.one_hot(flat_experts, num_experts).sum(0)
+
+
+def unstable_argsort(flat_experts, flat_weights, topk, num_experts):
+    """The model's metadata with an unstable argsort (declined: equal ids in any order)."""
+    order = torch.argsort(flat_experts)
+    counts = _scatter_add(flat_experts, num_experts, torch.int64)
+    return order // topk, counts.cumsum(0).to(torch.int32), flat_weights[order]
+
+
+class MoeMetadataPass(FusionPass):
+    name = "moe_metadata"
+    int_ranges = {"flat_experts": lambda metas, free: (0, free["num_experts"])}
+
+    def patterns(self):
+        topk = (aten.div.Tensor_mode, 0, 1)
+        by_full = {"topk": topk, "num_experts": (aten.full.default, 0, (0, 0))}
+        by_iota = {"topk": topk, "num_experts": (prims.iota.default, 0, 0)}
+        defaults = {"topk": 6, "num_experts": E}
+        stable = aten.sort.stable
+        return [Pattern("model", reference, _inputs, by_full, defaults, anchor=stable),
+                Pattern("index_add", _formulation(_index_add, True), _inputs, by_full, defaults, anchor=stable),
+                Pattern("scatter_add_int64", _formulation(_scatter_add, False), _inputs, by_full, defaults, anchor=stable),
+                Pattern("index_add_int64", _formulation(_index_add, False), _inputs, by_full, defaults, anchor=stable),
+                Pattern("one_hot", _formulation(_one_hot, False), _inputs, by_iota, defaults, anchor=stable),
+                Pattern(UNSTABLE, unstable_argsort, _inputs, by_full, defaults, anchor=aten.sort.default)]
+
+    def tokens(self, m):
+        return m.inputs[0].meta["val"].shape[0] // m.free["topk"]
+
+    def check(self, m):
+        if m.pattern.name == UNSTABLE:
+            return ("an unstable argsort orders the pairs of one expert in any order, so its rows (token, "
+                    "row_weights) are not the stable order's: a different computation, not fused")
+        return None
+
+    def replacement(self, m):
+        flat_experts, flat_weights = m.inputs
+        args = (flat_experts, flat_weights, m.free["topk"], m.free["num_experts"], self.config.kernel)
+        return Replacement(torch.ops.dsv41.moe_metadata.default, args, (0, 1, 2))

@@ -1,0 +1,75 @@
+"""Foreign formulations of `moe_metadata` (the stable argsort of the flat expert ids, `order // k`, the per-expert
+counts and their cumsum, the gather of the row weights), each differing from the project's model in one named way.
+Each must be found exactly once and equal eager exactly (integer outputs and gathered values)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ..harness import assert_close, op_counts, run_passes
+from ..test_moe_metadata import E, FUSION, K, OP, inputs
+
+
+def _model_counts(flat_e):
+    return torch.zeros(E, dtype=torch.int32).scatter_add_(0, flat_e, torch.ones_like(flat_e, dtype=torch.int32))
+
+
+def sort_indices_floor_divide(flat_e, flat_w):
+    """other spellings: torch.sort(stable=True).indices, torch.floor_divide, the gather by index_select."""
+    order = torch.sort(flat_e, stable=True).indices
+    return torch.floor_divide(order, K), torch.cumsum(_model_counts(flat_e), 0, dtype=torch.int32), \
+        flat_w.index_select(0, order)
+
+
+def sort_tuple_take(flat_e, flat_w):
+    """other spellings: the sort's second element as the order, the row weights by torch.take, the counts by a
+    one-hot with the num_classes keyword and the cumsum's dim keyword."""
+    order = flat_e.sort(dim=0, stable=True)[1]
+    counts = F.one_hot(flat_e, num_classes=E).sum(dim=0)
+    return order // K, torch.cumsum(counts, dim=0).int(), torch.take(flat_w, order)
+
+
+def arange_comparison(flat_e, flat_w):
+    """counts written out: the column sums of flat_e[:, None] == arange(E)."""
+    order = flat_e.argsort(stable=True)
+    counts = (flat_e[:, None] == torch.arange(E)[None, :]).long().sum(0)
+    return order.div(K, rounding_mode="floor"), counts.cumsum(0).to(torch.int32), flat_w[order]
+
+
+def out_of_place_scatter(flat_e, flat_w):
+    """functional forms: torch.scatter_add on new_zeros (no in-place op), the cumsum as a tensor method."""
+    order = torch.argsort(flat_e, stable=True)
+    counts = torch.scatter_add(flat_e.new_zeros(E), 0, flat_e, torch.ones_like(flat_e))
+    return order // K, counts.cumsum(0).to(torch.int32), flat_w[order]
+
+
+def index_add_int32(flat_e, flat_w):
+    """counts by index_add_ in int32, as the model keeps them, summed by cumsum(dtype=int32)."""
+    order = torch.argsort(flat_e, stable=True)
+    ones = torch.ones(flat_e.shape[0], dtype=torch.int32)
+    counts = torch.zeros(E, dtype=torch.int32).index_add_(0, flat_e, ones)
+    return order // K, counts.cumsum(0, dtype=torch.int32), flat_w[order]
+
+
+def weights_first(flat_e, flat_w):
+    """statement order: the row weights gathered and the offsets computed before the tokens."""
+    order = torch.argsort(flat_e, stable=True)
+    row_weights = flat_w[order]
+    offsets = torch.cumsum(_model_counts(flat_e), 0, dtype=torch.int32)
+    return order // K, offsets, row_weights
+
+
+CASES = {f.__name__: f for f in (sort_indices_floor_divide, sort_tuple_take, arange_comparison, out_of_place_scatter,
+                                 index_add_int32, weights_first)}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_found_once_and_equal_to_eager(name):
+    f = CASES[name]
+    gm, report = run_passes(f, inputs(0), FUSION)
+    assert report.matches == {FUSION: 1} and op_counts(gm)[OP] == 1, report.declined
+    for seed in (1, 2):
+        x = inputs(seed)
+        assert_close(gm(*x), f(*x), atol=0, rtol=0)
