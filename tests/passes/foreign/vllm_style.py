@@ -34,7 +34,7 @@ from torch import nn
 
 EPS, HC_EPS, ITERS, ROUTE_SCALE, SWIGLU_LIMIT, WINDOW = 1e-20, 1e-6, 20, 1.5, 10.0, 8
 T_SITES = {"mhc_coeffs": 2, "qkv_norm": 1, "indexer_topk": 1, "wo_a": 1, "mhc_post_pre": 2, "moe_route": 1,
-           "moe_experts": 1, "moe_finalize": 1}
+           "moe_metadata": 1, "moe_experts": 1, "moe_finalize": 1}
 
 
 class RMSNorm(nn.Module):
