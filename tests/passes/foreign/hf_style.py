@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .params import param_factory
+
 EPS, HC_EPS, ITERS, ROUTE_SCALE, SWIGLU_LIMIT = 1e-20, 1e-6, 20, 1.5, 10.0
 T_SITES = {"mhc_coeffs": 2, "qkv_norm": 1, "indexer_topk": 1, "wo_a": 1, "mhc_post_pre": 2, "moe_route": 1,
            "moe_finalize": 1}
@@ -51,12 +53,7 @@ class HFStyleBlock(nn.Module):
     def __init__(self, d=64, hc=4, q_lora=32, kv_dim=32, heads=4, head_dim=32, groups=2, o_rank=16,
                  experts=8, topk=2, inter=32, index_heads=2, index_dim=32, index_topk=4, seed=0):
         super().__init__()
-        g = torch.Generator().manual_seed(seed)
-
-        def p(*shape, scale=None, dtype=torch.bfloat16, mean=0.0):
-            scale = shape[-1] ** -0.5 if scale is None else scale
-            return nn.Parameter((torch.randn(shape, generator=g) * scale + mean).to(dtype), requires_grad=False)
-
+        p = param_factory(seed)
         n_mix = (2 + hc) * hc
         self.hc, self.heads, self.groups, self.o_rank, self.topk, self.index_topk = hc, heads, groups, o_rank, topk, index_topk
         self.index_heads, self.index_dim, self.inter = index_heads, index_dim, inter

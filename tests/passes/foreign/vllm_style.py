@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .params import param_factory
+
 EPS, HC_EPS, ITERS, ROUTE_SCALE, SWIGLU_LIMIT, WINDOW = 1e-20, 1e-6, 20, 1.5, 10.0, 8
 T_SITES = {"mhc_coeffs": 2, "qkv_norm": 1, "indexer_topk": 1, "wo_a": 1, "mhc_post_pre": 2, "moe_route": 1,
            "moe_metadata": 1, "moe_experts": 1, "moe_finalize": 1}
@@ -79,12 +81,7 @@ class VllmStyleBlock(nn.Module):
     def __init__(self, d=64, hc=4, q_lora=32, kv_dim=64, heads=4, head_dim=32, groups=2, o_rank=16,
                  experts=8, topk=2, inter=64, index_heads=2, index_dim=32, index_topk=4, seed=0):
         super().__init__()
-        g = torch.Generator().manual_seed(seed)
-
-        def p(*shape, scale=None, dtype=torch.bfloat16, mean=0.0):
-            scale = shape[-1] ** -0.5 if scale is None else scale
-            return nn.Parameter((torch.randn(shape, generator=g) * scale + mean).to(dtype), requires_grad=False)
-
+        p = param_factory(seed)
         n_mix = (2 + hc) * hc
         self.hc, self.q_lora, self.kv_dim, self.heads, self.groups, self.o_rank = hc, q_lora, kv_dim, heads, groups, o_rank
         self.n_experts, self.topk, self.inter, self.index_heads, self.index_dim, self.index_topk = (
@@ -153,7 +150,7 @@ class VllmStyleBlock(nn.Module):
         return act_quant(z.view(t, -1)) @ self.wo_b.T, idx
 
     def moe(self, h):
-        t, d, k, e, inter = h.shape[0], h.shape[1], self.topk, self.n_experts, self.inter
+        t, d, k, e = h.shape[0], h.shape[1], self.topk, self.n_experts
         scores = F.linear(h.float(), self.gate.float())
         scores = torch.sqrt(F.softplus(scores))
         topk_ids = torch.topk(scores + self.gate_bias, k, dim=-1)[1]
