@@ -1,4 +1,4 @@
-"""What the kernel test files share: the CuTe DSL guard and the token counts they run at."""
+"""What the kernel test files share: the CuTe DSL guard, the token counts they run at, the fresh-cache compile check."""
 
 import os
 
@@ -21,3 +21,13 @@ def require_cute_dsl() -> None:
 def tokens_from_env(default: str) -> list[int]:
     """The token counts of DSV41_TEST_TOKENS (comma-separated; the sanitizer runs narrow them), else `default`."""
     return [int(t) for t in os.environ.get("DSV41_TEST_TOKENS", default).split(",")]
+
+
+def assert_compiles_fresh(monkeypatch, tmp_path, cached, config: tuple, build=None) -> None:
+    """`build(*config)` (default: the `cached_kernel` function `cached` itself) compiles into an empty kernel cache,
+    so cute.compile really runs for the target architecture, and returns a callable; `cached` wrote its object."""
+    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path))
+    cached.cache_clear()
+    assert callable((build or cached)(*config))
+    assert cached.object_path(*config).exists()
+    cached.cache_clear()

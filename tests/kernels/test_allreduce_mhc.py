@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from tests.kernels.support import require_cute_dsl, tokens_from_env
+from tests.kernels.support import assert_compiles_fresh, require_cute_dsl, tokens_from_env
 
 require_cute_dsl()
 
@@ -37,12 +37,7 @@ BUILDS = [(5120, 2, False, False, True, 5), (5120, 2, True, True, True, 2), (512
 @pytest.mark.parametrize("build", BUILDS, ids=lambda b: "D{}-W{}-{}{}-pdl{}-c{}".format(
     b[0], b[1], "fp32" if b[2] else "bf16", "+add" if b[3] else "", int(b[4]), b[5]))
 def test_compiles_for_sm90a(build, monkeypatch, tmp_path):
-    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path))  # a fresh cache: really run cute.compile
-    K._compile_allreduce_mhc.cache_clear()
-    dim, world, y_fp32, has_add, pdl, cluster_n = build
-    assert callable(K.compile_for(dim, world, y_fp32, has_add, pdl, cluster_n))
-    assert K._compile_allreduce_mhc.object_path(*build).exists()
-    K._compile_allreduce_mhc.cache_clear()
+    assert_compiles_fresh(monkeypatch, tmp_path, K._compile_allreduce_mhc, build, K.compile_for)
 
 
 @pytest.mark.parametrize(("world", "y_fp32"), [(2, True), (3, False)])

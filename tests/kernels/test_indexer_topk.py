@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernels.support import require_cute_dsl, tokens_from_env
+from tests.kernels.support import assert_compiles_fresh, require_cute_dsl, tokens_from_env
 
 require_cute_dsl()
 
@@ -273,29 +273,17 @@ def test_select_model_paths():
 
 @pytest.mark.parametrize("variant", SCORE_VARIANTS, ids=lambda c: "masked{}-blocks{}-pdl{}".format(*c))
 def test_score_compiles_for_sm90a(variant, monkeypatch, tmp_path):
-    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path))  # a fresh cache: really run cute.compile
-    K._compile_index_score.cache_clear()
-    assert callable(K._compile_index_score(*variant))
-    assert K._compile_index_score.object_path(*variant).exists()
-    K._compile_index_score.cache_clear()
+    assert_compiles_fresh(monkeypatch, tmp_path, K._compile_index_score, variant)
 
 
 @pytest.mark.parametrize("variant", SELECT_VARIANTS, ids=lambda c: "k{}-per{}-final{}-pdl{}".format(*c))
 def test_select_compiles_for_sm90a(variant, monkeypatch, tmp_path):
-    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path))
-    K._compile_topk_select.cache_clear()
-    assert callable(K._compile_topk_select(*variant))
-    assert K._compile_topk_select.object_path(*variant).exists()
-    K._compile_topk_select.cache_clear()
+    assert_compiles_fresh(monkeypatch, tmp_path, K._compile_topk_select, variant)
 
 
 @pytest.mark.parametrize("variant", MERGE_VARIANTS, ids=lambda c: "k{}-pdl{}".format(*c))
 def test_merge_compiles_for_sm90a(variant, monkeypatch, tmp_path):
-    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path))
-    K._compile_topk_merge.cache_clear()
-    assert callable(K._compile_topk_merge(*variant))
-    assert K._compile_topk_merge.object_path(*variant).exists()
-    K._compile_topk_merge.cache_clear()
+    assert_compiles_fresh(monkeypatch, tmp_path, K._compile_topk_merge, variant)
 
 
 def test_select_plan_covers_the_widths():

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tests.kernels.support import require_cute_dsl, tokens_from_env
+from tests.kernels.support import assert_compiles_fresh, require_cute_dsl, tokens_from_env
 
 require_cute_dsl()
 
@@ -50,11 +50,7 @@ def _assert_matches(got, x, fn, base, scale):
 @pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("dim", DIMS)
 def test_compiles_for_sm90a(dim, pdl, monkeypatch, tmp_path):
-    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path))  # a fresh cache: really run cute.compile
-    K._compile_mhc_coeffs.cache_clear()
-    assert callable(K.compile_for(dim, ITERS, pdl))
-    assert K._compile_mhc_coeffs.object_path(dim, ITERS, pdl).exists()
-    K._compile_mhc_coeffs.cache_clear()
+    assert_compiles_fresh(monkeypatch, tmp_path, K._compile_mhc_coeffs, (dim, ITERS, pdl), K.compile_for)
 
 
 def test_supports_explains():

@@ -18,7 +18,7 @@ DSV41_TEST_TOKENS narrows the token counts (sanitizers).
 import pytest
 import torch
 
-from tests.kernels.support import require_cute_dsl, tokens_from_env
+from tests.kernels.support import assert_compiles_fresh, require_cute_dsl, tokens_from_env
 
 require_cute_dsl()
 
@@ -68,11 +68,7 @@ def _assert_matches(got, args, eps=EPS):
 @pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize(("dim", "cluster_n"), [(5120, 5), (5120, 1), (128, 1), (4096, 4)])
 def test_compiles_for_sm90a(dim, cluster_n, pdl, monkeypatch, tmp_path):
-    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path))  # a fresh cache: really run cute.compile
-    K._compile_mhc_post_pre.cache_clear()
-    assert callable(K.compile_for(dim, pdl, cluster_n))
-    assert K._compile_mhc_post_pre.object_path(dim, pdl, cluster_n).exists()
-    K._compile_mhc_post_pre.cache_clear()
+    assert_compiles_fresh(monkeypatch, tmp_path, K._compile_mhc_post_pre, (dim, pdl, cluster_n), K.compile_for)
 
 
 def test_config():

@@ -19,7 +19,7 @@ When CUDA is present these tests fail (never skip) if the kernel cannot run.
 import pytest
 import torch
 
-from tests.kernels.support import require_cute_dsl, tokens_from_env
+from tests.kernels.support import assert_compiles_fresh, require_cute_dsl, tokens_from_env
 
 require_cute_dsl()
 
@@ -60,11 +60,7 @@ def _check(flat_e, flat_w, k, e, **kw):
 @pytest.mark.parametrize("config", [(384, 6, True), (384, 6, False), (16, 6, True), (1023, 8, True), (8, 1, True)],
                          ids=lambda c: "E{}-k{}-pdl{}".format(*c))
 def test_compiles_for_sm90a(config, monkeypatch, tmp_path):
-    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path))  # a fresh cache: really run cute.compile
-    K._compile_moe_metadata.cache_clear()
-    assert callable(K.compile_for(*config))
-    assert K._compile_moe_metadata.object_path(*config).exists()
-    K._compile_moe_metadata.cache_clear()
+    assert_compiles_fresh(monkeypatch, tmp_path, K._compile_moe_metadata, config, K.compile_for)
 
 
 def test_supports_explains():

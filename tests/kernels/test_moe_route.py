@@ -26,7 +26,7 @@ import math
 import pytest
 import torch
 
-from tests.kernels.support import require_cute_dsl, tokens_from_env
+from tests.kernels.support import assert_compiles_fresh, require_cute_dsl, tokens_from_env
 
 require_cute_dsl()
 
@@ -84,11 +84,7 @@ def _assert_routes(got, h, w, bias, k, gate_temp=1.0):
 @pytest.mark.parametrize("shape_pdl", [(5120, 384, 6, True), (5120, 384, 6, False), (2048, 64, 1, True),
                                        (2048, 64, 8, True)], ids=lambda c: "D{}-E{}-k{}-pdl{}".format(*c))
 def test_compiles_for_sm90a(shape_pdl, monkeypatch, tmp_path):
-    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path))  # a fresh cache: really run cute.compile
-    K._compile_moe_route.cache_clear()
-    assert callable(K.compile_for(*shape_pdl))
-    assert K._compile_moe_route.object_path(*shape_pdl).exists()
-    K._compile_moe_route.cache_clear()
+    assert_compiles_fresh(monkeypatch, tmp_path, K._compile_moe_route, shape_pdl, K.compile_for)
 
 
 def test_supports_explains():
