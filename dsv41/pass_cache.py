@@ -12,8 +12,8 @@ entry = the rewritten graph as plain data, one record per node (op, name, target
 On a hit the graph is rebuilt in place of the original's nodes, its fake values propagated from the original
 placeholders' (`FakeTensorProp` under their fake mode), and the report restored with `cache = "hit"`. A graph with a
 symbolic shape, or whose rewritten form holds a value this format cannot name (a local function, a tensor
-constant), is not cached (`cache = "off: <reason>"`); an entry that cannot be read or rebuilt is a miss (and is
-rewritten). Entries are written to a temporary file and renamed into place, so a reader never sees half of one.
+constant), or that cannot be written (the directory, the disk), is not cached (`cache = "off: <reason>"`); an entry
+that cannot be read or rebuilt is a miss (and is rewritten). Entries are written to a temporary file and renamed into place, so a reader never sees half of one.
 
 Location: `<Inductor's cache dir>/dsv41_passes/` (TORCHINDUCTOR_CACHE_DIR), beside the FX graph cache it fronts:
 clearing one clears both, and a process with its own Inductor cache has its own pass cache.
@@ -64,10 +64,10 @@ def graph_key(gm: fx.GraphModule, fingerprint: str) -> str:
 def _value_meta(n: fx.Node) -> str:
     val = n.meta.get("val")
     if isinstance(val, torch.Tensor):
-        dims = (*val.shape, *val.stride(), val.storage_offset())
-        if not all(isinstance(d, int) for d in dims):
+        layout = (tuple(val.shape), val.stride(), val.storage_offset())
+        if not all(isinstance(d, int) for d in (*layout[0], *layout[1], layout[2])):
             raise Uncacheable(f"%{n.name} has a symbolic shape")
-        return f"{val.dtype} {val.device} {tuple(val.shape)} {val.stride()} {val.storage_offset()}"
+        return f"{val.dtype} {val.device} {layout}"
     if isinstance(val, torch.SymInt | torch.SymFloat | torch.SymBool):
         raise Uncacheable(f"%{n.name} is a symbolic scalar")
     return repr(val)
@@ -75,14 +75,14 @@ def _value_meta(n: fx.Node) -> str:
 
 def load(key: str, gm: fx.GraphModule, report) -> bool:
     """Replace `gm`'s graph by the cached rewrite of `key` and fill `report`; False (graph untouched) on a miss."""
-    path = cache_dir() / f"{key}.pkl"
-    if not path.exists():
-        return False
     try:
+        path = cache_dir() / f"{key}.pkl"
+        if not path.exists():
+            return False
         entry = pickle.loads(path.read_bytes())
         graph = _rebuild(entry["nodes"], gm)
-    except Exception as e:  # a stale or damaged entry is a miss, never an error
-        log.warning("dsv41: pass cache entry %s unusable (%s: %s); running the passes", path.name, type(e).__name__, e)
+    except Exception as e:  # a stale or damaged entry (or directory) is a miss, never an error
+        log.warning("dsv41: pass cache entry %s unusable (%s: %s); running the passes", key, type(e).__name__, e)
         return False
     gm.graph = graph
     for name in _REPORT_FIELDS:
@@ -97,12 +97,18 @@ def store(key: str, gm: fx.GraphModule, report) -> str | None:
     except Uncacheable as e:
         return str(e)
     entry = {"nodes": nodes, "report": {name: getattr(report, name) for name in _REPORT_FIELDS}}
-    directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{key}.")
-    with os.fdopen(fd, "wb") as f:
-        pickle.dump(entry, f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(tmp, directory / f"{key}.pkl")
+    directory, tmp = "the pass cache", None
+    try:  # a cache that cannot be written costs the next start its passes, never this compile
+        directory = cache_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{key}.")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(entry, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, directory / f"{key}.pkl")
+    except OSError as e:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        return f"cannot write {directory}: {e}"
     return None
 
 

@@ -140,3 +140,13 @@ def test_symbolic_shape_is_not_keyed():
     gm = make_fx(lambda x: x * 2, tracing_mode="symbolic")(torch.ones(4))
     with pytest.raises(pass_cache.Uncacheable, match="symbolic"):
         pass_cache.graph_key(gm, "f")
+
+
+def test_unwritable_cache_is_a_reason_not_an_error(tmp_path, monkeypatch):
+    gm = _graph_module(lambda x: x + 1, torch.ones(4))
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(blocker))
+    reason = pass_cache.store("k", gm, CompileReport(graph_id=0))
+    assert reason is not None and reason.startswith("cannot write")
+    assert not pass_cache.load("k", gm, CompileReport(graph_id=0))  # a miss, the graph untouched
