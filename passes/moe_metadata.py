@@ -45,14 +45,15 @@ def _formulation(count, int32_counts):
     return metadata
 
 
-def _scatter_add(flat_experts, num_experts, dtype):
-    zeros = torch.zeros(num_experts, dtype=dtype, device=flat_experts.device)
-    return zeros.scatter_add_(0, flat_experts, torch.ones_like(flat_experts, dtype=dtype))
+def _accumulated(method: str):
+    """Counts by an in-place accumulation of ones into zeros (`scatter_add_` or `index_add_`)."""
+    def count(flat_experts, num_experts, dtype):
+        zeros = torch.zeros(num_experts, dtype=dtype, device=flat_experts.device)
+        return getattr(zeros, method)(0, flat_experts, torch.ones_like(flat_experts, dtype=dtype))
+    return count
 
 
-def _index_add(flat_experts, num_experts, dtype):
-    zeros = torch.zeros(num_experts, dtype=dtype, device=flat_experts.device)
-    return zeros.index_add_(0, flat_experts, torch.ones_like(flat_experts, dtype=dtype))
+_scatter_add, _index_add = _accumulated("scatter_add_"), _accumulated("index_add_")
 
 
 def _one_hot(flat_experts, num_experts, dtype):
