@@ -5,9 +5,10 @@
 # captures, checks and times alone.
 #   PART=short: layers 2,3,20,24: batch 1 and batch 8 at context 4096, batch 1 at 131072 (three processes, cold
 #               starts); then batch 1 at 4096 again in a second process on its caches (warm start).
-#   PART=long:  layers 2,3,20,24, batch 1 at context 524288, alone. On 2026-12-01 four processes side by side (short
-#               and long in one) ran out of the H200's memory: each holds ~30.5 GiB of model and caches, and the
-#               agreement checks at 4096 and 524288 could not allocate their 1.23 GiB.
+#   PART=long:  layers 2,3,20,24, batch 1 at context 524288, alone (cold starts); then dsv41 again in a second process
+#               on the first one's caches (warm start: the pass cache's and FX graph cache's counters). On 2026-12-01
+#               four processes side by side (short and long in one) ran out of the H200's memory: each holds ~30.5 GiB
+#               of model and caches, and the agreement checks at 4096 and 524288 could not allocate their 1.23 GiB.
 #   PART=deep:  all 40 layers at context 4096, batch $BATCH (default 1): eager + inductor in one process, dsv41 in
 #               another. Alone on the machine, batch 1 took 474 s and 461 s on 2026-12-01 (cold compile of the step
 #               about 300 s, then the per-layer graphs). If a call is cut short, call it again at once (the machine
@@ -31,7 +32,7 @@ if [[ $part == deep* ]] && [ -d "$warm_dir" ]; then
 else
   rm -rf "$work" && mkdir -p "$work/out"
 fi
-lock=$work/gpu.lock
+lock=${GPU_LOCK:-$work/gpu.lock}  # GPU_LOCK: a lock shared with other GPU work of the same call (flock on the file)
 case $part in deep) default=540 ;; deep_inductor) default=570 ;; *) default=480 ;; esac
 budget=${BENCH_TIMEOUT:-$default}  # each process's limit, inside the device call's 600 s with bootstrap and packing
 start=$SECONDS
@@ -59,8 +60,11 @@ if [ "$part" = short ]; then
     --variants inductor,dsv41 --start warm --no-profile
   wait $others
 elif [ "$part" = long ]; then
-  bench b1_ctx524288 $((budget - 60)) --layers 2,3,20,24 --batch 1 --context 524288 --variants eager,inductor,dsv41 \
-    --no-profile
+  L=2,3,20,24
+  bench b1_ctx524288 $((budget - 120)) --layers $L --batch 1 --context 524288 --variants eager,inductor,dsv41 --no-profile
+  mkdir -p "$work/b1_ctx524288_warm" && cp -r "$work/b1_ctx524288/." "$work/b1_ctx524288_warm/"
+  bench b1_ctx524288_warm $((budget - (SECONDS - start) - 10)) --layers $L --batch 1 --context 524288 --variants dsv41 \
+    --start warm --no-profile
 elif [ "$part" = deep ]; then
   b=${BATCH:-1}
   bench all_b${b}_eager-inductor $budget --layers all --batch $b --context 4096 --variants eager,inductor --no-profile \
