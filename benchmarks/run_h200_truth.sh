@@ -5,7 +5,7 @@
 # captures, checks and times alone.
 #   PART=short: layers 2,3,20,24: batch 1 and batch 8 at context 4096, batch 1 at 131072 (three processes, cold
 #               starts); then batch 1 at 4096 again in a second process on its caches (warm start).
-#   PART=long:  layers 2,3,20,24, batch 1 at context 524288, alone (cold starts); then dsv41 again in a second process
+#   PART=long:  layers 2,3,20,24, batch 1 at context 524288, alone (cold starts); then Inductor and dsv41 again in a second process
 #               on the first one's caches (warm start: the pass cache's and FX graph cache's counters). On 2026-12-01
 #               four processes side by side (short and long in one) ran out of the H200's memory: each holds ~30.5 GiB
 #               of model and caches, and the agreement checks at 4096 and 524288 could not allocate their 1.23 GiB.
@@ -63,7 +63,7 @@ elif [ "$part" = long ]; then
   L=2,3,20,24
   bench b1_ctx524288 $((budget - 120)) --layers $L --batch 1 --context 524288 --variants eager,inductor,dsv41 --no-profile
   mkdir -p "$work/b1_ctx524288_warm" && cp -r "$work/b1_ctx524288/." "$work/b1_ctx524288_warm/"
-  bench b1_ctx524288_warm $((budget - (SECONDS - start) - 10)) --layers $L --batch 1 --context 524288 --variants dsv41 \
+  bench b1_ctx524288_warm $((budget - (SECONDS - start) - 10)) --layers $L --batch 1 --context 524288 --variants inductor,dsv41 \
     --start warm --no-profile
 elif [ "$part" = deep ]; then
   b=${BATCH:-1}
