@@ -19,14 +19,16 @@ The reduction over D is deterministic (no atomics on data, so CUDA-graph replays
 
 1. each CTA sums its 16 warps' accumulators in shared memory, in warp order, and stores its partial logits in the
    fp32 workspace ``ws[s, t, e]``;
-2. the last of the 5 CTAs of row group g to finish (a ticket counter per group) sums the partials in split order,
-   applies the temperature, softplus and sqrt, and stores the scores in ``ws[S, t, e]``;
-3. the last of the 24 row-group finishers (a second ticket) selects each token's experts, one warp per token:
-   lane l holds experts l, l + 32, ...; k rounds of a (biased score, index) argmax over the lane's slots and then
-   over the warp (butterfly), each removing its winner, then the weights from the winners' unbiased scores.
+2. one ticket: thread 0 of each CTA adds 1 to a counter (release and acquire; the CTA's barriers carry them to its
+   other threads, as a cooperative grid sync does), and the last of the 120 CTAs goes on alone;
+3. it takes the tokens 16 at a time: all its threads sum the (token, expert) partials in split order and apply the
+   temperature, softplus and sqrt into shared memory; then each warp selects one token's experts: lane l holds
+   experts l, l + 32, ...; k rounds, each a ``redux.sync`` max of the order keys of score + bias and a ``redux.sync``
+   min of the indices holding it (equal biased scores: the lower index), then the weights from the winners'
+   unbiased scores.
 
-The finishers reset their counters, so every launch (CUDA-graph replays included) finds them zero; launches that
-share the counters (one set per device) must therefore be stream-ordered.
+The last CTA resets the counter, so every launch (CUDA-graph replays included) finds it zero; launches that share it
+(one per device) must therefore be stream-ordered.
 
 With ``pdl`` the kernel is a programmatic dependent launch: it lets the next kernel launch at once, loads its slice
 of the weight, and only then waits for the preceding kernel before reading h.
@@ -57,8 +59,9 @@ _TILE_N = 8  # tokens per MMA
 _TILES = 4  # MMA token tiles per pass
 _TOK_PASS = _TILE_N * _TILES  # = _WARPS * 32 / ROWS: one thread per (token, row) of a pass
 _SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus: x above it is returned as is
-_LOWEST = -(2**31)  # the order key of a taken slot: below every score's key
-_NO_EXPERT = 2**31 - 1  # the index of a taken slot: above every expert's
+_LOWEST = -(2**31)  # the order key of a retired slot: below every score's key
+_NAN_KEY = 2**31 - 1  # the order key of a NaN score: above +inf's
+_NO_EXPERT = 2**31 - 1  # an index above every expert's
 
 
 class MoeRoute:
@@ -99,8 +102,6 @@ class MoeRoute:
                                                               stride=(_TOK_PASS * (ROWS + 1), ROWS + 1, 1)),
                                     byte_alignment=16)
         s_last = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
-        sTop = smem.allocate_tensor(Float32, cute.make_layout((_WARPS, MAX_TOPK), stride=(MAX_TOPK, 1)),
-                                    byte_alignment=4)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -144,74 +145,67 @@ class MoeRoute:
                 mWs[split, tok, group * ROWS + row] = part
             cute.arch.barrier()  # sAcc is rewritten by the next pass
 
-        # Ticket of the row group: its last CTA sees the other splits' partial logits.
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.barrier()
+        # The launch's ticket: the last of its CTAs sees every partial logit. Thread 0's release covers the whole
+        # CTA's stores (they precede it through the barrier ending the last pass), and its acquire the CTA's loads
+        # after the next barrier, as in a cooperative grid sync: no fence by every thread.
         if tidx == 0:
-            ticket = cute.arch.atomic_add(cute_utils.elem_ptr(mCount, (group,)), Int32(1), sem="acq_rel", scope="gpu")
-            s_last[0] = Int32(ticket == self.splits - 1)
+            ticket = cute.arch.atomic_add(cute_utils.elem_ptr(mCount, (0,)), Int32(1), sem="acq_rel", scope="gpu")
+            s_last[0] = Int32(ticket == self.groups * self.splits - 1)
         cute.arch.barrier()
         if s_last[0] != 0:
-            cute.arch.fence_acq_rel_gpu()
-            for i in cutlass.range(tidx, n_tok * ROWS, _WARPS * 32):
-                t = i // ROWS
-                e = group * ROWS + i % ROWS
-                parts = [cute.arch.load(cute_utils.elem_ptr(mWs, (s, t, e)), Float32, sem="relaxed", scope="gpu")
-                         for s in range(self.splits)]
-                logit = parts[0]
-                for s in cutlass.range_constexpr(1, self.splits):
-                    logit = logit + parts[s]
-                mWs[self.splits, t, e] = _score(logit / gate_temp)
             if tidx == 0:
-                mCount[group] = Int32(0)
-            # Ticket of the layer: the last row-group finisher sees every score.
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.barrier()
-            if tidx == 0:
-                ticket = cute.arch.atomic_add(cute_utils.elem_ptr(mCount, (self.groups,)), Int32(1), sem="acq_rel",
-                                              scope="gpu")
-                s_last[0] = Int32(ticket == self.groups - 1)
-            cute.arch.barrier()
-            if s_last[0] != 0:
-                cute.arch.fence_acq_rel_gpu()
-                for t in cutlass.range(warp, n_tok, _WARPS):
-                    self.select(t, warp, lane, mWs, bias, mWeights, mExperts, route_scale, sTop)
-                if tidx == 0:
-                    mCount[self.groups] = Int32(0)
+                mCount[0] = Int32(0)
+            # sScore aliases sAcc (free after the last pass's barrier): the scores of up to 16 tokens, one per warp.
+            sScore = cute.make_tensor(sAcc.iterator, cute.make_layout((_WARPS, self.experts), stride=(self.experts, 1)))
+            for t0 in cutlass.range(0, n_tok, _WARPS):
+                # every thread: (token, expert) pairs of the chunk, the partial logits summed in split order
+                for i in cutlass.range(tidx, cutlass.min(n_tok - t0, _WARPS) * self.experts, _WARPS * 32):
+                    tl = i // self.experts
+                    e = i - tl * self.experts
+                    parts = [cute.arch.load(cute_utils.elem_ptr(mWs, (s, t0 + tl, e)), Float32, sem="relaxed",
+                                            scope="gpu") for s in range(self.splits)]
+                    logit = parts[0]
+                    for s in cutlass.range_constexpr(1, self.splits):
+                        logit = logit + parts[s]
+                    sScore[tl, e] = _score(logit / gate_temp)
+                cute.arch.barrier()
+                if t0 + warp < n_tok:
+                    self.select(t0 + warp, warp, lane, sScore, bias, mWeights, mExperts, route_scale)
+                cute.arch.barrier()  # sScore is rewritten by the next chunk
 
     @cute.jit
-    def select(self, t: Int32, warp: Int32, lane: Int32, mWs: cute.Tensor, bias: list, mWeights: cute.Tensor,
-               mExperts: cute.Tensor, route_scale: Float32, sTop: cute.Tensor):
-        """Token t's experts and weights, by one warp (lane l: experts l, l + 32, ..., whose bias it holds).
+    def select(self, t: Int32, warp: Int32, lane: Int32, sScore: cute.Tensor, bias: list, mWeights: cute.Tensor,
+               mExperts: cute.Tensor, route_scale: Float32):
+        """Token t's experts and weights, by one warp, from its scores in sScore[warp] (lane l: experts l, l + 32,
+        ..., whose bias it holds).
 
-        The k rounds are a rolled loop (lane 0 keeps each round's winning score in sTop[warp]): one CTA runs this
-        once per launch, so unrolled code would be fetched from L2 line by line (see ``dsv41.kernels.mhc_coeffs``).
+        Each of the k rounds (a rolled loop: code that runs once per launch is fetched cold) takes the warp's largest
+        order key (``redux.sync`` max over the lanes' best), then the lowest expert index holding it (``redux.sync``
+        min), and retires that slot; the result is uniform over the warp, so lane r keeps round r's expert and score,
+        and every lane sums the winners' scores in round order.
         """
         slots = self.experts // 32
-        score = [cute.arch.load(cute_utils.elem_ptr(mWs, (self.splits, t, lane + 32 * j)), Float32, sem="relaxed",
-                                scope="gpu") for j in range(slots)]
-        key = [_order_key(score[j] + bias[j]) for j in range(slots)]
         idx = [lane + 32 * j for j in range(slots)]
+        key = [_order_key(sScore[warp, idx[j]] + bias[j]) for j in range(slots)]
+        mine = Int32(0)  # lane r < k: the expert of round r
+        mine_score = Float32(0.0)
+        total = Float32(0.0)
         for k in cutlass.range(self.topk, unroll=1):
-            # the lane's best slot (a pairwise tree), then the warp's (a butterfly: every lane gets the winner)
-            best = _tree_best([(key[j], idx[j], score[j]) for j in range(slots)])
-            for level in cutlass.range_constexpr(5):
-                other = tuple(cute.arch.shuffle_sync_bfly(v, offset=16 >> level) for v in best)
-                best = _better(best, other)
-            if lane == 0:
-                mExperts[t, k] = Int64(best[1])
-                sTop[warp, k] = best[2]
+            top = cute.arch.warp_redux_sync(_tree(key, cutlass.max), "max")
+            first = cute.arch.warp_redux_sync(
+                _tree([cutlass.select_(key[j] == top, idx[j], Int32(_NO_EXPERT)) for j in range(slots)], cutlass.min),
+                "min")
             for j in cutlass.range_constexpr(slots):
-                taken = idx[j] == best[1]
-                key[j] = cutlass.select_(taken, Int32(_LOWEST), key[j])
-                idx[j] = cutlass.select_(taken, Int32(_NO_EXPERT), idx[j])
-        if lane == 0:  # the thread that wrote sTop[warp]
-            total = sTop[warp, 0]
-            for k in cutlass.range_constexpr(1, self.topk):
-                total = total + sTop[warp, k]
-            total = total + 1e-20
-            for k in cutlass.range_constexpr(self.topk):
-                mWeights[t, k] = sTop[warp, k] / total * route_scale
+                key[j] = cutlass.select_(idx[j] == first, Int32(_LOWEST), key[j])
+            score = sScore[warp, first]
+            total = total + score
+            if lane == k:
+                mine = first
+                mine_score = score
+        total = total + 1e-20
+        if lane < self.topk:
+            mExperts[t, lane] = Int64(mine)
+            mWeights[t, lane] = mine_score / total * route_scale
 
 
 @cute.jit
@@ -225,29 +219,18 @@ def _score(x: Float32) -> Float32:
 
 @cute.jit
 def _order_key(v: Float32) -> Int32:
-    """An Int32 whose signed order is v's float order (-0 below +0; NaN with the sign bit clear above +inf)."""
-    bits = cute.recast_tensor(_scalar_tensor(v), Int32)[0]
-    return cutlass.select_(bits < 0, bits ^ Int32(0x7FFFFFFF), bits)
+    """An Int32 whose signed order is v's float order (-0 below +0), every NaN above +inf as torch's sort ranks
+    it; every key is above ``_LOWEST``."""
+    bits = cute_utils.float_bits(v)
+    key = cutlass.select_(bits < 0, bits ^ Int32(0x7FFFFFFF), bits)
+    return cutlass.select_(v != v, Int32(_NAN_KEY), key)
 
 
-@cute.jit
-def _scalar_tensor(v: Float32) -> cute.Tensor:
-    t = cute.make_rmem_tensor((1,), Float32)
-    t[0] = v
-    return t
-
-
-def _tree_best(cands: list) -> tuple:
-    """The first-ranking of ``cands`` by a pairwise tree of ``_better`` (depth log2 instead of a chain)."""
-    while len(cands) > 1:
-        cands = [_better(cands[i], cands[i + 1]) if i + 1 < len(cands) else cands[i] for i in range(0, len(cands), 2)]
-    return cands[0]
-
-
-def _better(a: tuple, b: tuple) -> tuple:
-    """The (key, index, score) slot that ranks first: the larger key, on equal keys the lower index."""
-    b_wins = (b[0] > a[0]) | ((b[0] == a[0]) & (b[1] < a[1]))
-    return tuple(cutlass.select_(b_wins, y, x) for x, y in zip(a, b))
+def _tree(vals: list, op):
+    """``op`` folded over ``vals`` as a pairwise tree (depth log2 instead of a chain)."""
+    while len(vals) > 1:
+        vals = [op(vals[i], vals[i + 1]) if i + 1 < len(vals) else vals[i] for i in range(0, len(vals), 2)]
+    return vals[0]
 
 
 def config_reason(dim: int, experts: int, topk: int) -> str | None:
@@ -276,7 +259,7 @@ def supports(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, *, 
     reason = config_reason(d, e, topk)
     if reason is not None:
         return reason
-    if t * d >= 2**31 or (d // K_PER_CTA + 1) * t * e >= 2**31:
+    if t * d >= 2**31 or d // K_PER_CTA * t * e >= 2**31:
         return f"T = {t} overflows the kernel's 32-bit indexing"
     return hopper_reason(h=h, gate_weight=gate_weight, bias=bias)
 
@@ -284,12 +267,12 @@ def supports(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, *, 
 @cached_kernel(__file__, cute_utils.__file__)
 def _compile_moe_route(dim: int, experts: int, topk: int, pdl: bool):
     t = cute.sym_int()
-    splits, groups = dim // K_PER_CTA, experts // ROWS
+    splits = dim // K_PER_CTA
     return compile_tvm_ffi(
         MoeRoute(dim, experts, topk, pdl),
         fake_tensor(BFloat16, (t, dim)), fake_tensor(BFloat16, (experts, dim)), fake_tensor(Float32, (experts,), 4),
         fake_tensor(Float32, (t, topk), 4), fake_tensor(Int64, (t, topk), 8),
-        fake_tensor(Float32, (splits + 1, t, experts), 4), fake_tensor(Int32, (groups + 1,), 4),
+        fake_tensor(Float32, (splits, t, experts), 4), fake_tensor(Int32, (1,), 4),
         Float32(1.0), Float32(1.0), env_stream(),
     )
 
@@ -300,19 +283,18 @@ def compile_for(dim: int, experts: int, topk: int, pdl: bool = True):
     return _compile_moe_route(dim, experts, topk, pdl)
 
 
-_COUNTERS: dict[int, torch.Tensor] = {}  # device index -> the zeroed ticket counters (row groups + 1)
+_COUNTERS: dict[int, torch.Tensor] = {}  # device index -> the zeroed ticket counter (kernels leave it zeroed)
 
 
-def _counters(device: torch.device, groups: int) -> torch.Tensor:
-    """The device's ticket counters, at least ``groups + 1``; kernels leave them zeroed. Grown (never freed:
-    captured graphs keep the old address) outside CUDA-graph capture only."""
+def _counter(device: torch.device) -> torch.Tensor:
+    """The device's ticket counter, allocated outside CUDA-graph capture (captured graphs keep its address)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     count = _COUNTERS.get(idx)
-    if count is None or count.numel() < groups + 1:
+    if count is None:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("moe_route: the ticket counters must be allocated before CUDA-graph capture; "
+            raise RuntimeError("moe_route: the ticket counter must be allocated before CUDA-graph capture; "
                                "call moe_route once first")
-        count = _COUNTERS[idx] = torch.zeros(max(64, groups + 1), dtype=torch.int32, device=device)
+        count = _COUNTERS[idx] = torch.zeros(1, dtype=torch.int32, device=device)
     return count
 
 
@@ -339,9 +321,7 @@ def moe_route(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, *,
             if reason is not None:
                 raise ValueError(f"moe_route: {reason}")
     if t > 0:
-        splits, groups = d // K_PER_CTA, e // ROWS
-        count = _counters(h.device, groups)
-        ws = h.new_empty((splits + 1, t, e), dtype=torch.float32)
-        compile_for(d, e, topk, pdl)(h, gate_weight, bias, weights, experts, ws, count[:groups + 1], route_scale,
+        ws = h.new_empty((d // K_PER_CTA, t, e), dtype=torch.float32)
+        compile_for(d, e, topk, pdl)(h, gate_weight, bias, weights, experts, ws, _counter(h.device), route_scale,
                                      gate_temp)
     return weights, experts
