@@ -19,16 +19,20 @@ The reduction over D is deterministic (no atomics on data, so CUDA-graph replays
 
 1. each CTA sums its 16 warps' accumulators in shared memory, in warp order, and stores its partial logits in the
    fp32 workspace ``ws[s, t, e]``;
-2. one ticket: thread 0 of each CTA adds 1 to a counter (release and acquire; the CTA's barriers carry them to its
-   other threads, as a cooperative grid sync does), and the last of the 120 CTAs goes on alone;
-3. it takes the tokens 16 at a time: all its threads sum the (token, expert) partials in split order and apply the
-   temperature, softplus and sqrt into shared memory; then each warp selects one token's experts: lane l holds
-   experts l, l + 32, ...; k rounds, each a ``redux.sync`` max of the order keys of score + bias and a ``redux.sync``
-   min of the indices holding it (equal biased scores: the lower index), then the weights from the winners'
-   unbiased scores.
+2. tickets: thread 0 of each CTA adds 1 to a counter (release and acquire at GPU scope; the CTA's barriers carry
+   them to its other threads, as a cooperative grid sync does, so no other thread fences). Up to ONE_HOP_TOKENS
+   tokens there is one ticket for all 120 CTAs and its last CTA sums the partials itself; above, where that CTA's
+   score math (~100 SASS per (token, expert)) would outweigh a second ticket, the last of the 5 CTAs of each row
+   group sums its group's partials into scores (the score plane ``ws[S]``), and the last of those 24 goes on;
+3. that last CTA takes the tokens 16 at a time: all its threads bring the (token, expert) scores into shared memory
+   (the partials summed in split order, with the temperature, softplus and sqrt, or the score plane); then warp w
+   selects token t0 + w: lane l holds experts l, l + 32, ...; k rounds, each a ``redux.sync`` max of the order keys of
+   score + bias and a ``redux.sync`` min of the indices holding it (equal biased scores: the lower index first, NaN
+   above every number as torch's sort ranks it), then the weights from the winners' unbiased scores.
 
-The last CTA resets the counter, so every launch (CUDA-graph replays included) finds it zero; launches that share it
-(one per device) must therefore be stream-ordered.
+The summation order and math are the same on both paths (their results are bit-identical). The last CTA of each
+ticket resets its counter, so every launch (CUDA-graph replays included) finds them zero; launches that share the
+counters (one set per device) must therefore be stream-ordered.
 
 With ``pdl`` the kernel is a programmatic dependent launch: it lets the next kernel launch at once, loads its slice
 of the weight, and only then waits for the preceding kernel before reading h.
@@ -52,6 +56,7 @@ ROWS = 16  # weight rows per CTA: the MMA's M
 K_PER_CTA = 1024  # columns per CTA
 MAX_EXPERTS = 512  # E / 32 score slots per lane in the selection
 MAX_TOPK = 8
+ONE_HOP_TOKENS = 4  # up to this many tokens the last CTA sums the split partials itself (one ticket), else two
 _WARPS = 16
 _CHUNKS = 2  # 32-column chunks per warp: K_PER_CTA = _WARPS * _CHUNKS * 32
 _VEC = 8  # bf16 per 16-byte vector
@@ -145,38 +150,72 @@ class MoeRoute:
                 mWs[split, tok, group * ROWS + row] = part
             cute.arch.barrier()  # sAcc is rewritten by the next pass
 
-        # The launch's ticket: the last of its CTAs sees every partial logit. Thread 0's release covers the whole
-        # CTA's stores (they precede it through the barrier ending the last pass), and its acquire the CTA's loads
-        # after the next barrier, as in a cooperative grid sync: no fence by every thread.
-        if tidx == 0:
-            ticket = cute.arch.atomic_add(cute_utils.elem_ptr(mCount, (0,)), Int32(1), sem="acq_rel", scope="gpu")
-            s_last[0] = Int32(ticket == self.groups * self.splits - 1)
-        cute.arch.barrier()
-        if s_last[0] != 0:
-            if tidx == 0:
-                mCount[0] = Int32(0)
-            # sScore aliases sAcc (free after the last pass's barrier): the scores of up to 16 tokens, one per warp.
-            sScore = cute.make_tensor(sAcc.iterator, cute.make_layout((_WARPS, self.experts), stride=(self.experts, 1)))
-            for t0 in cutlass.range(0, n_tok, _WARPS):
-                # every thread: (token, expert) pairs of the chunk, the partial logits summed in split order
-                for i in cutlass.range(tidx, cutlass.min(n_tok - t0, _WARPS) * self.experts, _WARPS * 32):
-                    tl = i // self.experts
-                    e = i - tl * self.experts
-                    parts = [cute.arch.load(cute_utils.elem_ptr(mWs, (s, t0 + tl, e)), Float32, sem="relaxed",
-                                            scope="gpu") for s in range(self.splits)]
-                    logit = parts[0]
-                    for s in cutlass.range_constexpr(1, self.splits):
-                        logit = logit + parts[s]
-                    sScore[tl, e] = _score(logit / gate_temp)
-                cute.arch.barrier()
-                if t0 + warp < n_tok:
-                    self.select(t0 + warp, warp, lane, sScore, bias, mWeights, mExperts, route_scale)
-                cute.arch.barrier()  # sScore is rewritten by the next chunk
+        sScore = cute.make_tensor(sAcc.iterator, cute.make_layout((_WARPS * self.experts,)))  # sAcc, once free
+        plane = n_tok * self.experts  # one split's partial logits in ws
+        if n_tok <= ONE_HOP_TOKENS:
+            if self.last_to_arrive(mCount, 0, self.groups * self.splits, tidx, s_last) != 0:
+                self.finish(mWs, sScore, plane, 0, bias, mWeights, mExperts, route_scale, gate_temp)
+        elif self.last_to_arrive(mCount, 1 + group, self.splits, tidx, s_last) != 0:
+            # the row group's finisher: its (token, expert) scores into the score plane ws[S]
+            for i in cutlass.range(tidx, n_tok * ROWS, _WARPS * 32):
+                f = (i // ROWS) * self.experts + group * ROWS + i % ROWS
+                mWs.iterator[self.splits * plane + f] = self.logit_score(mWs, plane, f, gate_temp)
+            if self.last_to_arrive(mCount, 0, self.groups, tidx, s_last) != 0:
+                self.finish(mWs, sScore, plane, self.splits, bias, mWeights, mExperts, route_scale, gate_temp)
 
     @cute.jit
-    def select(self, t: Int32, warp: Int32, lane: Int32, sScore: cute.Tensor, bias: list, mWeights: cute.Tensor,
+    def last_to_arrive(self, mCount: cute.Tensor, slot: Int32, arrivals: cutlass.Constexpr[int], tidx: Int32,
+                       s_last: cute.Tensor) -> Int32:
+        """Nonzero in every thread of the CTA that is the last of ``arrivals`` to reach counter ``slot``; that CTA
+        resets the counter and sees every store the others made before arriving.
+
+        Thread 0 alone adds 1 (release and acquire at GPU scope); the barriers around it carry both to the CTA's
+        other threads, as a cooperative grid sync does, so no thread but it fences.
+        """
+        cute.arch.barrier()
+        if tidx == 0:
+            ticket = cute.arch.atomic_add(cute_utils.elem_ptr(mCount, (slot,)), Int32(1), sem="acq_rel", scope="gpu")
+            s_last[0] = Int32(ticket == arrivals - 1)
+            if ticket == arrivals - 1:
+                mCount[slot] = Int32(0)
+        cute.arch.barrier()
+        return s_last[0]
+
+    @cute.jit
+    def logit_score(self, mWs: cute.Tensor, plane: Int32, f: Int32, gate_temp: Float32) -> Float32:
+        """The score of flat (token, expert) ``f``: its partial logits in ws summed in split order."""
+        parts = [cute.arch.load(mWs.iterator + (s * plane + f), Float32, sem="relaxed", scope="gpu")
+                 for s in range(self.splits)]
+        logit = parts[0]
+        for s in cutlass.range_constexpr(1, self.splits):
+            logit = logit + parts[s]
+        return _score(logit / gate_temp)
+
+    @cute.jit
+    def finish(self, mWs: cute.Tensor, sScore: cute.Tensor, plane: Int32, scored: cutlass.Constexpr[int],
+               bias: list, mWeights: cute.Tensor, mExperts: cute.Tensor, route_scale: Float32, gate_temp: Float32):
+        """The last CTA: 16 tokens at a time, every thread brings (token, expert) scores into sScore, from the
+        score plane ws[S] when ``scored`` (= S), else from the partial logits; then warp w selects token t0 + w."""
+        warp = cute.arch.warp_idx()
+        lane = cute.arch.lane_idx()
+        n_tok = plane // self.experts
+        for t0 in cutlass.range(0, n_tok, _WARPS):
+            for i in cutlass.range(cute.arch.thread_idx()[0], cutlass.min(n_tok - t0, _WARPS) * self.experts,
+                                   _WARPS * 32):
+                f = t0 * self.experts + i
+                if const_expr(scored):
+                    sScore[i] = cute.arch.load(mWs.iterator + (scored * plane + f), Float32, sem="relaxed", scope="gpu")
+                else:
+                    sScore[i] = self.logit_score(mWs, plane, f, gate_temp)
+            cute.arch.barrier()
+            if t0 + warp < n_tok:
+                self.select(t0 + warp, warp * self.experts, lane, sScore, bias, mWeights, mExperts, route_scale)
+            cute.arch.barrier()  # sScore is rewritten by the next chunk
+
+    @cute.jit
+    def select(self, t: Int32, row: Int32, lane: Int32, sScore: cute.Tensor, bias: list, mWeights: cute.Tensor,
                mExperts: cute.Tensor, route_scale: Float32):
-        """Token t's experts and weights, by one warp, from its scores in sScore[warp] (lane l: experts l, l + 32,
+        """Token t's experts and weights, by one warp, from its scores sScore[row:row + E] (lane l: experts l, l + 32,
         ..., whose bias it holds).
 
         Each of the k rounds (a rolled loop: code that runs once per launch is fetched cold) takes the warp's largest
@@ -186,7 +225,7 @@ class MoeRoute:
         """
         slots = self.experts // 32
         idx = [lane + 32 * j for j in range(slots)]
-        key = [_order_key(sScore[warp, idx[j]] + bias[j]) for j in range(slots)]
+        key = [_order_key(sScore[row + idx[j]] + bias[j]) for j in range(slots)]
         mine = Int32(0)  # lane r < k: the expert of round r
         mine_score = Float32(0.0)
         total = Float32(0.0)
@@ -197,7 +236,7 @@ class MoeRoute:
                 "min")
             for j in cutlass.range_constexpr(slots):
                 key[j] = cutlass.select_(idx[j] == first, Int32(_LOWEST), key[j])
-            score = sScore[warp, first]
+            score = sScore[row + first]
             total = total + score
             if lane == k:
                 mine = first
@@ -259,7 +298,7 @@ def supports(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, *, 
     reason = config_reason(d, e, topk)
     if reason is not None:
         return reason
-    if t * d >= 2**31 or d // K_PER_CTA * t * e >= 2**31:
+    if t * d >= 2**31 or (d // K_PER_CTA + 1) * t * e >= 2**31:
         return f"T = {t} overflows the kernel's 32-bit indexing"
     return hopper_reason(h=h, gate_weight=gate_weight, bias=bias)
 
@@ -272,7 +311,7 @@ def _compile_moe_route(dim: int, experts: int, topk: int, pdl: bool):
         MoeRoute(dim, experts, topk, pdl),
         fake_tensor(BFloat16, (t, dim)), fake_tensor(BFloat16, (experts, dim)), fake_tensor(Float32, (experts,), 4),
         fake_tensor(Float32, (t, topk), 4), fake_tensor(Int64, (t, topk), 8),
-        fake_tensor(Float32, (splits, t, experts), 4), fake_tensor(Int32, (1,), 4),
+        fake_tensor(Float32, (splits + 1, t, experts), 4), fake_tensor(Int32, (experts // ROWS + 1,), 4),
         Float32(1.0), Float32(1.0), env_stream(),
     )
 
@@ -283,18 +322,19 @@ def compile_for(dim: int, experts: int, topk: int, pdl: bool = True):
     return _compile_moe_route(dim, experts, topk, pdl)
 
 
-_COUNTERS: dict[int, torch.Tensor] = {}  # device index -> the zeroed ticket counter (kernels leave it zeroed)
+_COUNTERS: dict[int, torch.Tensor] = {}  # device index -> the zeroed ticket counters (row groups + 1)
 
 
-def _counter(device: torch.device) -> torch.Tensor:
-    """The device's ticket counter, allocated outside CUDA-graph capture (captured graphs keep its address)."""
+def _counters(device: torch.device, groups: int) -> torch.Tensor:
+    """The device's ticket counters, at least ``groups + 1``; kernels leave them zeroed. Grown (never freed:
+    captured graphs keep the old address) outside CUDA-graph capture only."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     count = _COUNTERS.get(idx)
-    if count is None:
+    if count is None or count.numel() < groups + 1:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("moe_route: the ticket counter must be allocated before CUDA-graph capture; "
+            raise RuntimeError("moe_route: the ticket counters must be allocated before CUDA-graph capture; "
                                "call moe_route once first")
-        count = _COUNTERS[idx] = torch.zeros(1, dtype=torch.int32, device=device)
+        count = _COUNTERS[idx] = torch.zeros(max(64, groups + 1), dtype=torch.int32, device=device)
     return count
 
 
@@ -321,7 +361,9 @@ def moe_route(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, *,
             if reason is not None:
                 raise ValueError(f"moe_route: {reason}")
     if t > 0:
-        ws = h.new_empty((d // K_PER_CTA, t, e), dtype=torch.float32)
-        compile_for(d, e, topk, pdl)(h, gate_weight, bias, weights, experts, ws, _counter(h.device), route_scale,
+        splits, groups = d // K_PER_CTA, e // ROWS
+        count = _counters(h.device, groups)
+        ws = h.new_empty((splits + 1, t, e), dtype=torch.float32)
+        compile_for(d, e, topk, pdl)(h, gate_weight, bias, weights, experts, ws, count[:groups + 1], route_scale,
                                      gate_temp)
     return weights, experts
