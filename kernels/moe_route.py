@@ -151,17 +151,29 @@ class MoeRoute:
             cute.arch.barrier()  # sAcc is rewritten by the next pass
 
         sScore = cute.make_tensor(sAcc.iterator, cute.make_layout((_WARPS * self.experts,)))  # sAcc, once free
-        plane = n_tok * self.experts  # one split's partial logits in ws
+        plane = n_tok * self.experts  # ws[s] holds (token, expert) f = t * E + e at s * plane + f
+        select_args = (n_tok, warp, lane, sScore, bias, mWeights, mExperts, route_scale)
         if n_tok <= ONE_HOP_TOKENS:
             if self.last_to_arrive(mCount, 0, self.groups * self.splits, tidx, s_last) != 0:
-                self.finish(mWs, sScore, plane, 0, bias, mWeights, mExperts, route_scale, gate_temp)
+                # every thread: its (at most ceil(ONE_HOP_TOKENS * E / 512)) scores, all partials requested first
+                f = [tidx + _WARPS * 32 * u for u in range(-(-ONE_HOP_TOKENS * self.experts // (_WARPS * 32)))]
+                parts = [self.partials(mWs, plane, cutlass.min(f_u, plane - 1)) for f_u in f]
+                scores = [self.score(p, gate_temp) for p in parts]  # (unconditional: the chains overlap)
+                for u in cutlass.range_constexpr(len(f)):
+                    if f[u] < plane:
+                        sScore[f[u]] = scores[u]
+                self.select_tokens(0, *select_args)
         elif self.last_to_arrive(mCount, 1 + group, self.splits, tidx, s_last) != 0:
             # the row group's finisher: its (token, expert) scores into the score plane ws[S]
             for i in cutlass.range(tidx, n_tok * ROWS, _WARPS * 32):
                 f = (i // ROWS) * self.experts + group * ROWS + i % ROWS
-                mWs.iterator[self.splits * plane + f] = self.logit_score(mWs, plane, f, gate_temp)
+                mWs.iterator[self.splits * plane + f] = self.score(self.partials(mWs, plane, f), gate_temp)
             if self.last_to_arrive(mCount, 0, self.groups, tidx, s_last) != 0:
-                self.finish(mWs, sScore, plane, self.splits, bias, mWeights, mExperts, route_scale, gate_temp)
+                for t0 in cutlass.range(0, n_tok, _WARPS):
+                    for i in cutlass.range(tidx, cutlass.min(n_tok - t0, _WARPS) * self.experts, _WARPS * 32):
+                        sScore[i] = cute.arch.load(mWs.iterator + (self.splits * plane + t0 * self.experts + i),
+                                                   Float32, sem="relaxed", scope="gpu")
+                    self.select_tokens(t0, *select_args)
 
     @cute.jit
     def last_to_arrive(self, mCount: cute.Tensor, slot: Int32, arrivals: cutlass.Constexpr[int], tidx: Int32,
@@ -182,35 +194,27 @@ class MoeRoute:
         return s_last[0]
 
     @cute.jit
-    def logit_score(self, mWs: cute.Tensor, plane: Int32, f: Int32, gate_temp: Float32) -> Float32:
-        """The score of flat (token, expert) ``f``: its partial logits in ws summed in split order."""
-        parts = [cute.arch.load(mWs.iterator + (s * plane + f), Float32, sem="relaxed", scope="gpu")
-                 for s in range(self.splits)]
+    def partials(self, mWs: cute.Tensor, plane: Int32, f: Int32) -> list:
+        """The split partial logits of flat (token, expert) ``f``, loaded from L2."""
+        return [cute.arch.load(mWs.iterator + (s * plane + f), Float32, sem="relaxed", scope="gpu")
+                for s in range(self.splits)]
+
+    @cute.jit
+    def score(self, parts: list, gate_temp: Float32) -> Float32:
+        """The score of a logit's split partials, summed in split order."""
         logit = parts[0]
         for s in cutlass.range_constexpr(1, self.splits):
             logit = logit + parts[s]
         return _score(logit / gate_temp)
 
     @cute.jit
-    def finish(self, mWs: cute.Tensor, sScore: cute.Tensor, plane: Int32, scored: cutlass.Constexpr[int],
-               bias: list, mWeights: cute.Tensor, mExperts: cute.Tensor, route_scale: Float32, gate_temp: Float32):
-        """The last CTA: 16 tokens at a time, every thread brings (token, expert) scores into sScore, from the
-        score plane ws[S] when ``scored`` (= S), else from the partial logits; then warp w selects token t0 + w."""
-        warp = cute.arch.warp_idx()
-        lane = cute.arch.lane_idx()
-        n_tok = plane // self.experts
-        for t0 in cutlass.range(0, n_tok, _WARPS):
-            for i in cutlass.range(cute.arch.thread_idx()[0], cutlass.min(n_tok - t0, _WARPS) * self.experts,
-                                   _WARPS * 32):
-                f = t0 * self.experts + i
-                if const_expr(scored):
-                    sScore[i] = cute.arch.load(mWs.iterator + (scored * plane + f), Float32, sem="relaxed", scope="gpu")
-                else:
-                    sScore[i] = self.logit_score(mWs, plane, f, gate_temp)
-            cute.arch.barrier()
-            if t0 + warp < n_tok:
-                self.select(t0 + warp, warp * self.experts, lane, sScore, bias, mWeights, mExperts, route_scale)
-            cute.arch.barrier()  # sScore is rewritten by the next chunk
+    def select_tokens(self, t0: Int32, n_tok: Int32, warp: Int32, lane: Int32, sScore: cute.Tensor, bias: list,
+                      mWeights: cute.Tensor, mExperts: cute.Tensor, route_scale: Float32):
+        """Once sScore holds the scores of tokens [t0, t0 + 16) (row w: token t0 + w), warp w selects token t0 + w."""
+        cute.arch.barrier()
+        if t0 + warp < n_tok:
+            self.select(t0 + warp, warp * self.experts, lane, sScore, bias, mWeights, mExperts, route_scale)
+        cute.arch.barrier()  # sScore may be rewritten next
 
     @cute.jit
     def select(self, t: Int32, row: Int32, lane: Int32, sScore: cute.Tensor, bias: list, mWeights: cute.Tensor,
