@@ -3,8 +3,9 @@
 CPU: it compiles for sm_90a (Flash dimensions with and without programmatic dependent launch, a small shape at the
 smallest and largest k); `supports` and the entry explain what they reject; the op's reference honours the tie rule.
 GPU (H200), against the op's reference (`dsv41.lowerings.moe_route.reference`, fp32), outputs poisoned with NaN
-before each call: T in DSV41_TEST_TOKENS (default 1,2,3,5,8,16,31,64) at D=5120 E=384 k=6 and D=2048 E=64 k=4; the
-default covers both of the kernel's tails (one ticket up to K.ONE_HOP_TOKENS = 4 tokens, two above).
+before each call: T in DSV41_TEST_TOKENS (default 1,2,3,4,5,8,16,31,64) at D=5120 E=384 k=6 and D=2048 E=64 k=4; the
+default covers both of the kernel's tails and the step between them (one ticket up to K.ONE_HOP_TOKENS = 4 tokens,
+two above).
 
 How results are compared. The kernel sums the logits in another order than cuBLAS (bf16 tensor-core products with
 fp32 accumulation over 128 columns, then fp32 sums over warps and CTAs), so its logits differ from the reference's by
@@ -19,6 +20,7 @@ fp32 accumulation over 128 columns, then fp32 sums over warps and CTAs), so its 
 - ties (equal biased scores, made exact for both implementations: zero hidden states, quantised bias): the experts
   must equal the reference's exactly, order included (the lower expert index first).
 - NaN biased scores rank above every number, in index order, as the reference's sort ranks them.
+- the two tails (one ticket, two tickets) give the same tokens bit-identical routes.
 CUDA graphs: 500 replays alternating two input sets with different routings are bit-identical to direct calls, on
 each tail.
 When CUDA is present these tests fail (never skip) if the kernel cannot run.
@@ -36,7 +38,7 @@ require_cute_dsl()
 from dsv41.kernels import moe_route as K  # noqa: E402
 from dsv41.lowerings.moe_route import reference  # noqa: E402
 
-TOKENS = tokens_from_env("1,2,3,5,8,16,31,64")
+TOKENS = tokens_from_env("1,2,3,4,5,8,16,31,64")
 SHAPES = [(5120, 384, 6), (2048, 64, 4)]  # (D, E, k)
 ROUTE_SCALE = 1.5
 BIASED_TOL = 1e-4
@@ -177,6 +179,18 @@ def test_matches_reference_one_expert_set(shape):
 def test_without_pdl():
     h, w, bias = _inputs(8, 5120, 384, 8)
     _assert_routes(_route(h, w, bias, 6, pdl=False), h, w, bias, 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "D{}-E{}-k{}".format(*s))
+def test_tails_agree(shape):
+    """A token's route does not depend on the others' nor on the tail: the first K.ONE_HOP_TOKENS tokens routed alone
+    (one ticket) are bit-identical to the same tokens routed with more (two tickets)."""
+    d, e, k = shape
+    n = K.ONE_HOP_TOKENS
+    h, w, bias = _inputs(n + 3, d, e, 15)
+    alone, together = _route(h[:n].contiguous(), w, bias, k), _route(h, w, bias, k)
+    assert torch.equal(alone[0], together[0][:n]) and torch.equal(alone[1], together[1][:n])
 
 
 @pytest.mark.gpu
