@@ -19,14 +19,26 @@ The reduction over D is deterministic (no atomics on data, so CUDA-graph replays
 
 1. each CTA sums its 16 warps' accumulators in shared memory, in warp order, and stores its partial logits in the
    fp32 workspace ``ws[s, t, e]``;
-2. the last of the 5 CTAs of row group g to finish (a ticket counter per group) sums the partials in split order,
-   applies the temperature, softplus and sqrt, and stores the scores in ``ws[S, t, e]``;
-3. the last of the 24 row-group finishers (a second ticket) selects each token's experts, one warp per token:
-   lane l holds experts l, l + 32, ...; k rounds of a (biased score, index) argmax over the lane's slots and then
-   over the warp (butterfly), each removing its winner, then the weights from the winners' unbiased scores.
+2. tickets: thread 0 of each CTA adds 1 to a counter (release and acquire at GPU scope; the CTA's barriers carry
+   them to its other threads, as a cooperative grid sync does, so no other thread fences). Up to ONE_HOP_TOKENS
+   tokens there is one ticket for all 120 CTAs and its last CTA sums the partials itself; above, where that CTA's
+   score math (~100 SASS per (token, expert)) would outweigh a second ticket, the last of the 5 CTAs of each row
+   group sums its group's partials into scores (the score plane ``ws[S]``), and the last of those 24 goes on;
+3. that last CTA takes the tokens 16 at a time: all its threads bring the (token, expert) scores into shared memory
+   (the partials summed in split order, with the temperature, softplus and sqrt, or the score plane); then warp w
+   selects token t0 + w: lane l holds experts l, l + 32, ...; k rounds, each a ``redux.sync`` max of the order keys of
+   score + bias and a ``redux.sync`` min of the indices holding it (equal biased scores: the lower index first, NaN
+   above every number as torch's sort ranks it), then the weights from the winners' unbiased scores.
 
-The finishers reset their counters, so every launch (CUDA-graph replays included) finds them zero; launches that
-share the counters (one set per device) must therefore be stream-ordered.
+The summation order and math are the same on both paths (their results are bit-identical). The last CTA of each
+ticket resets its counter, so every launch (CUDA-graph replays included) finds them zero; launches that share the
+counters (one set per device) must therefore be stream-ordered.
+
+Static evidence (sm_90a, ptxas -v, cuobjdump -sass; not yet timed on the GPU): 64 registers (the two-ticket design
+before: 92), no spills. From the last partial store to the output stores at T <= 4: thread 0's fence and atomic, then
+one batch of L2 loads (before: 6 fences, 2 atomics, 2 dependent batches of L2 loads); the selecting warp runs ~900
+SASS instructions there at T = 1, E = 384, k = 6 (ticket 21, scores 288, selection 586 = 98 + 6 rounds x 76 + 32),
+before ~1280 (selection 1100: 153 per round).
 
 With ``pdl`` the kernel is a programmatic dependent launch: it lets the next kernel launch at once, loads its slice
 of the weight, and only then waits for the preceding kernel before reading h.
@@ -50,6 +62,7 @@ ROWS = 16  # weight rows per CTA: the MMA's M
 K_PER_CTA = 1024  # columns per CTA
 MAX_EXPERTS = 512  # E / 32 score slots per lane in the selection
 MAX_TOPK = 8
+ONE_HOP_TOKENS = 4  # up to this many tokens the last CTA sums the split partials itself (one ticket), else two
 _WARPS = 16
 _CHUNKS = 2  # 32-column chunks per warp: K_PER_CTA = _WARPS * _CHUNKS * 32
 _VEC = 8  # bf16 per 16-byte vector
@@ -57,8 +70,10 @@ _TILE_N = 8  # tokens per MMA
 _TILES = 4  # MMA token tiles per pass
 _TOK_PASS = _TILE_N * _TILES  # = _WARPS * 32 / ROWS: one thread per (token, row) of a pass
 _SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus: x above it is returned as is
-_LOWEST = -(2**31)  # the order key of a taken slot: below every score's key
-_NO_EXPERT = 2**31 - 1  # the index of a taken slot: above every expert's
+_LOWEST = -(2**31)  # the order key of a retired slot: below every score's key
+_NAN_KEY = 2**31 - 1  # the order key of a NaN score: above +inf's
+_NO_EXPERT = 2**31 - 1  # an index above every expert's
+assert MAX_EXPERTS <= _TOK_PASS * (ROWS + 1)  # the last CTA's scores (16 tokens x E) fit in sAcc's storage
 
 
 class MoeRoute:
@@ -99,8 +114,6 @@ class MoeRoute:
                                                               stride=(_TOK_PASS * (ROWS + 1), ROWS + 1, 1)),
                                     byte_alignment=16)
         s_last = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
-        sTop = smem.allocate_tensor(Float32, cute.make_layout((_WARPS, MAX_TOPK), stride=(MAX_TOPK, 1)),
-                                    byte_alignment=4)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -144,74 +157,105 @@ class MoeRoute:
                 mWs[split, tok, group * ROWS + row] = part
             cute.arch.barrier()  # sAcc is rewritten by the next pass
 
-        # Ticket of the row group: its last CTA sees the other splits' partial logits.
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.barrier()
-        if tidx == 0:
-            ticket = cute.arch.atomic_add(cute_utils.elem_ptr(mCount, (group,)), Int32(1), sem="acq_rel", scope="gpu")
-            s_last[0] = Int32(ticket == self.splits - 1)
-        cute.arch.barrier()
-        if s_last[0] != 0:
-            cute.arch.fence_acq_rel_gpu()
+        sScore = cute.make_tensor(sAcc.iterator, cute.make_layout((_WARPS * self.experts,)))  # sAcc, once free
+        plane = n_tok * self.experts  # ws[s] holds (token, expert) f = t * E + e at s * plane + f
+        select_args = (n_tok, warp, lane, sScore, bias, mWeights, mExperts, route_scale)
+        if n_tok <= ONE_HOP_TOKENS:
+            if self.last_to_arrive(mCount, 0, self.groups * self.splits, tidx, s_last) != 0:
+                # every thread: its (at most ceil(ONE_HOP_TOKENS * E / 512)) scores, all partials requested first
+                f = [tidx + _WARPS * 32 * u for u in range(-(-ONE_HOP_TOKENS * self.experts // (_WARPS * 32)))]
+                parts = [self.partials(mWs, plane, cutlass.min(f_u, plane - 1)) for f_u in f]
+                scores = [self.score(p, gate_temp) for p in parts]  # (unconditional: the chains overlap)
+                for u in cutlass.range_constexpr(len(f)):
+                    if f[u] < plane:
+                        sScore[f[u]] = scores[u]
+                self.select_tokens(0, *select_args)
+        elif self.last_to_arrive(mCount, 1 + group, self.splits, tidx, s_last) != 0:
+            # the row group's finisher: its (token, expert) scores into the score plane ws[S]
             for i in cutlass.range(tidx, n_tok * ROWS, _WARPS * 32):
-                t = i // ROWS
-                e = group * ROWS + i % ROWS
-                parts = [cute.arch.load(cute_utils.elem_ptr(mWs, (s, t, e)), Float32, sem="relaxed", scope="gpu")
-                         for s in range(self.splits)]
-                logit = parts[0]
-                for s in cutlass.range_constexpr(1, self.splits):
-                    logit = logit + parts[s]
-                mWs[self.splits, t, e] = _score(logit / gate_temp)
-            if tidx == 0:
-                mCount[group] = Int32(0)
-            # Ticket of the layer: the last row-group finisher sees every score.
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.barrier()
-            if tidx == 0:
-                ticket = cute.arch.atomic_add(cute_utils.elem_ptr(mCount, (self.groups,)), Int32(1), sem="acq_rel",
-                                              scope="gpu")
-                s_last[0] = Int32(ticket == self.groups - 1)
-            cute.arch.barrier()
-            if s_last[0] != 0:
-                cute.arch.fence_acq_rel_gpu()
-                for t in cutlass.range(warp, n_tok, _WARPS):
-                    self.select(t, warp, lane, mWs, bias, mWeights, mExperts, route_scale, sTop)
-                if tidx == 0:
-                    mCount[self.groups] = Int32(0)
+                f = (i // ROWS) * self.experts + group * ROWS + i % ROWS
+                mWs.iterator[self.splits * plane + f] = self.score(self.partials(mWs, plane, f), gate_temp)
+            if self.last_to_arrive(mCount, 0, self.groups, tidx, s_last) != 0:
+                for t0 in cutlass.range(0, n_tok, _WARPS):
+                    for i in cutlass.range(tidx, cutlass.min(n_tok - t0, _WARPS) * self.experts, _WARPS * 32):
+                        sScore[i] = cute.arch.load(mWs.iterator + (self.splits * plane + t0 * self.experts + i),
+                                                   Float32, sem="relaxed", scope="gpu")
+                    self.select_tokens(t0, *select_args)
 
     @cute.jit
-    def select(self, t: Int32, warp: Int32, lane: Int32, mWs: cute.Tensor, bias: list, mWeights: cute.Tensor,
-               mExperts: cute.Tensor, route_scale: Float32, sTop: cute.Tensor):
-        """Token t's experts and weights, by one warp (lane l: experts l, l + 32, ..., whose bias it holds).
+    def last_to_arrive(self, mCount: cute.Tensor, slot: Int32, arrivals: cutlass.Constexpr[int], tidx: Int32,
+                       s_last: cute.Tensor) -> Int32:
+        """Nonzero in every thread of the CTA that is the last of ``arrivals`` to reach counter ``slot``; that CTA
+        resets the counter and sees every store the others made before arriving.
 
-        The k rounds are a rolled loop (lane 0 keeps each round's winning score in sTop[warp]): one CTA runs this
-        once per launch, so unrolled code would be fetched from L2 line by line (see ``dsv41.kernels.mhc_coeffs``).
+        Thread 0 alone adds 1 (release and acquire at GPU scope); the barriers around it carry both to the CTA's
+        other threads, as a cooperative grid sync does, so no thread but it fences.
+        """
+        cute.arch.barrier()
+        if tidx == 0:
+            ticket = cute.arch.atomic_add(cute_utils.elem_ptr(mCount, (slot,)), Int32(1), sem="acq_rel", scope="gpu")
+            s_last[0] = Int32(ticket == arrivals - 1)
+            if ticket == arrivals - 1:
+                mCount[slot] = Int32(0)
+        cute.arch.barrier()
+        return s_last[0]
+
+    @cute.jit
+    def partials(self, mWs: cute.Tensor, plane: Int32, f: Int32) -> list:
+        """The split partial logits of flat (token, expert) ``f``, loaded from L2."""
+        return [cute.arch.load(mWs.iterator + (s * plane + f), Float32, sem="relaxed", scope="gpu")
+                for s in range(self.splits)]
+
+    @cute.jit
+    def score(self, parts: list, gate_temp: Float32) -> Float32:
+        """The score of a logit's split partials, summed in split order."""
+        logit = parts[0]
+        for s in cutlass.range_constexpr(1, self.splits):
+            logit = logit + parts[s]
+        return _score(logit / gate_temp)
+
+    @cute.jit
+    def select_tokens(self, t0: Int32, n_tok: Int32, warp: Int32, lane: Int32, sScore: cute.Tensor, bias: list,
+                      mWeights: cute.Tensor, mExperts: cute.Tensor, route_scale: Float32):
+        """Once sScore holds the scores of tokens [t0, t0 + 16) (row w: token t0 + w), warp w selects token t0 + w."""
+        cute.arch.barrier()
+        if t0 + warp < n_tok:
+            self.select(t0 + warp, warp * self.experts, lane, sScore, bias, mWeights, mExperts, route_scale)
+        cute.arch.barrier()  # sScore may be rewritten next
+
+    @cute.jit
+    def select(self, t: Int32, row: Int32, lane: Int32, sScore: cute.Tensor, bias: list, mWeights: cute.Tensor,
+               mExperts: cute.Tensor, route_scale: Float32):
+        """Token t's experts and weights, by one warp, from its scores sScore[row:row + E] (lane l: experts l, l + 32,
+        ..., whose bias it holds).
+
+        Each of the k rounds (a rolled loop: code that runs once per launch is fetched cold) takes the warp's largest
+        order key (``redux.sync`` max over the lanes' best), then the lowest expert index holding it (``redux.sync``
+        min), and retires that slot; the result is uniform over the warp, so lane r keeps round r's expert and score,
+        and every lane sums the winners' scores in round order.
         """
         slots = self.experts // 32
-        score = [cute.arch.load(cute_utils.elem_ptr(mWs, (self.splits, t, lane + 32 * j)), Float32, sem="relaxed",
-                                scope="gpu") for j in range(slots)]
-        key = [_order_key(score[j] + bias[j]) for j in range(slots)]
         idx = [lane + 32 * j for j in range(slots)]
+        key = [_order_key(sScore[row + idx[j]] + bias[j]) for j in range(slots)]
+        mine = Int32(0)  # lane r < k: the expert of round r
+        mine_score = Float32(0.0)
+        total = Float32(0.0)
         for k in cutlass.range(self.topk, unroll=1):
-            # the lane's best slot (a pairwise tree), then the warp's (a butterfly: every lane gets the winner)
-            best = _tree_best([(key[j], idx[j], score[j]) for j in range(slots)])
-            for level in cutlass.range_constexpr(5):
-                other = tuple(cute.arch.shuffle_sync_bfly(v, offset=16 >> level) for v in best)
-                best = _better(best, other)
-            if lane == 0:
-                mExperts[t, k] = Int64(best[1])
-                sTop[warp, k] = best[2]
+            top = cute.arch.warp_redux_sync(_tree(key, cutlass.max), "max")
+            first = cute.arch.warp_redux_sync(
+                _tree([cutlass.select_(key[j] == top, idx[j], Int32(_NO_EXPERT)) for j in range(slots)], cutlass.min),
+                "min")
             for j in cutlass.range_constexpr(slots):
-                taken = idx[j] == best[1]
-                key[j] = cutlass.select_(taken, Int32(_LOWEST), key[j])
-                idx[j] = cutlass.select_(taken, Int32(_NO_EXPERT), idx[j])
-        if lane == 0:  # the thread that wrote sTop[warp]
-            total = sTop[warp, 0]
-            for k in cutlass.range_constexpr(1, self.topk):
-                total = total + sTop[warp, k]
-            total = total + 1e-20
-            for k in cutlass.range_constexpr(self.topk):
-                mWeights[t, k] = sTop[warp, k] / total * route_scale
+                key[j] = cutlass.select_(idx[j] == first, Int32(_LOWEST), key[j])
+            score = sScore[row + first]
+            total = total + score
+            if lane == k:
+                mine = first
+                mine_score = score
+        total = total + 1e-20
+        if lane < self.topk:
+            mExperts[t, lane] = Int64(mine)
+            mWeights[t, lane] = mine_score / total * route_scale
 
 
 @cute.jit
@@ -225,29 +269,18 @@ def _score(x: Float32) -> Float32:
 
 @cute.jit
 def _order_key(v: Float32) -> Int32:
-    """An Int32 whose signed order is v's float order (-0 below +0; NaN with the sign bit clear above +inf)."""
-    bits = cute.recast_tensor(_scalar_tensor(v), Int32)[0]
-    return cutlass.select_(bits < 0, bits ^ Int32(0x7FFFFFFF), bits)
+    """An Int32 whose signed order is v's float order (-0 below +0), every NaN above +inf as torch's sort ranks
+    it; every key is above ``_LOWEST``."""
+    bits = cute_utils.float_bits(v)
+    key = cutlass.select_(bits < 0, bits ^ Int32(0x7FFFFFFF), bits)
+    return cutlass.select_(v != v, Int32(_NAN_KEY), key)
 
 
-@cute.jit
-def _scalar_tensor(v: Float32) -> cute.Tensor:
-    t = cute.make_rmem_tensor((1,), Float32)
-    t[0] = v
-    return t
-
-
-def _tree_best(cands: list) -> tuple:
-    """The first-ranking of ``cands`` by a pairwise tree of ``_better`` (depth log2 instead of a chain)."""
-    while len(cands) > 1:
-        cands = [_better(cands[i], cands[i + 1]) if i + 1 < len(cands) else cands[i] for i in range(0, len(cands), 2)]
-    return cands[0]
-
-
-def _better(a: tuple, b: tuple) -> tuple:
-    """The (key, index, score) slot that ranks first: the larger key, on equal keys the lower index."""
-    b_wins = (b[0] > a[0]) | ((b[0] == a[0]) & (b[1] < a[1]))
-    return tuple(cutlass.select_(b_wins, y, x) for x, y in zip(a, b))
+def _tree(vals: list, op):
+    """``op`` folded over ``vals`` as a pairwise tree (depth log2 instead of a chain)."""
+    while len(vals) > 1:
+        vals = [op(vals[i], vals[i + 1]) if i + 1 < len(vals) else vals[i] for i in range(0, len(vals), 2)]
+    return vals[0]
 
 
 def config_reason(dim: int, experts: int, topk: int) -> str | None:
@@ -284,12 +317,12 @@ def supports(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, *, 
 @cached_kernel(__file__, cute_utils.__file__)
 def _compile_moe_route(dim: int, experts: int, topk: int, pdl: bool):
     t = cute.sym_int()
-    splits, groups = dim // K_PER_CTA, experts // ROWS
+    splits = dim // K_PER_CTA
     return compile_tvm_ffi(
         MoeRoute(dim, experts, topk, pdl),
         fake_tensor(BFloat16, (t, dim)), fake_tensor(BFloat16, (experts, dim)), fake_tensor(Float32, (experts,), 4),
         fake_tensor(Float32, (t, topk), 4), fake_tensor(Int64, (t, topk), 8),
-        fake_tensor(Float32, (splits + 1, t, experts), 4), fake_tensor(Int32, (groups + 1,), 4),
+        fake_tensor(Float32, (splits + 1, t, experts), 4), fake_tensor(Int32, (experts // ROWS + 1,), 4),
         Float32(1.0), Float32(1.0), env_stream(),
     )
 

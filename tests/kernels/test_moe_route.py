@@ -3,7 +3,9 @@
 CPU: it compiles for sm_90a (Flash dimensions with and without programmatic dependent launch, a small shape at the
 smallest and largest k); `supports` and the entry explain what they reject; the op's reference honours the tie rule.
 GPU (H200), against the op's reference (`dsv41.lowerings.moe_route.reference`, fp32), outputs poisoned with NaN
-before each call: T in DSV41_TEST_TOKENS (default 1,2,3,5,8,16,31,64) at D=5120 E=384 k=6 and D=2048 E=64 k=4.
+before each call: T in DSV41_TEST_TOKENS (default 1,2,3,4,5,8,16,31,64) at D=5120 E=384 k=6 and D=2048 E=64 k=4; the
+default covers both of the kernel's tails and the step between them (one ticket up to K.ONE_HOP_TOKENS = 4 tokens,
+two above).
 
 How results are compared. The kernel sums the logits in another order than cuBLAS (bf16 tensor-core products with
 fp32 accumulation over 128 columns, then fp32 sums over warps and CTAs), so its logits differ from the reference's by
@@ -17,7 +19,10 @@ fp32 accumulation over 128 columns, then fp32 sums over warps and CTAs), so its 
   dx), so 1e-5 is 10x the expected error while a wrong temperature, eps or scale is off by far more.
 - ties (equal biased scores, made exact for both implementations: zero hidden states, quantised bias): the experts
   must equal the reference's exactly, order included (the lower expert index first).
-CUDA graphs: 500 replays alternating two input sets with different routings are bit-identical to direct calls.
+- NaN biased scores rank above every number, in index order, as the reference's sort ranks them.
+- the two tails (one ticket, two tickets) give the same tokens bit-identical routes.
+CUDA graphs: 500 replays alternating two input sets with different routings are bit-identical to direct calls, on
+each tail.
 When CUDA is present these tests fail (never skip) if the kernel cannot run.
 """
 
@@ -33,7 +38,7 @@ require_cute_dsl()
 from dsv41.kernels import moe_route as K  # noqa: E402
 from dsv41.lowerings.moe_route import reference  # noqa: E402
 
-TOKENS = tokens_from_env("1,2,3,5,8,16,31,64")
+TOKENS = tokens_from_env("1,2,3,4,5,8,16,31,64")
 SHAPES = [(5120, 384, 6), (2048, 64, 4)]  # (D, E, k)
 ROUTE_SCALE = 1.5
 BIASED_TOL = 1e-4
@@ -177,9 +182,38 @@ def test_without_pdl():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay():
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "D{}-E{}-k{}".format(*s))
+def test_tails_agree(shape):
+    """A token's route does not depend on the others' nor on the tail: the first K.ONE_HOP_TOKENS tokens routed alone
+    (one ticket) are bit-identical to the same tokens routed with more (two tickets)."""
+    d, e, k = shape
+    n = K.ONE_HOP_TOKENS
+    h, w, bias = _inputs(n + 3, d, e, 15)
+    alone, together = _route(h[:n].contiguous(), w, bias, k), _route(h, w, bias, k)
+    assert torch.equal(alone[0], together[0][:n]) and torch.equal(alone[1], together[1][:n])
+
+
+@pytest.mark.gpu
+def test_matches_reference_nan_bias():
+    """Experts whose bias is NaN come first, the lower index first, then the ties of the test above as the reference
+    breaks them; the weights (from the unbiased scores) stay finite."""
+    d, e, k = 5120, 384, 6
+    h, w, _ = _inputs(3, d, e, 13)
+    h.zero_()
+    levels = torch.randperm(e, generator=torch.Generator().manual_seed(14))
+    bias = torch.zeros(e).index_fill_(0, levels[:2], math.nan).index_fill_(0, levels[2:12], 0.25).cuda()
+    got = _route(h, w, bias, k)
+    want_w, want_e = reference(h, w, bias, k, ROUTE_SCALE, 1.0)
+    assert want_e[0, :2].tolist() == levels[:2].sort().values.tolist()
+    assert torch.equal(got[1], want_e), f"{got[1].tolist()} != {want_e.tolist()}"
+    torch.testing.assert_close(got[0], want_w, rtol=WEIGHT_RTOL, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [K.ONE_HOP_TOKENS, 16], ids=lambda t: f"T{t}")
+def test_cuda_graph_replay(t):
     """500 replays alternating two input sets (different routings) are bit-identical to direct calls."""
-    t, d, e, k = 16, 5120, 384, 6
+    d, e, k = 5120, 384, 6
     sets = [_inputs(t, d, e, seed) for seed in (10, 11)]
     direct = [K.moe_route(*s, topk=k, route_scale=ROUTE_SCALE, gate_temp=1.0) for s in sets]
     again = [K.moe_route(*s, topk=k, route_scale=ROUTE_SCALE, gate_temp=1.0) for s in sets]
