@@ -17,11 +17,12 @@ front. Warp w holds rows 6w..6w+5 of its fn slice in registers (16 columns per l
 sum of squares, reduce them over the group with one reduce-scatter butterfly and add them into an fp32
 workspace [T, 16, 32] with ``red.global.add`` (CTA c into replica c % 16, which keeps the number of CTAs
 adding into one address, and so the serialisation at the L2, small). The last CTA to finish (a device-scope
-ticket counter) finishes the tokens: a warp per token, lane l summing workspace column l over the replicas
-(two tokens per warp at a time) and computing pre / post (lanes 0..7) or the softmax of comb element l - 8
-(lanes 8..23, a source row per 4 lanes); then one thread per token runs the Sinkhorn iterations in registers
-(``finish_comb``). It zeroes the workspace rows and the counter, so every launch, CUDA-graph replays included,
-finds them zero. Launches that share a workspace must therefore be stream-ordered.
+ticket counter) finishes the tokens: a warp per token (four tokens per warp at a time), lane l summing
+workspace column l over the replicas and computing pre / post (lanes 0..7) or the softmax of comb element
+l - 8 (lanes 8..23, a source row per 4 lanes) into shared memory (``mix``); then one thread per token runs
+the Sinkhorn iterations in registers (``finish_comb``) and stores the token's outputs. It zeroes the
+workspace rows and the counter, so every launch, CUDA-graph replays included, finds them zero. Launches that
+share a workspace must therefore be stream-ordered.
 
 With ``pdl`` the kernel is a programmatic dependent launch: it lets the next kernel launch at once, loads its
 fn slice (a weight), and only then waits for the preceding kernel before touching x or the workspace.
@@ -49,7 +50,7 @@ _WARPS = 4
 _ROWS_PER_WARP = N_MIX // _WARPS  # 6
 _TOKENS_PER_BLOCK = 64  # tokens staged in shared memory at a time
 _REPLICAS = 16  # workspace copies: CTA c adds into copy c % 16, so ~S/16 CTAs contend for each address
-_TAIL_ROWS = 2  # tokens a warp of the last CTA finishes at a time
+_TAIL_ROWS = 4  # tokens a warp of the last CTA finishes at a time
 
 
 class MhcCoeffs:
@@ -87,9 +88,9 @@ class MhcCoeffs:
         smem = cutlass.memory.SmemAllocator()
         sX = smem.allocate_tensor(BFloat16, cute.make_layout((_TOKENS_PER_BLOCK, _K_PER_CTA), stride=(_K_PER_CTA, 1)),
                                   byte_alignment=16)
-        # the block's comb after the softmax, one row per token (padded: thread t reads row t)
-        sComb = smem.allocate_tensor(Float32, cute.make_layout((_TOKENS_PER_BLOCK, HC * HC), stride=(HC * HC + 1, 1)),
-                                     byte_alignment=16)
+        # the last CTA's per-token pre, post and softmaxed comb, one row per token (padded: thread t reads row t)
+        sMix = smem.allocate_tensor(Float32, cute.make_layout((_TOKENS_PER_BLOCK, WS_COLS), stride=(WS_COLS + 1, 1)),
+                                    byte_alignment=16)
         s_last = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
@@ -157,39 +158,41 @@ class MhcCoeffs:
         if s_last[0] != 0:
             cute.arch.fence_acq_rel_gpu()
             # Lane l's coefficient: base[l] and the scale of its group (lanes 24..31 hold the sum of squares and
-            # padding; what they compute is never stored). Loaded before any output store could alias them.
+            # padding; what they compute is never used). Loaded before any output store could alias them.
             lane_base = mBase[cutlass.min(lane, N_MIX - 1)]
             lane_scale = mScale[cutlass.min(lane // HC, 2)]
             comb_flat = cute.make_tensor(mComb.iterator, cute.make_layout((n_tok, HC * HC), stride=(HC * HC, 1)))
             for t0 in cutlass.range(0, n_tok, _TOKENS_PER_BLOCK):
                 n_blk = cutlass.min(n_tok - t0, _TOKENS_PER_BLOCK)
-                # Warp w: rows 2w, 2w + 1, then 8 further on; both rows' 16 replica loads are in flight together
-                # (a row past the block loads the block's last row, which this warp also holds, and stores nothing).
+                # Warp w: rows 4w .. 4w + 3, then 16 further on, with no branch: all 64 replica loads in flight
+                # together and the four tokens' arithmetic free to interleave. A row past the block works on the
+                # block's last row, which this warp also holds (it zeroes that row again, after all the loads, and
+                # fills a row of sMix that nothing reads).
                 for r0 in cutlass.range(warp * _TAIL_ROWS, n_blk, _WARPS * _TAIL_ROWS):
-                    rows = [r0 + i for i in range(_TAIL_ROWS)]
-                    totals = [_replica_sum(mWs, t0 + cutlass.min(r, n_blk - 1), lane) for r in rows]
-                    for r, total in zip(rows, totals):
-                        if r < n_blk:
-                            self.finish_token(t0 + r, r, total, lane, lane_base, lane_scale, mWs, mPre, mPost, sComb,
-                                              norm_eps, hc_eps)
+                    rows = [cutlass.min(r0 + i, n_blk - 1) for i in range(_TAIL_ROWS)]
+                    totals = [_replica_sum(mWs, t0 + r, lane) for r in rows]
+                    for i in cutlass.range_constexpr(_TAIL_ROWS):
+                        for rep in cutlass.range_constexpr(_REPLICAS):
+                            mWs[t0 + rows[i], rep, lane] = Float32(0.0)
+                        sMix[r0 + i, lane] = self.mix(totals[i], lane, lane_base, lane_scale, norm_eps, hc_eps)
                 cute.arch.barrier()
                 if tidx < n_blk:
-                    self.finish_comb([sComb[tidx, i] for i in range(HC * HC)], comb_flat[t0 + tidx, None], hc_eps)
+                    pre_post = [sMix[tidx, i] for i in range(2 * HC)]
+                    self.finish_comb([sMix[tidx, 2 * HC + i] for i in range(HC * HC)], comb_flat[t0 + tidx, None],
+                                     hc_eps)
+                    _store(pre_post[:HC], mPre[t0 + tidx, None])
+                    _store(pre_post[HC:], mPost[t0 + tidx, None])
                 cute.arch.barrier()
             if tidx == 0:
                 mCount[0] = Int32(0)
 
     @cute.jit
-    def finish_token(self, t: Int32, r: Int32, total: Float32, lane: Int32, lane_base: Float32, lane_scale: Float32,
-                     mWs: cute.Tensor, mPre: cute.Tensor, mPost: cute.Tensor, sComb: cute.Tensor, norm_eps: Float32,
-                     hc_eps: Float32):
-        """One warp, token t (row r of the block), lane l holding ``total``, the sum of workspace column l: zeroes
-        that column, then computes pre (l < 4) or post (l < 8), which it stores, or the softmax + hc_eps of comb
-        element l - 8 (source (l - 8) // 4, target l % 4: a source row is an aligned group of 4 lanes, so its max
-        and sum are two butterfly shuffles each, the sum in the order (e0 + e1) + (e2 + e3)), which it stages in
-        sComb[r]."""
-        for rep in cutlass.range_constexpr(_REPLICAS):
-            mWs[t, rep, lane] = Float32(0.0)
+    def mix(self, total: Float32, lane: Int32, lane_base: Float32, lane_scale: Float32, norm_eps: Float32,
+            hc_eps: Float32) -> Float32:
+        """One warp, one token, lane l holding ``total``, the sum of workspace column l: pre[l] (l < 4), post[l - 4]
+        (l < 8) or comb element l - 8 after the softmax + hc_eps (source (l - 8) // 4, target l % 4: a source row
+        is an aligned group of 4 lanes, so its max and sum are two butterfly shuffles each, the sum in the order
+        (e0 + e1) + (e2 + e3)). Lanes 24..31 return values nothing uses."""
         sq = cute.arch.shuffle_sync(total, N_MIX)  # lane 24: the sum of squares
         z = total * cute.math.rsqrt(sq * (1.0 / self.k) + norm_eps, fastmath=True) * lane_scale + lane_base
         is_comb = lane >= 2 * HC
@@ -201,18 +204,12 @@ class MhcCoeffs:
         # pre = 1 / (1 + e) + hc_eps, post = 2 / (1 + e), comb = e / den + hc_eps (den >= 1: the row max gives 1),
         # through rcp.approx (<= 1 ulp: post, the largest, off by <= 2^-22 = 2.4e-7 against the 1e-5 tolerance)
         q = cute.arch.rcp_approx(cutlass.select_(is_comb, den, 1.0 + e))
-        if lane < HC:
-            mPre[t, lane] = q + hc_eps
-        elif lane < 2 * HC:
-            mPost[t, lane - HC] = 2.0 * q
-        elif lane < N_MIX:
-            sComb[r, lane - 2 * HC] = e * q + hc_eps
-
+        return cutlass.select_(is_comb, e * q + hc_eps, cutlass.select_(lane < HC, q + hc_eps, 2.0 * q))
 
     @cute.jit
     def finish_comb(self, c: list, gComb: cute.Tensor, hc_eps: Float32):
         """One thread: the Sinkhorn normalisations of one token's comb c [16] (softmax + hc_eps, row-major), in
-        registers, stored to gComb [16] as four 16-byte vectors.
+        registers, stored to gComb [16] (vectorised).
 
         Rows and columns are multiplied by ``rcp.approx`` reciprocals of their sums + hc_eps (at most 1 ulp,
         2^-23 relative, off; the sums lie in [hc_eps, ~4], far from subnormals and overflow). Each normalisation
@@ -223,16 +220,22 @@ class MhcCoeffs:
         replaces is a branch to a slow path in a convergence region of its own, which serialised the four
         independent reciprocals of a normalisation: SASS (sm_90a, D = 5120) of the last-CTA path, ticket to
         exit, went from 1163 instructions + 2 slow-path subroutines (24 call sites; a 192-instruction loop body
-        whose dependent chain held 8 reciprocals one after another) to 428 (no calls; 75 in the loop, whose chain
+        whose dependent chain held 8 reciprocals one after another) to 562 (no calls; 75 in the loop, whose chain
         is 2 x (3 FADD, MUFU.RCP, FMUL)).
         """
         c = _normalize_cols(c, hc_eps)
         for _ in cutlass.range(self.iters - 1, unroll=1):
             c = _normalize_cols(_normalize_rows(c, hc_eps), hc_eps)
-        out = cute.make_rmem_tensor((HC * HC,), Float32)
-        for i in cutlass.range_constexpr(HC * HC):
-            out[i] = c[i]
-        cute.autovec_copy(out, gComb)
+        _store(c, gComb)
+
+
+@cute.jit
+def _store(vals: list, dst: cute.Tensor):
+    """The fp32 scalars ``vals`` into the contiguous ``dst`` of as many elements (vectorised)."""
+    r = cute.make_rmem_tensor((len(vals),), Float32)
+    for i in cutlass.range_constexpr(len(vals)):
+        r[i] = vals[i]
+    cute.autovec_copy(r, dst)
 
 
 @cute.jit

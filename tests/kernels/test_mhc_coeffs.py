@@ -133,7 +133,7 @@ def test_matches_reference(t, dim):
 @pytest.mark.parametrize("t", [65, 131, 300], ids=lambda t: f"T{t}")
 def test_many_tokens(t, dim):
     """More tokens than one shared-memory block (64), so several blocks run the last CTA's finish, the last one
-    with 1, 3 or 44 tokens (a warp's second row past the block at 1 and 3); more tokens than its threads (128)."""
+    with 1, 3 or 44 tokens (at 1 and 3, rows of a warp's four past the block); more tokens than its threads (128)."""
     x, fn, base, scale = _inputs(t, dim, 7)
     got = K.mhc_coeffs(x, fn, base, scale, norm_eps=NORM_EPS, hc_eps=HC_EPS, iters=ITERS, out=_poisoned(t))
     _assert_matches(got, x, fn, base, scale)
