@@ -211,17 +211,19 @@ class MhcCoeffs:
         """One thread: the Sinkhorn normalisations of one token's comb c [16] (softmax + hc_eps, row-major), in
         registers, stored to gComb [16] (vectorised).
 
-        Rows and columns are multiplied by ``rcp.approx`` reciprocals of their sums + hc_eps (at most 1 ulp,
-        2^-23 relative, off; the sums lie in [hc_eps, ~4], far from subnormals and overflow). Each normalisation
-        therefore scales an entry by a factor within 2^-23 of the exact one; over the 2 * iters - 1 = 39
-        normalisations, summed without the contraction Sinkhorn gives, that is <= 39 * 2^-23 = 4.6e-6 relative
-        on entries <= 1 + hc_eps: a twentieth of the 1e-4 comb tolerance (the plain-torch model in the kernel
-        test, reciprocals biased by 1 ulp throughout, stays within 1e-5 of ``hc_mixes``). The IEEE reciprocal it
-        replaces is a branch to a slow path in a convergence region of its own, which serialised the four
-        independent reciprocals of a normalisation: SASS (sm_90a, D = 5120) of the last-CTA path, ticket to
-        exit, went from 1163 instructions + 2 slow-path subroutines (24 call sites; a 192-instruction loop body
-        whose dependent chain held 8 reciprocals one after another) to 562 (no calls; 75 in the loop, whose chain
-        is 2 x (3 FADD, MUFU.RCP, FMUL)).
+        Rows and columns are multiplied by ``rcp.approx.ftz`` reciprocals of their sums + hc_eps, at most 1 ulp
+        (2^-23 relative) off; with hc_eps a normal fp32 (the model's is 1e-6) the sums lie in [hc_eps, ~4], clear
+        of the subnormals that .ftz flushes and of overflow. Each of the 2 * iters - 1 normalisations (39 at the
+        model's 20) thus scales an entry by a factor within 2^-23 of the exact one; even added up, ignoring the
+        contraction Sinkhorn gives, that is 39 * 2^-23 = 4.6e-6 relative on entries <= 1 + hc_eps, a twentieth of
+        the 1e-4 comb tolerance (the kernel test's plain-torch model, every reciprocal biased by 1 ulp, stays
+        within a quarter of the tolerances of ``hc_mixes``).
+
+        The IEEE reciprocal this replaces compiled to a branch to a slow path inside a convergence region of its
+        own, which serialised the four independent reciprocals of each normalisation. SASS (sm_90a, D = 5120) of
+        the last-CTA path, ticket to exit: before, 1163 instructions + 2 slow-path subroutines (36 call sites),
+        the loop body 192 with 8 reciprocal regions one after another; now 562 with no call, the loop body 75,
+        its dependent chain 2 x (3 FADD, MUFU.RCP, FMUL).
         """
         c = _normalize_cols(c, hc_eps)
         for _ in cutlass.range(self.iters - 1, unroll=1):
