@@ -209,7 +209,8 @@ class MhcCoeffs:
     @cute.jit
     def finish_comb(self, c: list, gComb: cute.Tensor, hc_eps: Float32):
         """One thread: the Sinkhorn normalisations of one token's comb c [16] (softmax + hc_eps, row-major), in
-        registers, stored to gComb [16] (vectorised).
+        registers, stored to gComb [16] (vectorised). The iterations are a rolled loop: one CTA runs this once per
+        launch, so unrolled code would be fetched from L2 line by line.
 
         Rows and columns are multiplied by ``rcp.approx.ftz`` reciprocals of their sums + hc_eps, at most 1 ulp
         (2^-23 relative) off; with hc_eps a normal fp32 (the model's is 1e-6) the sums lie in [hc_eps, ~4], clear
