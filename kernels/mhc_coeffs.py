@@ -17,9 +17,12 @@ front. Warp w holds rows 6w..6w+5 of its fn slice in registers (16 columns per l
 sum of squares, reduce them over the group with one reduce-scatter butterfly and add them into an fp32
 workspace [T, 16, 32] with ``red.global.add`` (CTA c into replica c % 16, which keeps the number of CTAs
 adding into one address, and so the serialisation at the L2, small). The last CTA to finish (a device-scope
-ticket counter) sums the replicas, runs the sigmoids, the softmax and the Sinkhorn iterations (one thread
-per token) and writes the outputs; it zeroes the workspace rows and the counter, so every launch, CUDA-graph
-replays included, finds them zero. Launches that share a workspace must therefore be stream-ordered.
+ticket counter) finishes the tokens: a warp per token (four tokens per warp at a time), lane l summing
+workspace column l over the replicas and computing pre / post (lanes 0..7) or the softmax of comb element
+l - 8 (lanes 8..23, a source row per 4 lanes) into shared memory (``mix``); then one thread per token runs
+the Sinkhorn iterations in registers (``finish_comb``) and stores the token's outputs. It zeroes the
+workspace rows and the counter, so every launch, CUDA-graph replays included, finds them zero. Launches that
+share a workspace must therefore be stream-ordered.
 
 With ``pdl`` the kernel is a programmatic dependent launch: it lets the next kernel launch at once, loads its
 fn slice (a weight), and only then waits for the preceding kernel before touching x or the workspace.
@@ -47,6 +50,7 @@ _WARPS = 4
 _ROWS_PER_WARP = N_MIX // _WARPS  # 6
 _TOKENS_PER_BLOCK = 64  # tokens staged in shared memory at a time
 _REPLICAS = 16  # workspace copies: CTA c adds into copy c % 16, so ~S/16 CTAs contend for each address
+_TAIL_ROWS = 4  # tokens a warp of the last CTA finishes at a time
 
 
 class MhcCoeffs:
@@ -84,8 +88,9 @@ class MhcCoeffs:
         smem = cutlass.memory.SmemAllocator()
         sX = smem.allocate_tensor(BFloat16, cute.make_layout((_TOKENS_PER_BLOCK, _K_PER_CTA), stride=(_K_PER_CTA, 1)),
                                   byte_alignment=16)
-        sSums = smem.allocate_tensor(Float32, cute.make_layout((_TOKENS_PER_BLOCK, WS_COLS), stride=(WS_COLS + 1, 1)),
-                                     byte_alignment=16)
+        # the last CTA's per-token pre, post and softmaxed comb, one row per token (padded: thread t reads row t)
+        sMix = smem.allocate_tensor(Float32, cute.make_layout((_TOKENS_PER_BLOCK, WS_COLS), stride=(WS_COLS + 1, 1)),
+                                    byte_alignment=16)
         s_last = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
@@ -152,76 +157,110 @@ class MhcCoeffs:
         cute.arch.barrier()
         if s_last[0] != 0:
             cute.arch.fence_acq_rel_gpu()
-            # all of base and scale in flight at once, before any output store could alias them
-            base = [mBase[i] for i in range(N_MIX)]
-            scale = [mScale[i] for i in range(3)]
+            # Lane l's coefficient: base[l] and the scale of its group (lanes 24..31 hold the sum of squares and
+            # padding; what they compute is never used). Loaded before any output store could alias them.
+            lane_base = mBase[cutlass.min(lane, N_MIX - 1)]
+            lane_scale = mScale[cutlass.min(lane // HC, 2)]
+            comb_flat = cute.make_tensor(mComb.iterator, cute.make_layout((n_tok, HC * HC), stride=(HC * HC, 1)))
             for t0 in cutlass.range(0, n_tok, _TOKENS_PER_BLOCK):
-                # Warp w sums the replicas of tokens t0 + w, t0 + w + 4, ... (lane = column, coalesced; read from
-                # L2 with relaxed gpu-scope loads), zeroes them and stages the sums in shared memory.
                 n_blk = cutlass.min(n_tok - t0, _TOKENS_PER_BLOCK)
-                for r in cutlass.range(warp, n_blk, _WARPS):
-                    parts = [cute.arch.load(cute_utils.elem_ptr(mWs, (t0 + r, rep, lane)), Float32, sem="relaxed",
-                                            scope="gpu") for rep in range(_REPLICAS)]
-                    for rep in cutlass.range_constexpr(_REPLICAS):
-                        mWs[t0 + r, rep, lane] = Float32(0.0)
-                    sSums[r, lane] = cute_utils.tree_sum(parts)
+                # Warp w: rows 4w .. 4w + 3, then 16 further on, with no branch: all 64 replica loads in flight
+                # together and the four tokens' arithmetic free to interleave. A row past the block works on the
+                # block's last row, which this warp also holds (it zeroes that row again, after all the loads, and
+                # fills a row of sMix that nothing reads).
+                for r0 in cutlass.range(warp * _TAIL_ROWS, n_blk, _WARPS * _TAIL_ROWS):
+                    rows = [cutlass.min(r0 + i, n_blk - 1) for i in range(_TAIL_ROWS)]
+                    totals = [_replica_sum(mWs, t0 + r, lane) for r in rows]
+                    for i in cutlass.range_constexpr(_TAIL_ROWS):
+                        for rep in cutlass.range_constexpr(_REPLICAS):
+                            mWs[t0 + rows[i], rep, lane] = Float32(0.0)
+                        sMix[r0 + i, lane] = self.mix(totals[i], lane, lane_base, lane_scale, norm_eps, hc_eps)
                 cute.arch.barrier()
                 if tidx < n_blk:
-                    self.epilogue(t0 + tidx, [sSums[tidx, i] for i in range(N_MIX + 1)], base, scale, mPre, mPost,
-                                  mComb, norm_eps, hc_eps)
+                    pre_post = [sMix[tidx, i] for i in range(2 * HC)]
+                    self.finish_comb([sMix[tidx, 2 * HC + i] for i in range(HC * HC)], comb_flat[t0 + tidx, None],
+                                     hc_eps)
+                    _store(pre_post[:HC], mPre[t0 + tidx, None])
+                    _store(pre_post[HC:], mPost[t0 + tidx, None])
                 cute.arch.barrier()
             if tidx == 0:
                 mCount[0] = Int32(0)
 
     @cute.jit
-    def epilogue(self, t: Int32, sums: list, base: list, scale: list, mPre: cute.Tensor, mPost: cute.Tensor,
-                 mComb: cute.Tensor, norm_eps: Float32, hc_eps: Float32):
-        """Token t from its 24 dot products and sum of squares: sigmoids, softmax, Sinkhorn; writes the outputs.
+    def mix(self, total: Float32, lane: Int32, lane_base: Float32, lane_scale: Float32, norm_eps: Float32,
+            hc_eps: Float32) -> Float32:
+        """One warp, one token, lane l holding ``total``, the sum of workspace column l: pre[l] (l < 4), post[l - 4]
+        (l < 8) or comb element l - 8 after the softmax + hc_eps (source (l - 8) // 4, target l % 4: a source row
+        is an aligned group of 4 lanes, so its max and sum are two butterfly shuffles each, the sum in the order
+        (e0 + e1) + (e2 + e3)). Lanes 24..31 return values nothing uses."""
+        sq = cute.arch.shuffle_sync(total, N_MIX)  # lane 24: the sum of squares
+        z = total * cute.math.rsqrt(sq * (1.0 / self.k) + norm_eps, fastmath=True) * lane_scale + lane_base
+        is_comb = lane >= 2 * HC
+        mx = cute.arch.fmax(z, cute.arch.shuffle_sync_bfly(z, offset=1))
+        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+        e = cute.math.exp(cutlass.select_(is_comb, z - mx, -z))
+        den = e + cute.arch.shuffle_sync_bfly(e, offset=1)
+        den = den + cute.arch.shuffle_sync_bfly(den, offset=2)
+        # pre = 1 / (1 + e) + hc_eps, post = 2 / (1 + e), comb = e / den + hc_eps (den >= 1: the row max gives 1),
+        # through rcp.approx (<= 1 ulp: post, the largest, off by <= 2^-22 = 2.4e-7 against the 1e-5 tolerance)
+        q = cute.arch.rcp_approx(cutlass.select_(is_comb, den, 1.0 + e))
+        return cutlass.select_(is_comb, e * q + hc_eps, cutlass.select_(lane < HC, q + hc_eps, 2.0 * q))
 
-        The Sinkhorn iterations are a rolled loop: one thread of one CTA runs this once per launch, so unrolled
-        straight-line code would be fetched from L2 line by line (on the H200 that tail took ~25K of the kernel's
-        ~34K cycles in ncu at T = 1 and 8).
+    @cute.jit
+    def finish_comb(self, c: list, gComb: cute.Tensor, hc_eps: Float32):
+        """One thread: the Sinkhorn normalisations of one token's comb c [16] (softmax + hc_eps, row-major), in
+        registers, stored to gComb [16] (vectorised). The iterations are a rolled loop: one CTA runs this once per
+        launch, so unrolled code would be fetched from L2 line by line.
+
+        Rows and columns are multiplied by ``rcp.approx.ftz`` reciprocals of their sums + hc_eps, at most 1 ulp
+        (2^-23 relative) off; with hc_eps a normal fp32 (the model's is 1e-6) the sums lie in [hc_eps, ~4], clear
+        of the subnormals that .ftz flushes and of overflow. Each of the 2 * iters - 1 normalisations (39 at the
+        model's 20) thus scales an entry by a factor within 2^-23 of the exact one; even added up, ignoring the
+        contraction Sinkhorn gives, that is 39 * 2^-23 = 4.6e-6 relative on entries <= 1 + hc_eps, a twentieth of
+        the 1e-4 comb tolerance (the kernel test's plain-torch model, every reciprocal biased by 1 ulp, stays
+        within a quarter of the tolerances of ``hc_mixes``).
+
+        The IEEE reciprocal this replaces compiled to a branch to a slow path inside a convergence region of its
+        own, which serialised the four independent reciprocals of each normalisation. SASS (sm_90a, D = 5120) of
+        the last-CTA path, ticket to exit: before, 1163 instructions + 2 slow-path subroutines (36 call sites),
+        the loop body 192 with 8 reciprocal regions one after another; now 562 with no call, the loop body 75,
+        its dependent chain 2 x (3 FADD, MUFU.RCP, FMUL).
         """
-        r = cute.math.rsqrt(sums[N_MIX] * (1.0 / self.k) + norm_eps, fastmath=True)
-        m = [s * r for s in sums[:N_MIX]]
-        for i in cutlass.range_constexpr(HC):
-            mPre[t, i] = _sigmoid(m[i] * scale[0] + base[i]) + hc_eps
-            mPost[t, i] = 2.0 * _sigmoid(m[HC + i] * scale[1] + base[HC + i])
-
-        # c[HC * j + k]: source j, target k; softmax over k, then column / row normalisations.
-        c = []
-        for j in cutlass.range_constexpr(HC):
-            logits = [m[2 * HC + HC * j + k] * scale[2] + base[2 * HC + HC * j + k] for k in range(HC)]
-            mx = logits[0]
-            for k in cutlass.range_constexpr(1, HC):
-                mx = cute.arch.fmax(mx, logits[k])
-            e = [cute.math.exp(v - mx) for v in logits]
-            den = (e[0] + e[1]) + (e[2] + e[3])
-            c += [v / den + hc_eps for v in e]
         c = _normalize_cols(c, hc_eps)
         for _ in cutlass.range(self.iters - 1, unroll=1):
             c = _normalize_cols(_normalize_rows(c, hc_eps), hc_eps)
-        for i in cutlass.range_constexpr(HC * HC):
-            mComb[t, i // HC, i % HC] = c[i]
+        _store(c, gComb)
 
 
-def _sigmoid(z: Float32) -> Float32:
-    return 1.0 / (1.0 + cute.math.exp(-z))
+@cute.jit
+def _store(vals: list, dst: cute.Tensor):
+    """The fp32 scalars ``vals`` into the contiguous ``dst`` of as many elements (vectorised)."""
+    r = cute.make_rmem_tensor((len(vals),), Float32)
+    for i in cutlass.range_constexpr(len(vals)):
+        r[i] = vals[i]
+    cute.autovec_copy(r, dst)
+
+
+@cute.jit
+def _replica_sum(mWs: cute.Tensor, t: Int32, lane: Int32) -> Float32:
+    """Workspace column ``lane`` of token t summed over the replicas (relaxed gpu-scope loads, all in flight)."""
+    return cute_utils.tree_sum([cute.arch.load(cute_utils.elem_ptr(mWs, (t, rep, lane)), Float32, sem="relaxed",
+                                               scope="gpu") for rep in range(_REPLICAS)])
 
 
 def _normalize_rows(c: list, eps: Float32) -> list:
-    """c [HC * HC] row-major: each row j divided by its sum + eps (as a multiply by the reciprocal)."""
+    """c [HC * HC] row-major: each row j multiplied by the approximate reciprocal of its sum + eps."""
     out = []
     for j in range(HC):
         row = c[HC * j:HC * j + HC]
-        inv = 1.0 / (((row[0] + row[1]) + (row[2] + row[3])) + eps)
+        inv = cute.arch.rcp_approx(((row[0] + row[1]) + (row[2] + row[3])) + eps)
         out += [v * inv for v in row]
     return out
 
 
 def _normalize_cols(c: list, eps: Float32) -> list:
-    """c [HC * HC] row-major: each column k divided by its sum + eps (as a multiply by the reciprocal)."""
-    inv = [1.0 / (((c[k] + c[HC + k]) + (c[2 * HC + k] + c[3 * HC + k])) + eps) for k in range(HC)]
+    """c [HC * HC] row-major: each column k multiplied by the approximate reciprocal of its sum + eps."""
+    inv = [cute.arch.rcp_approx(((c[k] + c[HC + k]) + (c[2 * HC + k] + c[3 * HC + k])) + eps) for k in range(HC)]
     return [c[i] * inv[i % HC] for i in range(HC * HC)]
 
 
