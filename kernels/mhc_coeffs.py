@@ -50,6 +50,7 @@ _WARPS = 4
 _ROWS_PER_WARP = N_MIX // _WARPS  # 6
 _TOKENS_PER_BLOCK = 64  # tokens staged in shared memory at a time
 _REPLICAS = 16  # workspace copies: CTA c adds into copy c % 16, so ~S/16 CTAs contend for each address
+_MIN_NORMAL_F32 = 2.0**-126  # the smallest hc_eps finish_comb's rcp.approx.ftz argument holds for
 _TAIL_ROWS = 4  # tokens a warp of the last CTA finishes at a time
 
 
@@ -282,6 +283,8 @@ def supports(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
         return f"T * 4 * D = {t * k} overflows the kernel's 32-bit indexing"
     if iters < 1:
         return f"iters must be >= 1, got {iters}"
+    if not _MIN_NORMAL_F32 <= hc_eps < float("inf"):
+        return f"hc_eps must be a normal fp32 (>= {_MIN_NORMAL_F32:.3g}) for the kernel's rcp.approx.ftz, got {hc_eps}"
     return hopper_reason(x=x, fn=fn, base=base, scale=scale)
 
 

@@ -62,6 +62,8 @@ def test_supports_explains():
     assert "fn must have shape [24, 512]" in K.supports(x, fn[:, :-4], base, scale, **kw)
     assert "multiple of 128" in K.supports(x[..., :100], fn[:, :400], base, scale, **kw)
     assert "x must be [T, 4, D]" in K.supports(x[:, :3], fn, base, scale, **kw)
+    for hc_eps in (0.0, 1e-40, float("nan"), float("inf")):  # outside finish_comb's rcp.approx.ftz argument
+        assert "hc_eps must be a normal fp32" in K.supports(x, fn, base, scale, **{**kw, "hc_eps": hc_eps})
     with pytest.raises(ValueError, match="mhc_coeffs: scale must have shape"):
         K.mhc_coeffs(x, fn, base, scale[:2], **kw)
 
