@@ -9,7 +9,8 @@ there, in two phases as Inductor's matcher does:
 1. structural: compare ops, dtypes and non-numeric arguments; numbers (shapes, eps, ...) are not compared yet;
 2. exact: re-trace `search` with fake tensors shaped like the bound inputs and match again, now comparing every
    scalar and shape list (but for size-1 dims of a view that is a pattern output: the op's output is then viewed
-   to the graph's shape). A different eps therefore fails here, named as a scalar mismatch.
+   to the graph's shape; and the number operand of an fp32 add/sub/mul/div compares as the fp32 value it enters
+   the arithmetic as). A different eps therefore fails here, named as a scalar mismatch.
 
 Both phases treat commutative ops (add, mul, ...) as unordered. Where the graph computes a pattern value with
 other ops (`exp2(ceil(log2(a)))` for a bit-manipulated power of two, stride-2 slices for unflatten + select, ...),
@@ -23,8 +24,11 @@ Inputs bind through layout: a pattern input the pattern views (only adding or dr
 a negation or cast) may bind a graph value that has that layout already (`_input_in_layout`), and an input read
 through a graph view of another shape binds that view's source; the op then takes it reshaped to its declared
 shape (`_layout_derived`), and a narrower float input that the pattern only promotes in pointwise ops takes it
-cast to the declared dtype (`_promoted`, exact: the ops promote it so). A pattern output that the graph views with
-more size-1 dims is viewed back after the op.
+cast to the declared dtype (`_promoted`, exact: the ops promote it so). An input the pattern reads only through
+views binds a graph value of higher rank without its non-leading size-1 dims (a `[B, 1, hc, D]` input read as
+`[T, hc, D]`), and a pattern view of a bound input matches a graph view of that input's view root (`view(ids, [M])`
+and `view(ids, [M, 1])` of one `[T, k]` ids: `_views_of_one_root`; the other outputs are also searched from the
+root). A pattern output that the graph views with more size-1 dims is viewed back after the op.
 
 A match also fails when an interior node of the pattern has a user outside it ("extra user"; but for a value the
 pattern declares an optional output, which the op then also returns), or when the fusion's own `check` rejects

@@ -18,6 +18,9 @@
   below a strided slice;
 - `where(~m, a, b)` (or `logical_not`) is `where(m, b, a)`, and on integers `where(a >= b, x, y)` is
   `where(a < b, y, x)` (`>` as `<=`, `!=` as `==`); a negation of a view is the view of the negation;
+- overloads: add/sub/mul/div `.Scalar` (`F.rms_norm`'s decomposition adds its eps so) are the `.Tensor` ones;
+- one-element slices: a broadcasting op's operand `x[i:i+1]` of a 1-D x is `x[i]` where the operands share a dtype
+  (`scale.tensor_split(3)` pieces are `scale[0]`, ...);
 - arithmetic spellings: `a + (-b)` is `a - b`, `x * x` is `x ** 2`, `x * -1` is `-x`, `max(x, d).values` is
   `amax(x, [d])`, a reduction over one dim followed by an unsqueeze of that dim is the reduction with keepdim,
   and a keepdim reduction over the leading dim viewed without it is the reduction without keepdim;
@@ -29,7 +32,10 @@
   run at `x.unflatten(-1, (-1, k))` (`_split_rows`), and the cast where they end moves below the view merging the
   blocks back, so the reference's `view(-1, block)` quantisation and the model's unflatten form are one form;
 - unit dims: a non-leading size-1 dim that a graph input or a view of a GEMM output adds (HF's `[B, S=1, ...]`
-  decode layout) sinks below the ops that do not touch it (`_sink_units`), so they run at `[B, ...]`.
+  decode layout) sinks below the ops that do not touch it (`_sink_units`: pointwise ops, lookups, reductions,
+  slices, softmax, top-k, sort, gather, scatter, cat), so they run at `[B, ...]`; a bmm output's unit dims (an
+  einsum at S = 1) count as such, and a permute whose input has unit dims right after its leading dim and whose
+  users are views permutes the input without them (an einsum's layout chain at `[B, 1, G, D]` and at `[T, G, D]`).
 
 Shapes come from `meta["val"]`; a node without it is left alone.
 """
@@ -503,6 +509,9 @@ def _unit_slice_as_select(graph: fx.Graph, node: fx.Node) -> bool:
         changed = True
     if changed:
         node.args = tuple(args)
+        for a in set(node.all_input_nodes) | {b for b in tensors if isinstance(b, fx.Node)}:
+            if a.target is aten.slice.Tensor and not a.users:
+                graph.erase_node(a)
     return changed
 
 

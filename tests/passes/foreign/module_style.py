@@ -27,7 +27,7 @@ forward(x [B, 1, hc, D] bf16, pre_mix [B, 1, hc] fp32, freqs_cis [B, 1, rd/2] co
 Sites (each a fusion when the backend finds it): mhc_coeffs x2, qkv_norm, indexer_topk, wo_a, mhc_post_pre x2,
 moe_route, moe_metadata, moe_experts, moe_finalize.
 
-Measured when the block was written (fx mode, 3 requests): 6 of the 12 sites fused (mhc_coeffs 1 of 2, qkv_norm,
+Measured when the block was written (fx mode, 3 requests): 5 of the 11 sites fused (mhc_coeffs 1 of 2, qkv_norm,
 moe_route, moe_experts, moe_finalize), 5 of the 6 misses silent (no `declined` entry). What each miss was, and the
 general fix that made it fuse (`dsv41.passes.normalize` and `.matcher`):
 - mhc_coeffs at the block input: the [B, 1, hc, D] graph input bound where the pattern reads [T, hc, D] through
@@ -44,7 +44,7 @@ general fix that made it fuse (`dsv41.passes.normalize` and `.matcher`):
 - moe_metadata: the flat ids reach the sort as view(ids, [M]) and the count's `eq` as view(ids, [M, 1]), two views
   of one root: a view of a bound input's root now matches the pattern's view of the input, and the other outputs
   are searched from that root.
-After: all 12 fused, outputs equal to eager (test_module_style.py).
+After: all 11 fused, outputs equal to eager (test_module_style.py).
 """
 
 from __future__ import annotations
