@@ -23,7 +23,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from dsv41.passes.matcher import Derived, MatchFailure, MatchResult, PatternSet, evaluate, fake_value, leaves, quiet_fake_tensor
+from dsv41.passes.matcher import (Derived, MatchFailure, MatchResult, PatternSet, evaluate, fake_value, leaves,
+                                  quiet_fake_tensor, view_root)
 from dsv41.passes.printing import module_path
 
 log = logging.getLogger("dsv41")
@@ -389,8 +390,16 @@ def _region_module(m: MatchResult) -> fx.GraphModule:
     inputs = list(dict.fromkeys(leaves(m.inputs)))
     for v in inputs:
         env[v] = g.placeholder(v.name)
+    # a matched view of the root of an input reads that input (`_views_of_one_root`: view(view(r), s) is view(r, s))
+    viewed = {view_root(v): env[v] for v in inputs if isinstance(v, fx.Node)}
     for n in m.nodes:
-        env[n] = g.node_copy(n, lambda a: env[a] if a in env else (_ for _ in ()).throw(KeyError(a.name)))
+        def arg(a, n=n):
+            if a in env:
+                return env[a]
+            if n.target is torch.ops.aten.view.default and a is n.args[0] and a in viewed:
+                return viewed[a]
+            raise KeyError(a.name)
+        env[n] = g.node_copy(n, arg)
     g.output(tuple(env[o] for o in m.outputs))
     module = fx.GraphModule(torch.nn.Module(), g)
     module.inputs = inputs

@@ -9,7 +9,8 @@ there, in two phases as Inductor's matcher does:
 1. structural: compare ops, dtypes and non-numeric arguments; numbers (shapes, eps, ...) are not compared yet;
 2. exact: re-trace `search` with fake tensors shaped like the bound inputs and match again, now comparing every
    scalar and shape list (but for size-1 dims of a view that is a pattern output: the op's output is then viewed
-   to the graph's shape). A different eps therefore fails here, named as a scalar mismatch.
+   to the graph's shape; and the number operand of an fp32 add/sub/mul/div compares as the fp32 value it enters
+   the arithmetic as). A different eps therefore fails here, named as a scalar mismatch.
 
 Both phases treat commutative ops (add, mul, ...) as unordered. Where the graph computes a pattern value with
 other ops (`exp2(ceil(log2(a)))` for a bit-manipulated power of two, stride-2 slices for unflatten + select, ...),
@@ -23,8 +24,11 @@ Inputs bind through layout: a pattern input the pattern views (only adding or dr
 a negation or cast) may bind a graph value that has that layout already (`_input_in_layout`), and an input read
 through a graph view of another shape binds that view's source; the op then takes it reshaped to its declared
 shape (`_layout_derived`), and a narrower float input that the pattern only promotes in pointwise ops takes it
-cast to the declared dtype (`_promoted`, exact: the ops promote it so). A pattern output that the graph views with
-more size-1 dims is viewed back after the op.
+cast to the declared dtype (`_promoted`, exact: the ops promote it so). An input the pattern reads only through
+views binds a graph value of higher rank without its non-leading size-1 dims (a `[B, 1, hc, D]` input read as
+`[T, hc, D]`), and a pattern view of a bound input matches a graph view of that input's view root (`view(ids, [M])`
+and `view(ids, [M, 1])` of one `[T, k]` ids: `_views_of_one_root`; the other outputs are also searched from the
+root). A pattern output that the graph views with more size-1 dims is viewed back after the op.
 
 A match also fails when an interior node of the pattern has a user outside it ("extra user"; but for a value the
 pattern declares an optional output, which the op then also returns), or when the fusion's own `check` rejects
@@ -202,6 +206,7 @@ class _Matcher:
         self.call_nodes = [n for n in self.pg.nodes if n.op == "call_function"]
         self.islands_on = islands
         self.steps = 0
+        self.fp32_scalars = False  # the node being compared computes in fp32: its numbers compare as fp32 values
 
     # -- value comparison --------------------------------------------------------------------------------------
     def _match_arg(self, p, t, st: _State, where: str):
@@ -249,7 +254,8 @@ class _Matcher:
             raise _Fail("argument", f"{where}: expected the constant {p!r}, found a tensor {_fmt(t)}", t)
         if not self.exact:
             return
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not _same_number(p, t):
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (
+                _same_number(p, t) or self.fp32_scalars and _same_fp32(p, t)):
             raise _Fail("scalar", f"{where}: expected {p!r}, found {t!r}")
 
     def _match_node(self, p: fx.Node, t, st: _State):
@@ -286,13 +292,20 @@ class _Matcher:
         if self.exact and p.target is aten.view.default and p in self.outputs and _same_but_units(p, t):
             self._match_arg(p.args[0], t.args[0], st, f"{_fmt(t)} argument 0")  # the op's output is viewed back
             return
+        if p.target is aten.view.default and _views_of_one_root(st.p2t.get(p.args[0]), t.args[0]):
+            # view(x, s) where the graph views x's own root: view(view(r), s) is view(r, s), one value
+            self._match_arg(p.args[1], t.args[1], st, f"{_fmt(t)} argument 1")
+            return
+        fp32 = _fp32_opmath(t)
         if p.target in COMMUTATIVE and len(p.args) == 2 and not p.kwargs and all(isinstance(a, fx.Node) for a in t.args):
             self._match_unordered(p, t, st)
         elif p.target is aten.where.self and self.islands_on:
             self._match_where(p, t, st)
         else:
             for i, (pa, ta) in enumerate(zip(p.args, t.args)):
+                self.fp32_scalars = fp32  # (a node argument compared before resets it)
                 self._match_arg(pa, ta, st, f"{_fmt(t)} argument {i}")
+        self.fp32_scalars = False
         for k, pa in p.kwargs.items():
             self._match_arg(pa, t.kwargs.get(k), st, f"{_fmt(t)} keyword {k}")
 
@@ -468,6 +481,10 @@ class _Matcher:
         found = self.best_candidate(out, _cone(matched or bound_inputs, out.target), st)
         if isinstance(found, _Fail) and matched and bound_inputs:
             found = self.best_candidate(out, _cone(bound_inputs, out.target), st)
+        roots = [r for r in (view_root(b) for b in bound_inputs) if r not in bound_inputs]
+        if isinstance(found, _Fail) and roots:
+            # from the roots the bound inputs view: a sibling view of one root reads the same value
+            found = self.best_candidate(out, _cone(bound_inputs + roots, out.target), st)
         if isinstance(found, _Fail):
             raise found
         st.assign(found)
@@ -717,6 +734,23 @@ def _is_numeric_seq(x) -> bool:
     return all(isinstance(v, (int, float, torch.SymInt)) and not isinstance(v, bool) for v in x)
 
 
+_ARITHMETIC = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor})
+
+
+def _fp32_opmath(t: fx.Node) -> bool:
+    """t is an add/sub/mul/div whose result is fp32: a number operand enters its arithmetic as an fp32 value (a
+    wrapped number takes the tensor's dtype), so two numbers with one fp32 value are one operand (`F.rms_norm`'s decomposition adds eps = fp32(1e-20) where a hand-written norm adds 1e-20)."""
+    v = t.meta.get("val")
+    return t.target in _ARITHMETIC and isinstance(v, torch.Tensor) and v.dtype is torch.float32
+
+
+def _same_fp32(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, float) and not isinstance(b, float):
+        return False
+    fa, fb = torch.tensor(float(a), dtype=torch.float32).item(), torch.tensor(float(b), dtype=torch.float32).item()
+    return fa == fb or math.isnan(fa) and math.isnan(fb)
+
+
 def _same_number(a, b) -> bool:
     if isinstance(a, int) and isinstance(b, int):
         return a == b
@@ -940,6 +974,18 @@ class PatternSet:
         return MatchResult(pat, inputs, outputs, nodes, free, found_islands, exposed=exposed)
 
 
+def view_root(n):
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.view.default:
+        n = n.args[0]
+    return n
+
+
+def _views_of_one_root(x, y) -> bool:
+    """x and y are different graph values, contiguous views (`aten.view`, maybe none) of one root: a view of either
+    is the same view of the other."""
+    return isinstance(x, fx.Node) and isinstance(y, fx.Node) and x is not y and view_root(x) is view_root(y)
+
+
 def _same_but_units(p: fx.Node, t: fx.Node) -> bool:
     """p's and t's values have the same sizes but for size-1 dims (a pattern output [T, N], a graph's [B, 1, N])."""
     pv, tv = p.meta.get("val"), t.meta.get("val")
@@ -999,12 +1045,22 @@ def _layout_derived(ph: fx.Node, st: _State) -> "Derived | None":
         g_out = g.meta.get("val") if isinstance(g, fx.Node) and g.target is aten.view.default else None
         p_in, p_out = ph.meta["val"].shape, u.meta["val"].shape
         if not isinstance(g_out, torch.Tensor) or g_out.dim() != len(p_out) or [d for d in p_in if d != 1] != [d for d in p_out if d != 1]:
-            return None
+            return _without_units(ph, b, val)
         kept = iter(d for d, p in zip(g_out.shape, p_out) if p != 1)  # the graph's sizes at the pattern's non-1 dims
         shapes.add(tuple(1 if d == 1 else next(kept) for d in p_in))
     if len(shapes) != 1 or (shape := shapes.pop()) == tuple(val.shape) or math.prod(shape) != val.numel():
         return None
     return Derived(aten.reshape.default, (b, list(shape)))
+
+
+def _without_units(ph: fx.Node, b: fx.Node, val) -> "Derived | None":
+    """b (read only through views in the pattern, of higher rank than `ph`) without its non-leading size-1 dims
+    where that leaves ph's rank: a `[B, S=1, hc, D]` graph input the pattern reads as `[T, hc, D]` (the views
+    restate the shape, so the exact phase, re-traced at the derived shape, compares them)."""
+    shape = [d for i, d in enumerate(val.shape) if i == 0 or d != 1]
+    if not all(isinstance(d, int) for d in shape) or len(shape) != ph.meta["val"].dim() or len(shape) == val.dim():
+        return None
+    return Derived(aten.reshape.default, (b, shape))
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,10 @@
     h     = rms_norm(bf16(sum_j pre_j * x_new_j), w, eps)  (hc_collapse, rms_norm)
   -> dsv41::mhc_post_pre(y, x, post, comb, pre, w, eps)
 
-Formulations: broadcast-multiply-sum mixing (the model's) or einsum mixing; RMSNorm written out
-(x * rsqrt(mean(x^2) + eps) * w) or as F.rms_norm, both rounding once after the fp32 weight multiply, or written
-out rounding twice, w * bf16(x * rsqrt(...)) in bf16 (HF's RMSNorm; the op's norm_rounding="bf16_then_weight").
+Formulations, every combination of: the mixing by broadcast-multiply-sum (the model's) or einsum; the collapse by
+multiply-sum or einsum; RMSNorm written out (x * rsqrt(mean(x^2) + eps) * w) or as F.rms_norm, both rounding once
+after the fp32 weight multiply, or written out rounding twice, w * bf16(x * rsqrt(...)) in bf16 (HF's RMSNorm; the
+op's norm_rounding="bf16_then_weight").
 """
 
 from __future__ import annotations
@@ -54,24 +55,33 @@ def rms_norm_bf16_then_weight(x, w, eps):
 BF16_NORM = "_bf16_then_weight"
 
 
+# the spellings of each part of a site, one formulation per combination: (name part, function)
+_POSTS = (("", fn.hc_post), ("einsum", post_einsum))
+_COLLAPSES = (("", fn.hc_collapse), ("einsum", collapse_einsum))
+_NORMS = {"fp32_weight": (("", fn.rms_norm), ("_F_rms_norm", rms_norm_functional)),
+          "bf16_then_weight": ((BF16_NORM, rms_norm_bf16_then_weight),)}
+
+
+def _contraction_suffix(post: str, collapse: str) -> str:
+    """"_einsum" when both contractions are einsums, "_einsum_post" / "_einsum_collapse" when one is, else ""."""
+    if post and collapse:
+        return "_einsum"
+    return "_einsum_post" if post else "_einsum_collapse" if collapse else ""
+
+
 def stream_formulations(eps: float, roundings: tuple = ("fp32_weight",)):
     """(name suffix, search(y, x, post, comb, pre, w) -> (x_new, h)) of each accepted formulation whose RMSNorm
-    rounds as one of `roundings` says (`dsv41.models.functional.NORM_ROUNDINGS`)."""
+    rounds as one of `roundings` says (`dsv41.models.functional.NORM_ROUNDINGS`): every combination of a post, a
+    collapse and a norm spelling (a user mixes them freely)."""
     def post_pre(post_fn, collapse_fn, norm_fn):
         def search(y, x, post, comb, pre, w):
             x_new = post_fn(y, x, post, comb)
             return x_new, norm_fn(collapse_fn(x_new, pre), w, eps)
         return search
 
-    out = []
-    if "fp32_weight" in roundings:
-        out += [("", post_pre(fn.hc_post, fn.hc_collapse, fn.rms_norm)),
-                ("_einsum", post_pre(post_einsum, collapse_einsum, fn.rms_norm)),
-                ("_F_rms_norm", post_pre(fn.hc_post, fn.hc_collapse, rms_norm_functional))]
-    if "bf16_then_weight" in roundings:
-        out += [(BF16_NORM, post_pre(fn.hc_post, fn.hc_collapse, rms_norm_bf16_then_weight)),
-                ("_einsum" + BF16_NORM, post_pre(post_einsum, collapse_einsum, rms_norm_bf16_then_weight))]
-    return out
+    return [(_contraction_suffix(p_name, c_name) + n_name, post_pre(post_fn, collapse_fn, norm_fn))
+            for rounding in roundings for n_name, norm_fn in _NORMS[rounding]
+            for p_name, post_fn in _POSTS for c_name, collapse_fn in _COLLAPSES]
 
 
 def norm_rounding(pattern_name: str) -> str:

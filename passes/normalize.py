@@ -18,6 +18,9 @@
   below a strided slice;
 - `where(~m, a, b)` (or `logical_not`) is `where(m, b, a)`, and on integers `where(a >= b, x, y)` is
   `where(a < b, y, x)` (`>` as `<=`, `!=` as `==`); a negation of a view is the view of the negation;
+- overloads: add/sub/mul/div `.Scalar` (`F.rms_norm`'s decomposition adds its eps so) are the `.Tensor` ones;
+- one-element slices: a broadcasting op's operand `x[i:i+1]` of a 1-D x is `x[i]` where the operands share a dtype
+  (`scale.tensor_split(3)` pieces are `scale[0]`, ...);
 - arithmetic spellings: `a + (-b)` is `a - b`, `x * x` is `x ** 2`, `x * -1` is `-x`, `max(x, d).values` is
   `amax(x, [d])`, a reduction over one dim followed by an unsqueeze of that dim is the reduction with keepdim,
   and a keepdim reduction over the leading dim viewed without it is the reduction without keepdim;
@@ -29,7 +32,10 @@
   run at `x.unflatten(-1, (-1, k))` (`_split_rows`), and the cast where they end moves below the view merging the
   blocks back, so the reference's `view(-1, block)` quantisation and the model's unflatten form are one form;
 - unit dims: a non-leading size-1 dim that a graph input or a view of a GEMM output adds (HF's `[B, S=1, ...]`
-  decode layout) sinks below the ops that do not touch it (`_sink_units`), so they run at `[B, ...]`.
+  decode layout) sinks below the ops that do not touch it (`_sink_units`: pointwise ops, lookups, reductions,
+  slices, softmax, top-k, sort, gather, scatter, cat), so they run at `[B, ...]`; a bmm output's unit dims (an
+  einsum at S = 1) count as such, and a permute whose input has unit dims right after its leading dim and whose
+  users are views permutes the input without them (an einsum's layout chain at `[B, 1, G, D]` and at `[T, G, D]`).
 
 Shapes come from `meta["val"]`; a node without it is left alone.
 """
@@ -295,11 +301,28 @@ def _implicit_promotion(graph: fx.Graph, node: fx.Node) -> bool:
     return changed
 
 
+# an arithmetic op's Scalar overload -> its Tensor overload (the same op on a number: `F.rms_norm`'s decomposition
+# writes `mean + eps` as add.Scalar, a traced `x + eps` is add.Tensor)
+_SCALAR_OVERLOADS = {aten.add.Scalar: aten.add.Tensor, aten.sub.Scalar: aten.sub.Tensor,
+                     aten.mul.Scalar: aten.mul.Tensor, aten.div.Scalar: aten.div.Tensor}
+
+
+def _scalar_overload(node: fx.Node) -> bool:
+    """add/sub/mul/div.Scalar(x, s) is add/sub/mul/div.Tensor(x, s): one computation (a number operand promotes as
+    a wrapped number in both overloads)."""
+    tensor_form = _SCALAR_OVERLOADS.get(node.target)
+    if tensor_form is None:
+        return False
+    node.target = tensor_form
+    return True
+
+
 def _local_forms(graph: fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
+        changed += _scalar_overload(node)
         changed += _piece_of_split(graph, node) + _implicit_promotion(graph, node)
         changed += _fill_defaults(node)
         if node.target is aten._unsafe_view.default:
@@ -467,6 +490,58 @@ def _canonicalise_layout(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+def _unit_slice_as_select(graph: fx.Graph, node: fx.Node) -> bool:
+    """A broadcasting op's operand `x[i:i+1]` of a 1-D x is `x[i]` (a 0-d tensor): the output of rank >= 1 and its
+    values are the same, and so is its dtype where every tensor operand has x's dtype (a 0-d tensor promotes
+    like any other then). `scale.tensor_split(3)` pieces and `scale[0]` are one form: an exact identity."""
+    out = _val(node)
+    tensors = [a for a in node.args if isinstance(_val(a), torch.Tensor)]
+    if not isinstance(out, torch.Tensor) or out.dim() < 1 or len({_val(a).dtype for a in tensors}) != 1:
+        return False
+    args, changed = list(node.args), False
+    for i, a in enumerate(args):
+        if not (isinstance(a, fx.Node) and a.target is aten.slice.Tensor and len(a.args) >= 4 and list(_val(a).shape) == [1]
+                and _val(a.args[0]).dim() == 1 and (len(a.args) < 5 or a.args[4] == 1) and isinstance(a.args[2], int)):
+            continue
+        if not any(b is not a and _val(b).dim() >= 1 for b in tensors):
+            continue
+        args[i] = _insert(graph, node, aten.select.int, (a.args[0], 0, a.args[2]), source=node)
+        changed = True
+    if changed:
+        node.args = tuple(args)
+        for a in set(node.all_input_nodes) | {b for b in tensors if isinstance(b, fx.Node)}:
+            if a.target is aten.slice.Tensor and not a.users:
+                graph.erase_node(a)
+    return changed
+
+
+def _permute_without_units(graph: fx.Graph, node: fx.Node) -> bool:
+    """view(permute(x, P), C) where x has size-1 dims right after its leading dim is view(permute(x without them,
+    P without them), C): a size-1 dim does not change the row-major order of the elements, and the views restate
+    the shape (an einsum's layout chain of a `[B, S=1, ...]` operand and of a `[T, ...]` one are one form): an
+    exact identity. Applies when every user of the permute is a view; other size-1 dims (an einsum's own) stay."""
+    if node.target is not aten.permute.default or not node.users or any(u.target is not aten.view.default for u in node.users):
+        return False
+    x = node.args[0]
+    xv = _val(x)
+    if not isinstance(x, fx.Node) or not _static(xv) or xv.dim() < 3 or xv.shape[1] != 1:
+        return False
+    run = 1  # the size-1 dims right after the leading one (the S of [B, S=1, ...]); a pattern's own stay
+    while run < xv.dim() - 1 and xv.shape[run + 1] == 1:
+        run += 1
+    keep = [i for i in range(xv.dim()) if not 1 <= i <= run]
+    src = x.args[0] if x.op == "call_function" and x.target is aten.view.default else x
+    shape = [xv.shape[i] for i in keep]
+    low = src if list(_val(src).shape) == shape else _view_once(graph, node, src, shape)
+    rank = {old: new for new, old in enumerate(keep)}
+    perm = [rank[d % xv.dim()] for d in node.args[1] if d % xv.dim() in rank]
+    permuted = _insert(graph, node, aten.permute.default, (low, perm), source=node)
+    for user in list(node.users):
+        user.replace_input_with(node, permuted)
+    graph.erase_node(node)
+    return True
+
+
 def _drop_broadcast_views(node: fx.Node) -> bool:
     """An operand of a broadcasting op viewed only to add leading size-1 dims is the operand itself."""
     out = _val(node)
@@ -625,8 +700,8 @@ def _added_units(n) -> int:
     v = _val(n)
     if not _static(v):
         return 0
-    if n.op == "placeholder":
-        return len(_units(v.shape))
+    if n.op == "placeholder" or n.op == "call_function" and n.target is aten.bmm.default:
+        return len(_units(v.shape))  # a graph input; a batched GEMM whose M or N is 1 (an einsum's [B, S=1, ...])
     if n.op != "call_function" or n.target is not aten.view.default or not _static(_val(n.args[0])):
         return 0
     src = n.args[0]
@@ -668,21 +743,23 @@ def _shift(dim: int, drop: set) -> int:
 
 # op -> (positions of its same-rank tensor operands, position of its dim argument) for `_sink_units`
 _DIM_OPERANDS = {aten.slice.Tensor: ((0,), 1), aten.select.int: ((0,), 1), aten._softmax.default: ((0,), 1),
-                 aten.topk.default: ((0,), 2), aten.scatter.value: ((0, 2), 1), aten.scatter.src: ((0, 2, 3), 1),
+                 aten.topk.default: ((0,), 2), aten.sort.default: ((0,), 1), aten.gather.default: ((0, 2), 1),
+                 aten.scatter.value: ((0, 2), 1), aten.scatter.src: ((0, 2, 3), 1),
                  aten.expand.default: ((0,), None), **{r: ((0,), 1) for r in _REDUCTIONS}}
 
 
 def _sink_units(graph: fx.Graph, node: fx.Node) -> bool:
     """op(x with size-1 dims S) = op(x without them) with the dims put back, for an op that does not touch S (a
     pointwise op whose output has size 1 there, a 1-D table's lookup `table[idx]`; a reduction, slice, select,
-    softmax, top-k, scatter, expand or cat over other dims): an exact identity. S are the first non-leading unit
+    softmax, top-k, sort, gather, scatter, expand or cat over other dims): an exact identity. S are the first non-leading unit
     dims of the output, as many as an operand's view or graph input added (`_added_units`); the ops of a [B, 1, ...] region then run at [B, ...] as a
     pattern traced at [T, ...] does, and one view restores each value's shape where the region ends."""
     out = _val(node)
     t = node.target
-    if not node.users or not (_static(out) or t is aten.topk.default):
+    pair = t in (aten.topk.default, aten.sort.default)  # (values, indices)
+    if not node.users or not (_static(out) or pair):
         return False
-    if t is aten.topk.default and any(u.target is not operator.getitem for u in node.users):
+    if pair and any(u.target is not operator.getitem for u in node.users):
         return False
     if isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags:
         operands = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and _static(_val(a))]
@@ -720,7 +797,7 @@ def _sink_units(graph: fx.Graph, node: fx.Node) -> bool:
         drop = set(drop[:max(_added_units(x) for x in xs)])
         if t is aten.expand.default:
             drop = {s for s in drop if node.args[1][s] == 1}
-        if not drop:
+        if not drop or any(_val(x).shape[s] != 1 for x in xs for s in drop):
             return False
         squeezed = iter([_squeezed(graph, node, x, drop) for x in xs])
         args = [list(squeezed) if t is aten.cat.default else a for a in node.args[:1]] + list(node.args[1:])
@@ -735,7 +812,7 @@ def _sink_units(graph: fx.Graph, node: fx.Node) -> bool:
         return False
     low = _insert(graph, node, t, args, node.kwargs, source=node)
     low.meta[_SUNK] = True
-    if t is aten.topk.default:  # (values, indices): each getitem lowered and lifted back
+    if pair:  # (values, indices): each getitem lowered and lifted back
         for user in list(node.users):
             with graph.inserting_before(user):
                 item = graph.call_function(operator.getitem, (low, user.args[1]))
@@ -932,7 +1009,7 @@ def _canonical_forms(graph: fx.Graph) -> int:
         if node.op != "call_function" or node.graph is not graph or not node.users and node.target in _LAYOUT_OPS:
             continue
         if node.target in _LAYOUT_OPS:
-            if _canonicalise_layout(graph, node) or _cast_below_merge(graph, node):
+            if _canonicalise_layout(graph, node) or _cast_below_merge(graph, node) or _permute_without_units(graph, node):
                 changed += 1
                 continue
         elif node.target is aten.neg.default and _neg_before_view(graph, node):
@@ -952,7 +1029,7 @@ def _canonical_forms(graph: fx.Graph) -> int:
             changed += 1
             continue
         elif node.target in _BROADCASTING:
-            changed += _drop_broadcast_views(node) + _full_as_scalar(graph, node)
+            changed += _drop_broadcast_views(node) + _full_as_scalar(graph, node) + _unit_slice_as_select(graph, node)
             if node.target is aten.where.self:
                 changed += _where_not(graph, node)
     for node in reversed(list(graph.nodes)):  # layout ops and negations left without users

@@ -20,6 +20,7 @@ from dsv41.models import functional as fn
 
 from .harness import BF16, F16, NORM_EPS, assert_close, assert_scalar_decline, compiled_matches, gen, graph_text, op_counts, \
     pattern_names, rand, run_declined, run_fused_once, run_passes
+from .test_mhc_post_pre import STREAM_COMBINATIONS
 
 FUSION, OP = "allreduce_mhc", "dsv41.allreduce_mhc"
 T, HC, D = 3, 4, 32
@@ -68,6 +69,8 @@ def streams_f_rms_norm(y, x, post, comb, pre, w, eps):
 
 
 STREAMS = {"": streams_model, "_einsum": streams_einsum, "_F_rms_norm": streams_f_rms_norm}
+STREAMS |= {suffix: f for suffix, f in STREAM_COMBINATIONS.items()
+            if suffix not in STREAMS and not suffix.endswith("_bf16_then_weight")}  # the other combinations
 
 
 def attention_site(streams):

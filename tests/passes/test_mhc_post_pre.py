@@ -2,8 +2,8 @@
 -> dsv41::mhc_post_pre.
 
 Every formulation the pass lists has a user-written function here (broadcast-multiply-sum or einsum stream
-mixing; RMSNorm written out or as F.rms_norm, or written out rounding twice as HF's does, which the op computes
-with norm_rounding="bf16_then_weight"). The fused op computes the model's formulation (broadcast-sum,
+mixing and collapse, in every combination; RMSNorm written out or as F.rms_norm, or written out rounding twice as
+HF's does, which the op computes with norm_rounding="bf16_then_weight"). The fused op computes the model's formulation (broadcast-sum,
 written-out norm) and the double-rounding one with the model's mixing, so those are bit-exact (atol=rtol=0); the
 einsum / F.rms_norm ones sum or normalise in
 another fp32 order, and both outputs are bf16: compared within bf16 tolerance (atol=rtol=1.6e-2, one bf16 ulp
@@ -78,11 +78,35 @@ def einsum_double_rounding_norm(y, x, post, comb, pre, w, eps=NORM_EPS):
     return x_new, norm_bf16_then_weight(torch.einsum("bj,bjd->bd", pre, x_new.float()).to(x_new.dtype), w, eps)
 
 
+# the parts a user mixes freely: each combination of a post, a collapse and a norm spelling is a formulation
+POSTS = {"": fn.hc_post,
+         "einsum": lambda y, x, post, comb: (torch.einsum("bjk,bjd->bkd", comb, x.float())
+                                             + y.float().unsqueeze(1) * post.unsqueeze(-1)).to(x.dtype)}
+COLLAPSES = {"": fn.hc_collapse, "einsum": lambda x, pre: torch.einsum("bj,bjd->bd", pre, x.float()).to(x.dtype)}
+NORMS = {"": lambda u, w, eps: fn.rms_norm(u, w, eps),
+         "_F_rms_norm": lambda u, w, eps: F.rms_norm(u.float(), (u.shape[-1],), w.float(), eps).to(u.dtype),
+         "_bf16_then_weight": norm_bf16_then_weight}
+
+
+def combination(post_fn, collapse_fn, norm_fn):
+    def f(y, x, post, comb, pre, w, eps=NORM_EPS):
+        x_new = post_fn(y, x, post, comb)
+        return x_new, norm_fn(collapse_fn(x_new, pre), w, eps)
+    return f
+
+
+def contraction_suffix(post, collapse):
+    return "_einsum" if post and collapse else "_einsum_post" if post else "_einsum_collapse" if collapse else ""
+
+
+STREAM_COMBINATIONS = {contraction_suffix(p, c) + n: combination(POSTS[p], COLLAPSES[c], NORMS[n])
+                       for n in NORMS for p in POSTS for c in COLLAPSES}
 FORMULATIONS = {"post_pre": broadcast_sum, "post_pre_einsum": einsum_mixing, "post_pre_F_rms_norm": functional_rms_norm,
                 "post_pre_bf16_then_weight": double_rounding_norm,
                 "post_pre_einsum_bf16_then_weight": einsum_double_rounding_norm}
-TOL = {"post_pre": dict(atol=0, rtol=0), "post_pre_einsum": BF16_TOL, "post_pre_F_rms_norm": BF16_TOL,
-       "post_pre_bf16_then_weight": dict(atol=0, rtol=0), "post_pre_einsum_bf16_then_weight": BF16_TOL}
+FORMULATIONS |= {f"post_pre{suffix}": f for suffix, f in STREAM_COMBINATIONS.items() if f"post_pre{suffix}" not in FORMULATIONS}
+TOL = {name: dict(atol=0, rtol=0) if name in ("post_pre", "post_pre_bf16_then_weight") else BF16_TOL
+       for name in FORMULATIONS}
 ROUNDING = {name: "bf16_then_weight" if name.endswith("_bf16_then_weight") else "fp32_weight" for name in FORMULATIONS}
 
 

@@ -5,6 +5,7 @@ inputs bit for bit."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from dsv41.passes.normalize import normalize_graph
 
@@ -187,3 +188,65 @@ def test_keepdim_reduction_viewed_without_its_dim_is_the_plain_reduction():
     assert [n.args[2:] for n in sums] == [(False,), (True,)] and op_counts(gm)["aten.view"] == 1
     for got, want in zip(gm(x), f(x), strict=True):
         assert torch.equal(got, want)
+
+
+def test_scalar_overloads_are_tensor_overloads():
+    """add/sub/mul/div.Scalar (F.rms_norm's decomposition adds its eps so) are the .Tensor overloads."""
+    def f(x):
+        xf = x.float()
+        return F.rms_norm(xf, (8,), eps=1e-20), torch.ops.aten.mul.Scalar(xf, 3.0) - 1.0
+
+    x = torch.randn(3, 8, generator=gen(0)).bfloat16()
+    gm = normalized(f, x)
+    ops = op_counts(gm)
+    assert not any(name.endswith(".Scalar") and name.split(".")[1] in ("add", "sub", "mul", "div") for name in ops), ops
+    for got, want in zip(gm(x), f(x), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_one_element_slice_in_arithmetic_is_a_select():
+    """`m * s.tensor_split(3)[0]` is `m * s[0]` (same dtype: the values, shape and dtype agree); where no other
+    operand has a dim (`s[0:1] * s[1]`, a [1] result) the slice stays."""
+    def f(m, s):
+        return m * s.tensor_split(3)[0] + s[1:2], s[0:1] * s[1]
+
+    g = gen(1)
+    x = (torch.randn(3, 4, generator=g), torch.randn(3, generator=g))
+    gm = normalized(f, *x)
+    ops = op_counts(gm)
+    assert ops["aten.select.int"] == 3 and ops["aten.slice.Tensor"] == 1, ops
+    for got, want in zip(gm(*x), f(*x), strict=True):
+        assert torch.equal(got, want) and got.dtype == want.dtype
+
+
+def test_unit_dims_sink_below_sort_and_gather():
+    """At [B, S=1, N] (a graph input's unit dim), a sort along N and a gather along N run at [B, N]."""
+    def f(s):
+        sel = torch.sort(torch.topk(s, 3, dim=-1, sorted=False).indices, dim=-1).values
+        return torch.gather(s, -1, sel) > 0
+
+    x = torch.randn(4, 1, 8, generator=gen(2))
+    gm = normalized(f, x)
+    for target in (aten.sort.default, aten.gather.default):
+        node = next(n for n in gm.graph.nodes if n.target is target)
+        val = node.meta["val"][0] if target is aten.sort.default else node.meta["val"]
+        assert val.dim() == 2, (target, val.shape)
+    assert torch.equal(gm(x), f(x))
+
+
+def test_einsum_layout_chains_at_a_unit_seq_dim_and_without_it_are_one_form():
+    """einsum('bsgd,grd->bsgr') at [B, 1, G, D] and einsum('tgd,grd->tgr') at [T, G, D]: the S = 1 dim leaves the
+    layout chain (a permute's unit dims right after the leading one, read only by views), so both contract in one
+    form."""
+    def seq(o, w):
+        return torch.einsum("bsgd,grd->bsgr", o, w).flatten(-2)
+
+    def flat(o, w):
+        return torch.einsum("tgd,grd->tgr", o.view(o.shape[0], o.shape[2], -1), w).flatten(1)
+
+    g = gen(3)
+    x = (torch.randn(3, 1, 2, 16, generator=g), torch.randn(2, 8, 16, generator=g))
+    forms = [normalized(f, *x) for f in (seq, flat)]
+    chains = [[(n.target, list(n.args[1])) for n in gm.graph.nodes if n.target is aten.permute.default] for gm in forms]
+    assert chains[0] == chains[1], chains
+    assert torch.equal(forms[0](*x).flatten(1), flat(*x)) and torch.equal(forms[1](*x), flat(*x))

@@ -13,7 +13,9 @@ rewritten by a random mix of exact identities, the spellings another author coul
   keepdim sum as a sum and an unsqueeze;
 - a slice as a piece of `torch.split`, a select as an `unbind` item, `x.float() * y` as `x * y` for an fp32 y of
   rank >= 1 (implicit promotion);
-- a value reshaped in two steps (through its flat shape), or given a leading unit dim that is squeezed away again.
+- a value reshaped in two steps (through its flat shape), or given a leading unit dim that is squeezed away again;
+- `x + 2.0` by the Scalar overload (`add.Scalar`, as `F.rms_norm`'s decomposition writes its eps);
+- `scale[i]` as the one-element slice `scale[i:i+1]` where only same-dtype arithmetic reads it (`tensor_split`).
 
 Each rewritten graph must still fuse exactly once. The rewrites are checked to be exact: on graphs without integer
 inputs and collectives the rewritten graph runs on fresh random inputs and must equal the original bit for bit (NaN nowhere).
@@ -57,7 +59,9 @@ def _is_tensor_node(arg) -> bool:
 
 KINDS = ("commute", "sub as add of neg", "flip", "where swapped", "square as product", "neg as product",
          "clamp_min as clamp", "amax as max", "keepdim as unsqueeze", "slice as split piece", "select as unbind",
-         "implicit promotion", "two-step view", "unit dim round trip")
+         "implicit promotion", "two-step view", "unit dim round trip", "Scalar overload", "select as unit slice")
+_SCALAR_OVERLOADS = {aten.add.Tensor: aten.add.Scalar, aten.sub.Tensor: aten.sub.Scalar, aten.mul.Tensor: aten.mul.Scalar,
+                     aten.div.Tensor: aten.div.Scalar}
 _PROMOTING = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor)
 
 
@@ -93,6 +97,21 @@ def _implicit_promotion(node: fx.Node) -> bool:
             return True
     return False
 
+
+def _select_as_unit_slice(node: fx.Node) -> bool:
+    """x[i] of a 1-D x as x[i:i+1] where every user is an add/sub/mul/div whose tensor operands share x's dtype and
+    whose other operand has rank >= 1 (broadcasting gives the same values, shape and dtype)."""
+    x, dim, i = node.args
+    xv = _val(x)
+    if xv is None or xv.dim() != 1 or dim != 0 or not isinstance(i, int) or i < 0 or not node.users:
+        return False
+    for user in node.users:
+        others = [b for b in user.args if b is not node and _is_tensor_node(b)]
+        if user.target not in _PROMOTING or user.kwargs or not others or any(
+                _val(b).dtype != xv.dtype or _val(b).dim() < 1 for b in others):
+            return False
+    node.target, node.args = aten.slice.Tensor, (x, 0, i, i + 1)
+    return True
 
 
 def rewrite(graph: fx.Graph, rng: random.Random, p: float = 0.5, kinds=KINDS) -> list[str]:
@@ -147,6 +166,12 @@ def rewrite(graph: fx.Graph, rng: random.Random, p: float = 0.5, kinds=KINDS) ->
                 pieces = graph.call_function(aten.unbind.int, (a[0], a[1]))
             node.target, node.args = operator.getitem, (pieces, a[2])
             made.append(f"select as unbind {node.name}")
+        elif "Scalar overload" in kinds and node.target in _SCALAR_OVERLOADS and len(a) == 2 and not node.kwargs \
+                and isinstance(a[1], (int, float)) and not isinstance(a[1], bool):
+            node.target = _SCALAR_OVERLOADS[node.target]
+            made.append(f"Scalar overload {node.name}")
+        elif "select as unit slice" in kinds and node.target is aten.select.int and _select_as_unit_slice(node):
+            made.append(f"select as unit slice {node.name}")
         elif "implicit promotion" in kinds and _implicit_promotion(node):
             made.append(f"implicit promotion {node.name}")
         elif {"two-step view", "unit dim round trip"} & set(kinds) and _is_tensor_node(node) and _val(node).dim() >= 1 and _val(node).is_contiguous() \

@@ -8,7 +8,8 @@ with eager (bf16 model: atol=rtol=2e-2; the argmax exactly).
 Measured on 2026-12-01 with the port's source from the transformers repository dropped into transformers 5.24.0
 (plus its cache-type registration in cache_utils), not committed; logits bit-equal to eager. Dynamo compiles one
 graph per attention layer (7) and one MoE-gate graph that all 7 layers reuse. Per attention graph, qkv_norm,
-mhc_post_pre, mhc_coeffs and wo_a fuse once each (the port computes at [B, S=1, ...], which the normalisation's
+mhc_post_pre and wo_a fuse once each and mhc_coeffs twice (both sites; the attention site's since its [B, 1, hc, D]
+hidden state, a graph input read only through views, binds without its unit dim) (the port computes at [B, S=1, ...], which the normalisation's
 unit-dim sinking brings to the patterns' [T, ...]; its RMSNorm rounds to bf16 before the weight multiply,
 norm_rounding="bf16_then_weight"; its comb logits are scaled before their [hc, hc] view, a view the normalisation
 moves below pointwise ops by scalars and like-viewed operands; its inverse RoPE takes the pairs by stride-2 slices
@@ -60,7 +61,7 @@ def test_hf_port_decode_step_is_fused():
     got = step(nxt, past_key_values=out.past_key_values, use_cache=True).logits
     assert all(r.fallback is None for r in backend.reports)
     fired = {name: sum(r.matches[name] for r in backend.reports) for name in FUSION_NAMES}
-    assert fired == {**dict.fromkeys(FUSION_NAMES, 0), "qkv_norm": 7, "mhc_post_pre": 7, "mhc_coeffs": 7, "wo_a": 7,
+    assert fired == {**dict.fromkeys(FUSION_NAMES, 0), "qkv_norm": 7, "mhc_post_pre": 7, "mhc_coeffs": 14, "wo_a": 7,
                      "indexer_topk": 3, "moe_route": 1}, [r.near_misses for r in backend.reports]
     split = [(name, note) for r in backend.reports for name, note in r.notes.items() if "split by a graph break" in note]
     assert [name for name, _ in split] == ["moe_route"], split  # only the route, whose outputs leave at the break
