@@ -908,20 +908,26 @@ def _split_rows(graph: fx.Graph, node: fx.Node) -> bool:
 def _cast_below_merge(graph: fx.Graph, node: fx.Node) -> bool:
     """convert(x).flatten(-2) = convert(x.flatten(-2)) for an x that `_split_rows` computed: where blocked rows end,
     a cast moves below the view that merges the blocks back (`(q * s).to(bf16).reshape(shape)` of rows and
-    `(q * s).flatten(-2).to(bf16)` are one form); exact. Other casts stay: a cast's output may be a pattern's
-    input, which the pattern then views."""
+    `(q * s).flatten(-2).to(bf16)` are one form); exact. A view to the merged shape with size-1 dims inserted (a
+    layout chain `y.reshape(shape)[:, None]` collapsed to one view) is the cast's merged value viewed so. Other
+    casts stay: a cast's output may be a pattern's input, which the pattern then views."""
     src = node.args[0]
     if not (node.target is aten.view.default and isinstance(src, fx.Node) and src.op == "call_function"
             and src.target is prims.convert_element_type.default and len(src.users) == 1 and not src.kwargs
             and isinstance(src.args[0], fx.Node) and src.args[0].meta.get(_ROWS)
-            and _static(_val(node)) and _static(_val(src)) and not any(u.target in _LAYOUT_OPS for u in node.users)):
-        return False  # (a view that a layout chain continues: the chain is one view first)
-    x, v = list(_val(src).shape), list(_val(node).shape)
-    if not (len(x) >= 2 and v == x[:-2] + [x[-2] * x[-1]]):
+            and _static(_val(node)) and _static(_val(src))):
         return False
-    view = _insert(graph, node, aten.view.default, (src.args[0], v), source=node)
+    x, v = list(_val(src).shape), list(_val(node).shape)
+    merged = x[:-2] + [x[-2] * x[-1]] if len(x) >= 2 else None
+    if merged is None or [d for d in v if d != 1] != [d for d in merged if d != 1]:
+        return False
+    if v != merged and any(u.target in _LAYOUT_OPS for u in node.users):
+        return False  # (a view that a layout chain continues: the chain is one view first)
+    view = _insert(graph, node, aten.view.default, (src.args[0], merged), source=node)
     cast = _insert(graph, node, src.target, (view, *src.args[1:]), source=src)
-    node.replace_all_uses_with(cast)
+    # a view with unit dims more (`kv[:, None]` of the merged blocks) views the merged value: views compose
+    out = cast if v == merged else _insert(graph, node, aten.view.default, (cast, v), source=node)
+    node.replace_all_uses_with(out)
     graph.erase_node(node)
     graph.erase_node(src)
     return True
