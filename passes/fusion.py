@@ -237,13 +237,16 @@ class FusionPass(GraphPass):
 
     def _wider_accepted(self, index: int, anchor: fx.Node, narrow: MatchResult):
         """(the accepted match of the first pattern in `wider(index)` whose region at `anchor` holds every node of
-        the op-for-op match `narrow` and more, or None; the failure of the last one tried that got that far, or
-        None): a wider formulation whose extra part the graph writes with other ops (the FP8 scale by exp2) would
-        otherwise lose to the narrower one, which the op-for-op phase tries first."""
+        the op-for-op match `narrow` and more, or None; the failure of the last one tried that got past the narrow
+        region, or None): a wider formulation whose extra part the graph writes with other ops (the FP8 scale by
+        exp2) would otherwise lose to the narrower one, which the op-for-op phase tries first."""
         why = None
         for j in self.wider(index):
             m = self._patterns.match_one(j, anchor, True)
-            if not isinstance(m, MatchResult) or not set(narrow.nodes) < set(m.nodes):
+            if isinstance(m, MatchFailure):
+                why = m if m.progress > len(narrow.nodes) else why
+                continue
+            if not set(narrow.nodes) < set(m.nodes):
                 continue
             accepted = self._accept(m, anchor)
             if not isinstance(accepted, MatchFailure):
