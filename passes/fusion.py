@@ -196,7 +196,10 @@ class FusionPass(GraphPass):
                         continue  # a different computation (another eps, dtype, ...): no islands
                     m = self._patterns.match_one(index, anchor, islands)
                     if isinstance(m, MatchResult):
-                        m = self._accept(m, anchor)
+                        wide, why = (None, None) if islands else self._wider_accepted(index, anchor, m)
+                        m = wide or self._accept(m, anchor)
+                        if why is not None and not isinstance(m, MatchFailure):
+                            result.declined.append(why)  # fused without the wider part: the reason is recorded
                     if isinstance(m, MatchFailure):
                         if islands:  # only a semantic disagreement is worth reporting here
                             if m.kind == "semantic" and island_failures.get(anchor) is None:
@@ -227,6 +230,30 @@ class FusionPass(GraphPass):
         if split:
             result.note = f"{result.note}; {split}" if result.note else split
         return result
+
+    def wider(self, index: int) -> tuple[int, ...]:
+        """The patterns (indices) whose region extends that of pattern `index` past its outputs (RoPE + FP8 after
+        RoPE alone): where `index` matches op for op, each is first tried there with parts computed another way."""
+        return ()
+
+    def _wider_accepted(self, index: int, anchor: fx.Node, narrow: MatchResult):
+        """(the accepted match of the first pattern in `wider(index)` whose region at `anchor` holds every node of
+        the op-for-op match `narrow` and more, or None; the failure of the last one tried that got past the narrow
+        region, or None): a wider formulation whose extra part the graph writes with other ops (the FP8 scale by
+        exp2) would otherwise lose to the narrower one, which the op-for-op phase tries first."""
+        why = None
+        for j in self.wider(index):
+            m = self._patterns.match_one(j, anchor, True)
+            if isinstance(m, MatchFailure):
+                why = m if m.progress > len(narrow.nodes) else why
+                continue
+            if not set(narrow.nodes) < set(m.nodes):
+                continue
+            accepted = self._accept(m, anchor)
+            if not isinstance(accepted, MatchFailure):
+                return accepted, None
+            why = accepted
+        return None, why
 
     def _split_by_graph_break(self, graph: fx.Graph, result: PassResult, failures: dict, erased: set) -> str | None:
         """When Dynamo has recorded graph breaks: the sites of this fusion whose region ends at this graph's

@@ -68,8 +68,12 @@ class MoeExpertsPass(FusionPass):
         return None
 
     def sample_inputs(self, m, g):
-        """As the base class, with valid offsets: random expert row counts (some zero) that sum to M."""
+        """As the base class, with valid offsets: random expert row counts (some zero) that sum to M; the first row
+        weight zero, so that row's activation is an all-zero FP8 block, where the amax floor (1e-4) decides the
+        scale (without it 0 / 0 is NaN)."""
         values = super().sample_inputs(m, g)
+        if m.inputs[2] in values:
+            values[m.inputs[2]][0] = 0
         offsets = m.inputs[3]
         rows, experts_n = m.inputs[1].meta["val"].shape[0], offsets.meta["val"].shape[0]
         counts = torch.bincount(torch.randint(0, experts_n, (rows,), generator=g), minlength=experts_n)

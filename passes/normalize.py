@@ -26,6 +26,9 @@
   and a keepdim reduction over the leading dim viewed without it is the reduction without keepdim;
 - pieces: `split(x, s, d)[i]` / `split_with_sizes` (`torch.split`, `chunk`) are the slices of x they cover, and
   `unbind(x, d)[i]` is `select(x, d, i)`;
+- FP8 spellings: a cast to float8_e4m3fn of an unclamped x / s is the cast of it clamped to +-448 (the conversion
+  saturates), `x * reciprocal(s)` is `x / s` for a scale that is a normal power of two (exponent bits, or an exp2
+  scale of a floored amax), and `x * 1.0` is `x`;
 - implicit promotion: an fp32 add/sub/mul/div/maximum/minimum with a bf16/fp16 tensor operand takes it cast to fp32
   (`xf * w` for a bf16 RMSNorm weight is `xf * w.float()`);
 - block rows: pointwise ops and keepdim last-dim reductions on `x.reshape(-1, k)` rows of blocks of x's last dim
@@ -317,6 +320,109 @@ def _scalar_overload(node: fx.Node) -> bool:
     return True
 
 
+def _times_one(node: fx.Node) -> bool:
+    """x * 1 (either side) is x for a float x of the product's dtype and shape (`1.0 / s` traces as
+    `reciprocal(s) * 1.0`): exact, signed zeros and NaNs included."""
+    if node.target is not aten.mul.Tensor or len(node.args) != 2 or node.kwargs:
+        return False
+    for x, one in (node.args, node.args[::-1]):
+        v, out = _val(x), _val(node)
+        if isinstance(one, (int, float)) and not isinstance(one, bool) and one == 1 and isinstance(v, torch.Tensor) \
+                and isinstance(out, torch.Tensor) and v.dtype == out.dtype and v.dtype.is_floating_point \
+                and list(v.shape) == list(out.shape):
+            node.replace_all_uses_with(x)
+            return True
+    return False
+
+
+_E4M3 = torch.float8_e4m3fn
+_E4M3_MAX = torch.finfo(_E4M3).max
+
+
+def _saturating_e4m3_cast() -> bool:
+    """Whether this torch converts to float8_e4m3fn saturating (finite overflow and inf to +-448, NaN to NaN), as
+    c10's `fp8e4m3fn_from_fp32_value` does from 2.x on and the PTX cvt to e4m3 (`.satfinite`, the only form) does."""
+    x = torch.tensor([float("inf"), -float("inf"), 1e30, -500.0, 480.0, 464.0, float("nan")])
+    return torch.equal(x.to(_E4M3).float().nan_to_num(1.0), x.clamp(-_E4M3_MAX, _E4M3_MAX).to(_E4M3).float().nan_to_num(1.0))
+
+
+_SATURATES = _saturating_e4m3_cast()
+
+
+def _clamp_before_e4m3(graph: fx.Graph, node: fx.Node) -> bool:
+    """A float -> float8_e4m3fn cast of an unclamped quotient x / s (s a tensor: a quantisation step, not a scale
+    cast such as FP4's `(amax / 6).to(e4m3)`, which stays as it is) is the cast of it clamped to +-448 (the
+    reference's `clamp(x/s, +-448)` before the cast): exact where the conversion saturates (`_SATURATES`)."""
+    if not (_SATURATES and node.target is prims.convert_element_type.default and node.args[1:] == (_E4M3,)
+            and not node.kwargs and isinstance(node.args[0], fx.Node)):
+        return False
+    x = node.args[0]
+    v = _val(x)
+    if not (isinstance(v, torch.Tensor) and v.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and x.op == "call_function" and x.target is aten.div.Tensor and isinstance(x.args[1], fx.Node)):
+        return False
+    low = _insert(graph, node, aten.clamp_min.default, (x, -_E4M3_MAX), source=node)
+    node.args = (_insert(graph, node, aten.clamp_max.default, (low, _E4M3_MAX), source=node), *node.args[1:])
+    return True
+
+
+def _through_views(n):
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.view.default:
+        n = n.args[0]
+    return n
+
+
+def _lower_bound(n) -> float | None:
+    """A positive lower bound of every value of n read from its ops (`clamp_min(a, lo)`, then divisions and
+    multiplications by positive numbers, views), or None."""
+    n = _through_views(n)
+    if not (isinstance(n, fx.Node) and n.op == "call_function" and len(n.args) == 2):
+        return None
+    a, c = n.args
+    if n.target is aten.clamp_min.default and isinstance(c, (int, float)) and c > 0:
+        return float(c)
+    if n.target in (aten.div.Tensor, aten.mul.Tensor) and isinstance(c, (int, float)) and c > 0:
+        low = _lower_bound(a)
+        return None if low is None else low / c if n.target is aten.div.Tensor else low * c
+    return None
+
+
+def _normal_power_of_two(s) -> bool:
+    """Every value of s is a power of two at least 2^-126 (so 1/s is exact), +-0, +-inf or NaN: a float32 built from
+    exponent bits (`(e << 23).view(float32)`: no mantissa bits), or exp2(ceil(log2(u))) of a u bounded below by
+    2^-120 or more (`_lower_bound`: the reference's amax floor over 448)."""
+    s = _through_views(s)
+    if not (isinstance(s, fx.Node) and s.op == "call_function"):
+        return False
+    if s.target is aten.view.dtype and s.args[1] == torch.float32:
+        bits = s.args[0]
+        return isinstance(bits, fx.Node) and bits.target is aten.__lshift__.Scalar and bits.args[1] == 23
+    if s.target is aten.exp2.default and isinstance(s.args[0], fx.Node) and s.args[0].target is aten.ceil.default:
+        log = s.args[0].args[0]
+        if isinstance(log, fx.Node) and log.target is aten.log2.default:
+            low = _lower_bound(log.args[0])
+            return low is not None and low >= 2.0**-120
+    return False
+
+
+def _times_reciprocal(graph: fx.Graph, node: fx.Node) -> bool:
+    """x * reciprocal(s) is x / s for a scale s that is a normal power of two (`_normal_power_of_two`): its reciprocal
+    is exact, so the product rounds as the quotient does (0, inf and NaN scales give the quotient's inf, 0 and NaN)."""
+    if node.target is not aten.mul.Tensor or len(node.args) != 2 or node.kwargs:
+        return False
+    for x, r in (node.args, node.args[::-1]):
+        if isinstance(r, fx.Node) and r.op == "call_function" and r.target is aten.reciprocal.default \
+                and isinstance(x, fx.Node) and _normal_power_of_two(r.args[0]):
+            vx, vr, out = _val(x), _val(r), _val(node)
+            if not all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in (vx, vr, out)):
+                return False
+            node.target, node.args = aten.div.Tensor, (x, r.args[0])
+            if not r.users:
+                graph.erase_node(r)
+            return True
+    return False
+
+
 def _local_forms(graph: fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
@@ -331,7 +437,11 @@ def _local_forms(graph: fx.Graph) -> int:
         changed += _canonical_args(node)
         changed += _view_of_full(node)
         changed += _add_of_neg(node) + _square(node) + _negation(node) + _max_values(graph, node) + _keepdim(graph, node)
-        changed += _keepdim_dropped(graph, node)
+        changed += _keepdim_dropped(graph, node) + _clamp_before_e4m3(graph, node) + _times_reciprocal(graph, node)
+        if _times_one(node):
+            graph.erase_node(node)
+            changed += 1
+            continue
         if _is_noop(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
@@ -985,20 +1095,26 @@ def _split_rows(graph: fx.Graph, node: fx.Node) -> bool:
 def _cast_below_merge(graph: fx.Graph, node: fx.Node) -> bool:
     """convert(x).flatten(-2) = convert(x.flatten(-2)) for an x that `_split_rows` computed: where blocked rows end,
     a cast moves below the view that merges the blocks back (`(q * s).to(bf16).reshape(shape)` of rows and
-    `(q * s).flatten(-2).to(bf16)` are one form); exact. Other casts stay: a cast's output may be a pattern's
-    input, which the pattern then views."""
+    `(q * s).flatten(-2).to(bf16)` are one form); exact. A view to the merged shape with size-1 dims inserted (a
+    layout chain `y.reshape(shape)[:, None]` collapsed to one view) is the cast's merged value viewed so. Other
+    casts stay: a cast's output may be a pattern's input, which the pattern then views."""
     src = node.args[0]
     if not (node.target is aten.view.default and isinstance(src, fx.Node) and src.op == "call_function"
             and src.target is prims.convert_element_type.default and len(src.users) == 1 and not src.kwargs
             and isinstance(src.args[0], fx.Node) and src.args[0].meta.get(_ROWS)
-            and _static(_val(node)) and _static(_val(src)) and not any(u.target in _LAYOUT_OPS for u in node.users)):
-        return False  # (a view that a layout chain continues: the chain is one view first)
-    x, v = list(_val(src).shape), list(_val(node).shape)
-    if not (len(x) >= 2 and v == x[:-2] + [x[-2] * x[-1]]):
+            and _static(_val(node)) and _static(_val(src))):
         return False
-    view = _insert(graph, node, aten.view.default, (src.args[0], v), source=node)
+    x, v = list(_val(src).shape), list(_val(node).shape)
+    merged = x[:-2] + [x[-2] * x[-1]] if len(x) >= 2 else None
+    if merged is None or [d for d in v if d != 1] != [d for d in merged if d != 1]:
+        return False
+    if v != merged and any(u.target in _LAYOUT_OPS for u in node.users):
+        return False  # (a view that a layout chain continues: the chain is one view first)
+    view = _insert(graph, node, aten.view.default, (src.args[0], merged), source=node)
     cast = _insert(graph, node, src.target, (view, *src.args[1:]), source=src)
-    node.replace_all_uses_with(cast)
+    # a view with unit dims more (`kv[:, None]` of the merged blocks) views the merged value: views compose
+    out = cast if v == merged else _insert(graph, node, aten.view.default, (cast, v), source=node)
+    node.replace_all_uses_with(out)
     graph.erase_node(node)
     graph.erase_node(src)
     return True

@@ -89,6 +89,22 @@ class QkvNormPass(FusionPass):
                             guard=_one_activation)]
         return out
 
+    def sample_inputs(self, m, g):
+        """As the base class, with the first token's row of q and kv zero: an all-zero FP8 block, where the amax floor
+        (1e-4) decides the scale (without it 0 / 0 is NaN)."""
+        values = super().sample_inputs(m, g)
+        names = m.pattern.input_names()
+        for name, v in zip(names, m.inputs):
+            if name in ("qkv", "q", "kv") and v in values:
+                values[v][0] = 0
+        return values
+
+    def wider(self, index):
+        """A RoPE formulation is widened by its RoPE + FP8 one (same norm, same layout)."""
+        names = [p.name for p in self._patterns.patterns]
+        wide = names[index].replace("q_kv_norm_rope", "q_kv_norm_rope_fp8", 1)
+        return (names.index(wide),) if "_fp8" not in names[index] and wide in names else ()
+
     def replacement(self, m):
         tail = m.pattern.name.split("q_kv_norm_")[1].removesuffix("_F_rms_norm").removesuffix(BF16_NORM)
         split = tail.endswith("_split")

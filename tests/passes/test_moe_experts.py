@@ -23,15 +23,15 @@ FUSION, OP = "moe_experts", "dsv41.moe_experts"
 D, I, E, K, LIMIT, BLOCK = 64, 64, 8, 6, 10.0, 32
 
 
-def inputs(seed, t=3, dtype=BF16):
+def inputs(seed, t=3, dtype=BF16, inter=I):
     """x [T, D], token [M] (rows sorted by expert: tokens permuted), row weights [M], offsets [E] (some experts
     empty), w13 [E, 2I, D], w2 [E, D, I]."""
     g = gen(seed)
     m = t * K
     counts = torch.bincount(torch.randint(0, E // 2, (m,), generator=g) * 2, minlength=E)  # odd experts get 0 rows
     return [rand(g, t, D, dtype=dtype), torch.randperm(m, generator=g) // K, torch.rand(m, generator=g),
-            torch.cumsum(counts, 0).to(torch.int32), rand(g, E, 2 * I, D, dtype=dtype, scale=D**-0.5),
-            rand(g, E, D, I, dtype=dtype, scale=I**-0.5)]
+            torch.cumsum(counts, 0).to(torch.int32), rand(g, E, 2 * inter, D, dtype=dtype, scale=D**-0.5),
+            rand(g, E, D, inter, dtype=dtype, scale=inter**-0.5)]
 
 
 FORMULATIONS = {

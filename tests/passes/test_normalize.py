@@ -250,3 +250,67 @@ def test_einsum_layout_chains_at_a_unit_seq_dim_and_without_it_are_one_form():
     chains = [[(n.target, list(n.args[1])) for n in gm.graph.nodes if n.target is aten.permute.default] for gm in forms]
     assert chains[0] == chains[1], chains
     assert torch.equal(forms[0](*x).flatten(1), flat(*x)) and torch.equal(forms[1](*x), flat(*x))
+
+
+def test_fp8_cast_of_an_unclamped_value_is_the_cast_of_it_clamped():
+    """(x / s).to(e4m3fn) is (x / s).clamp(-448, 448).to(e4m3fn): torch's conversion saturates (finite overflow and inf to
+    +-448, NaN stays NaN), so both forms are one; checked on overflowing, infinite and NaN values."""
+    def unclamped(x, s):
+        return (x / s).to(torch.float8_e4m3fn).float()
+
+    def clamped(x, s):
+        return (x / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+
+    x = torch.tensor([1e30, -500.0, 479.0, 480.0, 3.3, -0.0, float("inf"), -float("inf"), float("nan")])
+    s = torch.ones(1)
+    a, b = normalized(unclamped, x, s), normalized(clamped, x, s)
+    assert op_counts(a) == op_counts(b) and op_counts(a)["aten.clamp_min"] == op_counts(a)["aten.clamp_max"] == 1
+    assert torch.equal(a(x, s).nan_to_num(7.0), unclamped(x, s).nan_to_num(7.0))
+    scale = normalized(lambda a: (a / 6.0).to(torch.float8_e4m3fn), x.abs())  # a scale cast (FP4's) stays
+    assert op_counts(scale)["aten.clamp_min"] == 0
+
+
+def test_times_the_reciprocal_of_a_power_of_two_scale_is_the_quotient():
+    """x * (1 / s) is x / s for the FP8 scales s = exp2(ceil(log2(max(a, 1e-4) / 448))) and the bit-built
+    (e << 23).view(float32) (normal powers of two, so the reciprocal is exact); a scale without the amax floor
+    (a subnormal power of two has no finite reciprocal) keeps the product."""
+    def exp2_scale(x, a, floor=True):
+        s = torch.exp2(torch.ceil(torch.log2((a.clamp_min(1e-4) if floor else a) / 448.0)))
+        return x * (1.0 / s), x / s
+
+    def bit_scale(x, e):
+        s = (e << 23).view(torch.float32)
+        return x * s.reciprocal(), x / s
+
+    g = gen(0)
+    x, a = torch.randn(4, 32, generator=g) * 100, torch.rand(4, 1, generator=g) * 1e-3
+    e = torch.randint(0, 255, (4, 1), generator=g, dtype=torch.int32)
+    for f, args in ((exp2_scale, (x, a)), (bit_scale, (x, e))):
+        gm = normalized(f, *args)
+        assert op_counts(gm)["aten.reciprocal"] == 0 and op_counts(gm)["aten.div.Tensor"] >= 2
+        got, want = gm(*args)[0], f(*args)[0]
+        assert torch.equal(got, want) and torch.equal(got, f(*args)[1])
+    gm = normalized(lambda x, a: exp2_scale(x, a, floor=False), x, a)
+    assert op_counts(gm)["aten.reciprocal"] == 1
+
+
+def test_times_one_is_the_value():
+    """x * 1.0 (as `1.0 / s` traces: reciprocal(s) * 1.0) is x; an integer x promoted by the 1.0 stays."""
+    gm = normalized(lambda x, i: (x * 1.0, 1.0 * x, i * 1.0), torch.randn(3), torch.arange(3))
+    assert op_counts(gm)["aten.mul.Tensor"] == 1
+
+
+def test_cast_of_blocked_rows_moves_below_a_merge_view_with_unit_dims():
+    """The reference's `act_quant` rows cast back, reshaped and read as `y[:, None]` (one view [T, 1, n k] after the
+    chain collapses) are the merged value cast, then viewed: the cast sits at [T, n k] as in the unflatten form."""
+    def rows(x):
+        xf = x.float().reshape(-1, 32)
+        s = xf.abs().amax(1, keepdim=True).clamp_min(1e-4)
+        return (xf / s * s).to(x.dtype).reshape(x.shape)[:, None]
+
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    gm = normalized(rows, x)
+    cast = next(n for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default
+                and n.args[1] == torch.bfloat16)
+    assert list(cast.meta["val"].shape) == [3, 64] and [u.target for u in cast.users] == [aten.view.default]
+    assert torch.equal(gm(x), rows(x))

@@ -1,9 +1,11 @@
 """The vLLM/reference-style block (vllm_style.py) through the real backend (fx mode): outputs equal to eager (h and
 x_new bf16 within one bf16 ulp of an fp32 reordering: atol=rtol=1.6e-2 on at least 99% of elements, since the FP8
 round trip may move a bucket; the indexer's indices exactly, ascending, so the index sets agree), and every one of
-its 10 sites fused. Sites that need the normalisations of `dsv41.passes.normalize` beyond op-for-op matching:
-`torch.split` / `chunk` / `unbind` pieces (every site), the bf16 RMSNorm weight promoted by the fp32 multiply
-(qkv_norm, mhc_post_pre), and the reference's FP8 blocks as `x.reshape(-1, 32)` rows (moe_experts)."""
+its 11 sites fused, the FP8 steps inside qkv_norm and moe_experts. Sites that need the normalisations of
+`dsv41.passes.normalize` beyond op-for-op matching: `torch.split` / `chunk` / `unbind` pieces (every site), the bf16
+RMSNorm weight promoted by the fp32 multiply (qkv_norm, mhc_post_pre), and the reference's FP8 blocks as
+`x.reshape(-1, 32)` rows (moe_experts, qkv_norm, whose kv the block also reads as `kv[:, None]`); qkv_norm's FP8
+step, whose exp2 scale is a part computed another way, needs its RoPE formulation widened (`FusionPass.wider`)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ def test_every_site_is_fused(compiled):
     report = backend.reports[-1]
     assert len(backend.reports) == 1 and report.fallback is None
     assert {k: v for k, v in report.matches.items() if v} == T_SITES, report.declined
+    patterns = {p.name: [r["pattern"] for r in p.replaced] for p in report.passes}
+    assert patterns["qkv_norm"] == ["q_kv_norm_rope_fp8"] and patterns["moe_experts"] == ["experts_fp8"], patterns
 
 
 def test_agrees_with_eager(compiled):

@@ -1,0 +1,52 @@
+"""Foreign FP8 steps in `moe_experts` (the w2 input's fake quantisation): the model's experts with the round trip
+spelled as fp8_forms.py lists. Each of the same math is found exactly once with the step inside the op (its
+quant_block 32) and equals eager bit for bit, at two blocks a row and at one (I = 32, the block view written or
+dropped); each of other math is declined with a recorded reason and the graph left as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv41.models import functional as fn
+
+from .. import test_moe_experts as model_test
+from ..harness import assert_found_once, op_counts, run_passes
+from . import fp8_forms
+
+FUSION = "moe_experts"
+
+
+def with_fp8(quant):
+    """The model's experts (dsv41.passes.moe_experts.experts) with the FP8 round trip spelled by `quant`."""
+    def f(x, token, w, offs, w13, w2):
+        inter = w2.shape[2]
+        gu = torch._grouped_mm(x[token], w13.transpose(1, 2), offs=offs)
+        a = (fn.swiglu_clamped(gu[:, :inter], gu[:, inter:], model_test.LIMIT) * w.unsqueeze(-1)).to(x.dtype)
+        return torch._grouped_mm(quant(a), w2.transpose(1, 2), offs=offs)
+    return f
+
+
+def inputs_of(inter):
+    return lambda seed: model_test.inputs(seed, inter=inter)
+
+
+SAME = {**{name: (q, model_test.I) for name, q in fp8_forms.SAME.items()},
+        "reference_one_block": (fn.fp8_fake_quant, fp8_forms.BLOCK),
+        **{name: (q, fp8_forms.BLOCK) for name, q in fp8_forms.ONE_BLOCK.items()}}
+
+
+@pytest.mark.parametrize("name", sorted(SAME))
+def test_fp8_spelling_is_fused_with_the_step(name):
+    quant, inter = SAME[name]
+    gm, _ = run_passes(with_fp8(quant), inputs_of(inter)(0), FUSION)
+    node = next(n for n in gm.graph.nodes if n.target is torch.ops.dsv41.moe_experts.default)
+    assert node.args[7] == fp8_forms.BLOCK
+    assert_found_once(with_fp8(quant), inputs_of(inter), FUSION)
+
+
+@pytest.mark.parametrize("name", sorted(fp8_forms.DIFFERENT))
+def test_fp8_of_other_math_is_declined(name):
+    gm, report = run_passes(with_fp8(fp8_forms.DIFFERENT[name]), inputs_of(model_test.I)(0), FUSION)
+    assert report.matches[FUSION] == 0 and op_counts(gm)["aten._grouped_mm"] == 2
+    assert any(r.startswith("experts_fp8 at ") and "semantic" in r for r in report.declined[FUSION]), report.declined
