@@ -108,8 +108,8 @@ def moe_experts(x: Tensor, token: Tensor, row_weights: Tensor, offsets: Tensor, 
 
     x [T, D] bf16, token [M] int64 in [0, T), row_weights [M] fp32, offsets [E] int32 non-decreasing with
     offsets[E - 1] = M (expert e owns rows [offsets[e - 1], offsets[e]), offsets[-1] = 0), w13 [E, 2I, D] bf16
-    (w1 rows then w3 rows), w2 [E, D, I] bf16 (D and I multiples of
-    GEMM_ALIGN = 8, each weight a matrix of unit stride in one of its last two dims), swiglu_limit finite and > 0, quant_block >= 0 (0: none; else it divides I).
+    (w1 rows then w3 rows), w2 [E, D, I] bf16 (D and I multiples of GEMM_ALIGN = 8, each weight a matrix of unit
+    stride in one of its last two dims), swiglu_limit finite and > 0, quant_block >= 0 (0: none; else it divides I).
     For row m of expert e:
         g, u = bf16(x[token[m]] @ w13[e, :I]^T), bf16(x[token[m]] @ w13[e, I:]^T)       fp32 accumulation   [I]
         a    = bf16(silu(min(g, limit)) * clamp(u, -limit, limit) * row_weights[m])     in fp32             [I]
