@@ -45,11 +45,23 @@ class Dsv41Backend:
     environment applied, when it is first used, so a bad variable raises there (naming it) and not at import."""
 
     def __init__(self, config: Dsv41Config | None = None, *, from_env: bool = False):
-        if config is not None and not isinstance(config, Dsv41Config):
-            raise TypeError(f"Dsv41Backend: config must be a Dsv41Config or None, got {type(config).__name__}")
+        _check_config("Dsv41Backend", config)
         self._config, self._from_env = config, from_env
         self._pass_manager: PassManager | None = None
         self.reports: list[CompileReport] = []
+        self._with_options: dict[Dsv41Config, Dsv41Backend] = {}
+
+    def with_options(self, options: dict) -> "Dsv41Backend":
+        """The backend of this config with `options` (settings by name, `torch.compile(..., options=...)`) applied;
+        one per resulting config, recording into this backend's `reports`. A bad option raises as a bad setting."""
+        if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+            raise TypeError(f"Dsv41Backend: options must be a dict of settings by name, got {options!r}")
+        config = self.config.replace(**options)
+        if config not in self._with_options:
+            backend = Dsv41Backend(config)
+            backend.reports = self.reports
+            self._with_options[config] = backend
+        return self._with_options[config]
 
     @property
     def config(self) -> Dsv41Config:
@@ -67,7 +79,9 @@ class Dsv41Backend:
                 self._pass_manager.recorder = Recorder(self.config.dump_dir)
         return self._pass_manager
 
-    def __call__(self, gm: fx.GraphModule, example_inputs):
+    def __call__(self, gm: fx.GraphModule, example_inputs, options: dict | None = None):
+        if options:  # torch.compile(..., backend="dsv41", options={...})
+            return self.with_options(options)(gm, example_inputs)
         import dsv41.lowerings  # noqa: F401  (registers the dsv41:: ops)
 
         self.pass_manager  # a bad setting raises here, before any report or fallback
@@ -124,8 +138,14 @@ def _only_dsv41_ops(graph: fx.Graph) -> bool:
     return bool(calls) and all(getattr(n.target, "namespace", None) == "dsv41" for n in calls)
 
 
+def _check_config(where: str, config) -> None:
+    if config is not None and not isinstance(config, Dsv41Config):
+        raise TypeError(f"{where}: config must be a Dsv41Config or None, got {type(config).__name__}")
+
+
 def make_backend(config: Dsv41Config | None = None, **overrides) -> Dsv41Backend:
     """A backend from `config` (defaults if None) with keyword overrides, then the DSV41_* environment applied."""
+    _check_config("make_backend", config)
     config = (config or Dsv41Config()).replace(**overrides).with_env()
     return Dsv41Backend(config)
 

@@ -1,7 +1,9 @@
 """The backend configuration.
 
 Every setting is validated when a config is made (`Dsv41Config(...)`, `.replace(...)`, `.with_env()`): a wrong type
-raises TypeError, a wrong value ValueError, each naming the setting (and the environment variable it came from).
+raises TypeError, a wrong value ValueError, each naming the setting (and the environment variable it came from); a
+`dump_dir` that exists must be a directory. `torch.compile(m, backend="dsv41", options={...})` takes settings by
+name as `make_backend` does.
 
 Environment overrides (read by `Dsv41Config.with_env`, which `make_backend` applies on top of the config given, and
 which `dsv41_backend` applies when it is first used, so a bad variable never breaks `import dsv41`):
@@ -22,6 +24,7 @@ which `dsv41_backend` applies when it is first used, so a bad variable never bre
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -64,6 +67,8 @@ class Dsv41Config:
                 if value is not None and not isinstance(value, (str, os.PathLike)):
                     raise TypeError(f"Dsv41Config.{name} must be a path (str) or None, got {value!r} ({type(value).__name__})")
                 object.__setattr__(self, name, None if value is None else os.fspath(value))
+                if value is not None and os.path.exists(value) and not os.path.isdir(value):
+                    raise ValueError(f"Dsv41Config.{name}: {os.fspath(value)!r} exists and is not a directory")
             elif not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
                 want = {bool: "a bool (True or False)", int: "an int", str: "a str"}.get(kind, "a number")
                 raise TypeError(f"Dsv41Config.{name} must be {want}, got {value!r} ({type(value).__name__})")
@@ -80,8 +85,8 @@ class Dsv41Config:
             if getattr(self, name) < low:
                 raise ValueError(f"Dsv41Config.{name} must be >= {low}, got {getattr(self, name)}")
         for name in ("norm_eps", "hc_eps", "route_scale", "gate_temp", "swiglu_limit"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"Dsv41Config.{name} must be > 0, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"Dsv41Config.{name} must be finite and > 0, got {getattr(self, name)}")
 
     def constants(self) -> dict:
         return {k: getattr(self, k) for k in ("norm_eps", "hc_eps", "sinkhorn_iters", "route_scale", "gate_temp", "swiglu_limit", "fp8_block")}

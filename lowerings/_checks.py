@@ -8,17 +8,45 @@ tensor, ValueError for a wrong shape, device, layout, scalar value or index valu
 
 Shapes are written as space-separated dim labels, unified across arguments through one `dims` dict per call:
 a label seen for the first time binds to the tensor's size, a label seen before must match, and a label that
-is a decimal number is a literal size. Derived sizes are bound by the caller under descriptive labels (e.g.
-`dims["hc*D"] = hc * d`) before the tensor that carries them is checked.
+is a decimal number is a literal size. `dims` is a `Dims`, which also keeps where each size came from, so a
+mismatch names both the argument that disagrees and the one that set the size. Derived sizes are bound by the
+caller under descriptive labels (`dims.derive("hc*D", hc * d, "hc", "D")`) before the tensor that carries them is
+checked; a size given as a scalar argument is bound with `dims.bind(label, size, argument)`.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
 IMPLS = ("auto", "cute", "reference")
+INT32_MAX = 2**31 - 1  # the largest count a size argument may give: the ops' int32 offsets and kernels' int32 indexing
+
+
+class Dims(dict):
+    """label -> size, plus `sources`: label -> the arguments its size came from (in order, no repeats)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sources: dict[str, tuple[str, ...]] = {}
+
+    def bind(self, label: str, size, argument: str):
+        """Bind `label` to `size`, read from `argument`; returns the bound size (an earlier binding wins)."""
+        if label not in self:
+            self[label], self.sources[label] = size, (argument,)
+        return self[label]
+
+    def derive(self, label: str, size, *labels: str) -> None:
+        """Bind `label` to `size`, computed from the sizes of `labels`."""
+        self[label] = size
+        self.sources[label] = tuple(dict.fromkeys(a for lb in labels for a in self.sources.get(lb, ())))
+
+    def source(self, label: str) -> str:
+        """'(from 'x')': where label's size came from, for a message."""
+        return "(from " + ", ".join(f"'{a}'" for a in self.sources.get(label, ())) + ")"
 
 
 def check_impl(op: str, impl: str) -> None:
@@ -41,9 +69,9 @@ def check_devices(op: str, **tensors: Tensor | None) -> torch.device | None:
     return None if first is None else first[1]
 
 
-def check_tensor(op: str, name: str, t: Tensor | None, dtypes, shape: str, dims: dict, optional: bool = False) -> None:
+def check_tensor(op: str, name: str, t: Tensor | None, dtypes, shape: str, dims: Dims, optional: bool = False) -> None:
     """t (None allowed only if `optional`) is a strided tensor of one of `dtypes` whose sizes match the labels of
-    `shape`."""
+    `shape`; a mismatch names the arguments that set the sizes it differs from."""
     if t is None and optional:
         return
     if not isinstance(t, Tensor):
@@ -59,11 +87,13 @@ def check_tensor(op: str, name: str, t: Tensor | None, dtypes, shape: str, dims:
         raise ValueError(f"dsv41::{op}: argument '{name}' must be {len(labels)}-D [{', '.join(labels)}], "
                          f"got shape {list(t.shape)}")
     for label, size in zip(labels, t.shape):
-        want = int(label) if label.isdecimal() else dims.setdefault(label, size)
+        want = int(label) if label.isdecimal() else dims.bind(label, size, name)
         if size != want:
             expected = [int(lb) if lb.isdecimal() else dims.get(lb, n) for lb, n in zip(labels, t.shape)]
+            differ = [f"{lb} = {dims[lb]} {dims.source(lb)}" for lb, n in zip(labels, t.shape)
+                      if not lb.isdecimal() and dims.sources.get(lb, (name,)) != (name,) and n != dims[lb]]
             raise ValueError(f"dsv41::{op}: argument '{name}' must have shape [{', '.join(labels)}] = {expected}, "
-                             f"got {list(t.shape)}")
+                             f"got {list(t.shape)}" + (f"; {', '.join(differ)}" if differ else ""))
 
 
 def check_scalar(op: str, name: str, value, ok: bool, requirement: str) -> None:
@@ -72,17 +102,24 @@ def check_scalar(op: str, name: str, value, ok: bool, requirement: str) -> None:
         raise ValueError(f"dsv41::{op}: argument '{name}' {requirement}, got {value!r}")
 
 
+def check_finite(op: str, name: str, value, positive: bool = False) -> None:
+    """A float argument is a finite number (and > 0 if `positive`: an eps, a temperature, a limit)."""
+    ok = isinstance(value, (int, float)) and math.isfinite(value) and (value > 0 or not positive)
+    check_scalar(op, name, value, ok, "must be a finite number > 0" if positive else "must be a finite number")
+
+
 def check_choice(op: str, name: str, value, choices: tuple) -> None:
     """A string argument is one of `choices`."""
     if value not in choices:
         raise ValueError(f"dsv41::{op}: argument '{name}' must be one of {choices}, got {value!r}")
 
 
-def check_rotary(op: str, half_rd, dim_label: str, dim) -> None:
-    """cos/sin with half_rd columns rotate rd = 2 * half_rd trailing dims, at most the `dim_label` = dim ones."""
+def check_rotary(op: str, dims: Dims, dim_label: str) -> None:
+    """cos/sin with dims["rd/2"] columns rotate rd = 2 * rd/2 trailing dims, at most the dims[dim_label] ones."""
+    half_rd, dim = dims["rd/2"], dims[dim_label]
     if 2 * half_rd > dim:
         raise ValueError(f"dsv41::{op}: arguments 'cos' and 'sin' have {half_rd} columns, so they rotate "
-                         f"rd = {2 * half_rd} dims, more than {dim_label} = {dim}")
+                         f"rd = {2 * half_rd} dims, more than {dim_label} = {dim} {dims.source(dim_label)}")
 
 
 def check_tokens(op: str, name: str, t: int) -> None:

@@ -36,10 +36,11 @@ def symmetric_memory_enabled(group_name: str) -> bool:
     return group_name in _SYMMETRIC_GROUPS
 
 
-def _validate(y, y_add, x, post, comb, pre, norm_weight, impl):
+def _validate(y, y_add, x, post, comb, pre, norm_weight, eps, impl):
     _checks.check_impl(NAME, impl)
+    _checks.check_finite(NAME, "eps", eps, positive=True)
     device = _checks.check_devices(NAME, y=y, y_add=y_add, x=x, post=post, comb=comb, pre=pre, norm_weight=norm_weight)
-    dims = {}
+    dims = _checks.Dims()
     validate_streams(NAME, x, post, comb, pre, norm_weight, dims)
     _checks.check_tensor(NAME, "y", y, (torch.bfloat16, torch.float32), "T D", dims)
     _checks.check_tensor(NAME, "y_add", y_add, torch.bfloat16, "T D", dims, optional=True)
@@ -86,7 +87,7 @@ def allreduce_mhc(y: Tensor, y_add: Tensor | None, x: Tensor, post: Tensor, comb
     `_c10d_functional.all_reduce` followed by `dsv41::mhc_post_pre` under the same impl (its kernel or reference).
     Every rank of the group must reach the same choice (same opt-in, shapes and capture state).
     """
-    device, _ = _validate(y, y_add, x, post, comb, pre, norm_weight, impl)
+    device, _ = _validate(y, y_add, x, post, comb, pre, norm_weight, eps, impl)
     group_name = _group(group_name)
     args, kwargs = (y, y_add, x, post, comb, pre, norm_weight), dict(eps=eps, group_name=group_name)
     fused = _kernels.select(NAME, NAME, impl, device, args, kwargs)
@@ -98,5 +99,5 @@ def allreduce_mhc(y: Tensor, y_add: Tensor | None, x: Tensor, post: Tensor, comb
 
 @allreduce_mhc.register_fake
 def _(y, y_add, x, post, comb, pre, norm_weight, eps, group_name, impl="auto"):
-    _, dims = _validate(y, y_add, x, post, comb, pre, norm_weight, impl)
+    _, dims = _validate(y, y_add, x, post, comb, pre, norm_weight, eps, impl)
     return x.new_empty(x.shape), x.new_empty((dims["T"], dims["D"]))

@@ -12,15 +12,16 @@ from dsv41.lowerings import _checks, _kernels
 from dsv41.models.model import select_candidate_blocks
 
 NAME = "indexer_topk"
+INDEX_MAX = 2**63 - 1  # the largest int64 index
 
 
-def _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, impl, score_scale, return_scores=False):
+def _validate(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, impl, score_scale,
+              return_scores=False):
     _checks.check_impl(NAME, impl)
     _checks.check_scalar(NAME, "return_scores", return_scores, isinstance(return_scores, bool), "must be a bool")
-    _checks.check_scalar(NAME, "score_scale", score_scale,
-                         isinstance(score_scale, (int, float)) and math.isfinite(score_scale), "must be a finite number")
+    _checks.check_finite(NAME, "score_scale", score_scale)
     device = _checks.check_devices(NAME, q=q, w=w, keys=keys, n_c=n_c, candidates=candidates)
-    dims = {}
+    dims = _checks.Dims()
     _checks.check_tensor(NAME, "q", q, torch.bfloat16, "T IH ihd", dims)
     _checks.check_tensor(NAME, "w", w, torch.float32, "T IH", dims)
     _checks.check_tensor(NAME, "keys", keys, torch.bfloat16, "T Ncap ihd", dims)
@@ -29,9 +30,14 @@ def _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, i
     if _checks.values_on_host(n_c):
         _checks.check_range(NAME, "n_c", n_c, 0, dims["Ncap"], "Ncap (keys.shape[1])")
     _checks.check_scalar(NAME, "topk", topk, topk >= 1, "must be >= 1")
+    _checks.check_scalar(NAME, "offset", offset, 0 <= offset <= INDEX_MAX - dims["Ncap"],
+                         f"must be in [0, 2**63 - 1 - Ncap] (idx = n + offset, an int64 >= 0), Ncap = {dims['Ncap']} "
+                         f"{dims.source('Ncap')}")
     _checks.check_scalar(NAME, "cand_topk_blocks", cand_topk_blocks, cand_topk_blocks >= 0, "must be >= 0")
     if cand_topk_blocks > 0:
-        _checks.check_scalar(NAME, "cand_block", cand_block, cand_block >= 1, "must be >= 1 when cand_topk_blocks > 0")
+        _checks.check_scalar(NAME, "cand_block", cand_block, 1 <= cand_block <= max(dims["Ncap"], 1),
+                             f"must be in [1, max(Ncap, 1)] when cand_topk_blocks > 0 (a block of at most the "
+                             f"Ncap = {dims['Ncap']} rows {dims.source('Ncap')})")
     _checks.check_scalar(NAME, "return_scores", return_scores, not (return_scores and cand_topk_blocks > 0),
                          "must be False when cand_topk_blocks > 0 (the second output holds the candidate blocks)")
     return device, dims
@@ -181,7 +187,9 @@ def indexer_topk(q: Tensor, w: Tensor, keys: Tensor, n_c: Tensor, candidates: Te
     with `mask`, as an additive mask over the compressed rows (the form attention adds to its scores).
 
     q [T, IH, ihd] bf16 (roped, fp4-fake-quantised), w [T, IH] fp32 (scaled head weights), keys [T, Ncap, ihd] bf16,
-    n_c [T] int64 (valid rows), candidates [T, Ncap] bool or None; K = min(topk, Ncap):
+    n_c [T] int64 (valid rows), candidates [T, Ncap] bool or None, topk >= 1, 0 <= offset <= 2**63 - 1 - Ncap,
+    1 <= cand_block <= max(Ncap, 1) when cand_topk_blocks > 0;
+    K = min(topk, Ncap):
         s[t, n]  = sum_h w[t, h] * relu(q[t, h] . keys[t, n])  in fp32;  -inf where n >= n_c[t] or s is NaN  [T, Ncap]
                    (with score_scale != 1: sum_h (relu(q[t, h] . keys[t, n]) * score_scale) * w[t, h], the scale
                    applied before the head weights, as a model that does not fold it into w computes it)
@@ -204,7 +212,8 @@ def indexer_topk(q: Tensor, w: Tensor, keys: Tensor, n_c: Tensor, candidates: Te
     scattered into the mask in torch. The kernel computes score_scale = 1 and no return_scores only (the reference
     runs otherwise).
     """
-    device, _ = _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, impl, score_scale, return_scores)
+    device, _ = _validate(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, impl, score_scale,
+                          return_scores)
     args = (q, w, keys, n_c, candidates)
     kwargs = dict(topk=topk, offset=0 if mask else offset, cand_block=cand_block, cand_topk_blocks=cand_topk_blocks)
     kernel = _kernels.select(NAME, NAME, impl, device, args,
@@ -218,7 +227,8 @@ def indexer_topk(q: Tensor, w: Tensor, keys: Tensor, n_c: Tensor, candidates: Te
 @indexer_topk.register_fake
 def _(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, mask=False, impl="auto", score_scale=1.0,
       return_scores=False):
-    _, dims = _validate(q, w, keys, n_c, candidates, topk, cand_block, cand_topk_blocks, impl, score_scale, return_scores)
+    _, dims = _validate(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, impl, score_scale,
+                        return_scores)
     t, n_cap = dims["T"], dims["Ncap"]
     if mask:
         selection = q.new_empty((t, n_cap), dtype=torch.float32)

@@ -11,17 +11,23 @@ from dsv41.models import functional
 NAME = "mhc_coeffs"
 
 
-def _validate(x, fn, base, scale, iters, impl):
+MAX_ITERS = 1024  # Sinkhorn iterations an op call may ask for (the model's 20; the kernel unrolls them)
+
+
+def _validate(x, fn, base, scale, norm_eps, hc_eps, iters, impl):
     _checks.check_impl(NAME, impl)
+    _checks.check_finite(NAME, "norm_eps", norm_eps, positive=True)
+    _checks.check_finite(NAME, "hc_eps", hc_eps, positive=True)
     device = _checks.check_devices(NAME, x=x, fn=fn, base=base, scale=scale)
-    dims = {}
+    dims = _checks.Dims()
     _checks.check_tensor(NAME, "x", x, torch.bfloat16, "T hc D", dims)
     hc = dims["hc"]
-    dims["(2+hc)*hc"], dims["hc*D"] = (2 + hc) * hc, hc * dims["D"]
+    dims.derive("(2+hc)*hc", (2 + hc) * hc, "hc")
+    dims.derive("hc*D", hc * dims["D"], "hc", "D")
     _checks.check_tensor(NAME, "fn", fn, torch.float32, "(2+hc)*hc hc*D", dims)
     _checks.check_tensor(NAME, "base", base, torch.float32, "(2+hc)*hc", dims)
     _checks.check_tensor(NAME, "scale", scale, torch.float32, "3", dims)
-    _checks.check_scalar(NAME, "iters", iters, iters >= 1, "must be >= 1")
+    _checks.check_scalar(NAME, "iters", iters, 1 <= iters <= MAX_ITERS, f"must be in [1, MAX_ITERS = {MAX_ITERS}]")
     return device, dims["T"], hc
 
 
@@ -55,9 +61,9 @@ def mhc_coeffs(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, norm_eps: flo
         post = 2 * sigmoid(m[:, hc:2hc] * scale[1] + base[hc:2hc])                  [T, hc]
         comb = sinkhorn(m[:, 2hc:].view(T, hc, hc) * scale[2] + base[2hc:], iters, hc_eps)   [T, hc, hc]
     (sinkhorn: softmax over the last dim + hc_eps, column-normalise, then iters-1 row/column normalisations).
-    iters >= 1. impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
+    norm_eps, hc_eps finite and > 0, 1 <= iters <= MAX_ITERS. impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
     """
-    device, _, _ = _validate(x, fn, base, scale, iters, impl)
+    device, _, _ = _validate(x, fn, base, scale, norm_eps, hc_eps, iters, impl)
     args, kwargs = (x, fn, base, scale), dict(norm_eps=norm_eps, hc_eps=hc_eps, iters=iters)
     kernel = _kernels.select(NAME, NAME, impl, device, args, kwargs) or reference
     return kernel(*args, **kwargs)
@@ -65,6 +71,6 @@ def mhc_coeffs(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, norm_eps: flo
 
 @mhc_coeffs.register_fake
 def _(x, fn, base, scale, norm_eps, hc_eps, iters, impl="auto"):
-    _, t, hc = _validate(x, fn, base, scale, iters, impl)
+    _, t, hc = _validate(x, fn, base, scale, norm_eps, hc_eps, iters, impl)
     f32 = torch.float32
     return x.new_empty((t, hc), dtype=f32), x.new_empty((t, hc), dtype=f32), x.new_empty((t, hc, hc), dtype=f32)

@@ -18,11 +18,12 @@ def validate_streams(op, x, post, comb, pre, norm_weight, dims):
     _checks.check_tensor(op, "norm_weight", norm_weight, torch.bfloat16, "D", dims)
 
 
-def _validate(y, x, post, comb, pre, norm_weight, norm_rounding, impl):
+def _validate(y, x, post, comb, pre, norm_weight, eps, norm_rounding, impl):
     _checks.check_impl(NAME, impl)
+    _checks.check_finite(NAME, "eps", eps, positive=True)
     _checks.check_choice(NAME, "norm_rounding", norm_rounding, functional.NORM_ROUNDINGS)
     device = _checks.check_devices(NAME, y=y, x=x, post=post, comb=comb, pre=pre, norm_weight=norm_weight)
-    dims = {}
+    dims = _checks.Dims()
     validate_streams(NAME, x, post, comb, pre, norm_weight, dims)
     _checks.check_tensor(NAME, "y", y, torch.bfloat16, "T D", dims)
     return device, dims
@@ -67,7 +68,7 @@ def mhc_post_pre(y: Tensor, x: Tensor, post: Tensor, comb: Tensor, pre: Tensor, 
                  norm_rounding: str = "fp32_weight", impl: str = "auto") -> tuple[Tensor, Tensor]:
     """Expand a sublayer output into the hc streams, then collapse and normalise the next sublayer's input.
 
-    y [T, D] bf16, x [T, hc, D] bf16, post [T, hc], comb [T, hc, hc], pre [T, hc] fp32, norm_weight [D] bf16:
+    y [T, D] bf16, x [T, hc, D] bf16, post [T, hc], comb [T, hc, hc], pre [T, hc] fp32, norm_weight [D] bf16, eps finite and > 0:
         x_new[t, k] = bf16(post[t, k] * y[t] + sum_j comb[t, j, k] * x[t, j])       [T, hc, D] bf16
         u[t]        = bf16(sum_j pre[t, j] * x_new[t, j])                            [T, D]
         h[t]        = bf16(norm_weight * u[t] * rsqrt(mean(u[t]^2) + eps))           [T, D] bf16
@@ -75,11 +76,11 @@ def mhc_post_pre(y: Tensor, x: Tensor, post: Tensor, comb: Tensor, pre: Tensor, 
     bf16(norm_weight * bf16(u[t] * rsqrt(mean(u[t]^2) + eps))) instead (`models.functional.rms_norm`).
     impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
     """
-    device, _ = _validate(y, x, post, comb, pre, norm_weight, norm_rounding, impl)
+    device, _ = _validate(y, x, post, comb, pre, norm_weight, eps, norm_rounding, impl)
     return post_pre(NAME, impl, device, y, x, post, comb, pre, norm_weight, eps, norm_rounding)
 
 
 @mhc_post_pre.register_fake
 def _(y, x, post, comb, pre, norm_weight, eps, norm_rounding="fp32_weight", impl="auto"):
-    _, dims = _validate(y, x, post, comb, pre, norm_weight, norm_rounding, impl)
+    _, dims = _validate(y, x, post, comb, pre, norm_weight, eps, norm_rounding, impl)
     return x.new_empty(x.shape), x.new_empty((dims["T"], dims["D"]))

@@ -22,10 +22,22 @@ KERNEL_RTOL, KERNEL_ATOL = 2.0**-6, 2.0**-5
 FLIPPED_ROW_REL_L2, FLIPPED_ROWS_PER = 2.0**-4, 16
 
 
+GEMM_ALIGN = 8  # bf16 elements in 16 bytes: torch._grouped_mm's row alignment
+
+
+def _check_gemm_layout(name, w):
+    """w's last two dims are a matrix as torch._grouped_mm takes one: one dim of unit stride, the other's stride a
+    multiple of GEMM_ALIGN."""
+    rows, cols = w.stride()[-2:]
+    if not ((cols == 1 and rows % GEMM_ALIGN == 0) or (rows == 1 and cols % GEMM_ALIGN == 0)):
+        raise ValueError(f"dsv41::{NAME}: argument '{name}' must have unit stride in one of its last two dims and a "
+                         f"multiple of {GEMM_ALIGN} in the other (torch._grouped_mm's layout), got strides {list(w.stride())}")
+
+
 def _validate(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block, impl):
     _checks.check_impl(NAME, impl)
     device = _checks.check_devices(NAME, x=x, token=token, row_weights=row_weights, offsets=offsets, w13=w13, w2=w2)
-    dims = {}
+    dims = _checks.Dims()
     _checks.check_tensor(NAME, "x", x, torch.bfloat16, "T D", dims)
     _checks.check_tokens(NAME, "x", dims["T"])
     _checks.check_tensor(NAME, "token", token, torch.int64, "M", dims)
@@ -34,13 +46,18 @@ def _validate(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block
     if dims["E"] < 1:
         raise ValueError(f"dsv41::{NAME}: argument 'offsets' must hold at least one expert (E >= 1), got E = 0")
     _checks.check_tensor(NAME, "w2", w2, torch.bfloat16, "E D I", dims)
-    dims["2*I"] = 2 * dims["I"]
+    dims.derive("2*I", 2 * dims["I"], "I")
     _checks.check_tensor(NAME, "w13", w13, torch.bfloat16, "E 2*I D", dims)
-    _checks.check_scalar(NAME, "swiglu_limit", swiglu_limit, 0 < swiglu_limit < float("inf"), "must be finite and > 0")
+    for label, name in (("D", "x"), ("I", "w2")):
+        _checks.check_scalar(NAME, name, f"{label} = {dims[label]}", dims[label] % GEMM_ALIGN == 0,
+                             f"must have {label} a multiple of {GEMM_ALIGN} (torch._grouped_mm's 16-byte rows)")
+    _check_gemm_layout("w13", w13)
+    _check_gemm_layout("w2", w2)
+    _checks.check_finite(NAME, "swiglu_limit", swiglu_limit, positive=True)
     _checks.check_scalar(NAME, "quant_block", quant_block, quant_block >= 0, "must be >= 0")
     if quant_block > 0:
         _checks.check_scalar(NAME, "quant_block", quant_block, dims["I"] % quant_block == 0,
-                             f"must divide I = {dims['I']}")
+                             f"must divide I = {dims['I']} {dims.source('I')}")
     if _checks.values_on_host(token, offsets):
         _checks.check_range(NAME, "token", token, 0, dims["T"] - 1, "T - 1")
         _checks.check_range(NAME, "offsets", offsets, 0, dims["M"], "M")
@@ -91,7 +108,8 @@ def moe_experts(x: Tensor, token: Tensor, row_weights: Tensor, offsets: Tensor, 
 
     x [T, D] bf16, token [M] int64 in [0, T), row_weights [M] fp32, offsets [E] int32 non-decreasing with
     offsets[E - 1] = M (expert e owns rows [offsets[e - 1], offsets[e]), offsets[-1] = 0), w13 [E, 2I, D] bf16
-    (w1 rows then w3 rows), w2 [E, D, I] bf16, swiglu_limit > 0, quant_block >= 0 (0: none; else it divides I).
+    (w1 rows then w3 rows), w2 [E, D, I] bf16 (D and I multiples of GEMM_ALIGN = 8, each weight a matrix of unit
+    stride in one of its last two dims), swiglu_limit finite and > 0, quant_block >= 0 (0: none; else it divides I).
     For row m of expert e:
         g, u = bf16(x[token[m]] @ w13[e, :I]^T), bf16(x[token[m]] @ w13[e, I:]^T)       fp32 accumulation   [I]
         a    = bf16(silu(min(g, limit)) * clamp(u, -limit, limit) * row_weights[m])     in fp32             [I]

@@ -14,8 +14,9 @@ NAME = "moe_finalize"
 def _validate(expert_out, token, shared, num_tokens, weights, impl):
     _checks.check_impl(NAME, impl)
     device = _checks.check_devices(NAME, expert_out=expert_out, token=token, shared=shared, weights=weights)
-    _checks.check_scalar(NAME, "num_tokens", num_tokens, num_tokens >= 0, "must be >= 0")
-    dims = {"T": num_tokens}
+    _checks.check_scalar(NAME, "num_tokens", num_tokens, 0 <= num_tokens <= _checks.INT32_MAX, "must be in [0, 2**31 - 1]")
+    dims = _checks.Dims()
+    dims.bind("T", num_tokens, "num_tokens")
     _checks.check_tensor(NAME, "expert_out", expert_out, torch.bfloat16, "M D", dims)
     _checks.check_tensor(NAME, "token", token, torch.int64, "M", dims)
     _checks.check_tensor(NAME, "shared", shared, torch.bfloat16, "T D", dims, optional=True)
@@ -39,7 +40,7 @@ def moe_finalize(expert_out: Tensor, token: Tensor, shared: Tensor | None, num_t
     """Sum each token's expert rows (times their routing weight when `weights` is given), then add the shared expert.
 
     expert_out [M, D] bf16 (rows already scaled by their routing weight, or scaled here), token [M] int64 in
-    [0, num_tokens) (the token of each row), shared [num_tokens, D] bf16 or None, weights [M] fp32 or None:
+    [0, num_tokens) (the token of each row), shared [num_tokens, D] bf16 or None (0 <= num_tokens < 2**31), weights [M] fp32 or None:
         y[t] = sum_{m: token[m] = t} fp32(expert_out[m]) [* weights[m]]   (index_add_ in row order)   [num_tokens, D] fp32
     -> bf16(y + fp32(shared)) [num_tokens, D] if shared is given, else y in fp32 (for a TP all-reduce that follows).
     impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).

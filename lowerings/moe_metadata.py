@@ -15,14 +15,16 @@ NAME = "moe_metadata"
 def _validate(flat_experts, flat_weights, topk, num_experts, impl):
     _checks.check_impl(NAME, impl)
     device = _checks.check_devices(NAME, flat_experts=flat_experts, flat_weights=flat_weights)
-    dims = {}
+    dims = _checks.Dims()
     _checks.check_tensor(NAME, "flat_experts", flat_experts, torch.int64, "M", dims)
     _checks.check_tensor(NAME, "flat_weights", flat_weights, torch.float32, "M", dims)
     if dims["M"] < 1:
         raise ValueError(f"dsv41::{NAME}: argument 'flat_experts' must hold at least one (token, slot) pair "
                          f"(M >= 1), got M = 0")
-    _checks.check_scalar(NAME, "topk", topk, topk >= 1, "must be >= 1")
-    _checks.check_scalar(NAME, "num_experts", num_experts, num_experts >= 1, "must be >= 1")
+    _checks.check_scalar(NAME, "topk", topk, topk >= 1 and dims["M"] % topk == 0,
+                         f"must be >= 1 and divide M = {dims['M']} {dims.source('M')} (M = T * topk)")
+    _checks.check_scalar(NAME, "num_experts", num_experts, 1 <= num_experts <= _checks.INT32_MAX,
+                         "must be in [1, 2**31 - 1] (offsets are int32)")
     if _checks.values_on_host(flat_experts):
         _checks.check_range(NAME, "flat_experts", flat_experts, 0, num_experts - 1, "num_experts - 1")
     return device, dims
@@ -44,7 +46,7 @@ def moe_metadata(flat_experts: Tensor, flat_weights: Tensor, topk: int, num_expe
     """The expert-sorted rows of a routing: M = T * topk (token, slot) pairs, pair p = t * topk + slot.
 
     flat_experts [M] int64 in [0, num_experts) (the routed expert of each pair, after any TP remapping),
-    flat_weights [M] fp32 (its routing weight), topk >= 1, num_experts = E >= 1:
+    flat_weights [M] fp32 (its routing weight), topk >= 1 dividing M, 1 <= num_experts = E < 2**31:
         order       = the stable argsort of flat_experts (pairs by expert, equal experts in pair order)   [M]
         token       = order // topk                                                         [M] int64
         offsets[e]  = #{p : flat_experts[p] <= e}    (the inclusive cumsum of the counts)    [E] int32

@@ -10,14 +10,16 @@ from dsv41.lowerings import _checks, _kernels
 NAME = "moe_route"
 
 
-def _validate(h, gate_weight, bias, topk, impl):
+def _validate(h, gate_weight, bias, topk, route_scale, gate_temp, impl):
     _checks.check_impl(NAME, impl)
+    _checks.check_finite(NAME, "route_scale", route_scale)
+    _checks.check_finite(NAME, "gate_temp", gate_temp, positive=True)
     device = _checks.check_devices(NAME, h=h, gate_weight=gate_weight, bias=bias)
-    dims = {}
+    dims = _checks.Dims()
     _checks.check_tensor(NAME, "h", h, torch.bfloat16, "T D", dims)
     _checks.check_tensor(NAME, "gate_weight", gate_weight, torch.bfloat16, "E D", dims)
     _checks.check_tensor(NAME, "bias", bias, torch.float32, "E", dims)
-    _checks.check_scalar(NAME, "topk", topk, 1 <= topk <= dims["E"], f"must be in [1, E = {dims['E']}]")
+    _checks.check_scalar(NAME, "topk", topk, 1 <= topk <= dims["E"], f"must be in [1, E = {dims['E']}] {dims.source('E')}")
     return device, dims
 
 
@@ -36,7 +38,8 @@ def moe_route(h: Tensor, gate_weight: Tensor, bias: Tensor, topk: int, route_sca
               impl: str = "auto") -> tuple[Tensor, Tensor]:
     """noaux_tc routing with sqrt-softplus scores: each token's top-k experts and their weights.
 
-    h [T, D] bf16, gate_weight [E, D] bf16, bias [E] fp32, 1 <= topk <= E; in fp32:
+    h [T, D] bf16, gate_weight [E, D] bf16, bias [E] fp32, 1 <= topk <= E, route_scale finite, gate_temp finite
+    and > 0; in fp32:
         score   = sqrt(softplus((h @ gate_weight^T) / gate_temp))                         [T, E]
         experts = torch.topk(score + bias, topk).indices   (tie rule below)               [T, topk] int64
         weights = score[experts] / (sum_k score[experts] + 1e-20) * route_scale          [T, topk] fp32
@@ -45,7 +48,7 @@ def moe_route(h: Tensor, gate_weight: Tensor, bias: Tensor, topk: int, route_sca
     compare experts as per-token sets (weights follow their expert) where biased scores are close but not equal.
     impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
     """
-    device, _ = _validate(h, gate_weight, bias, topk, impl)
+    device, _ = _validate(h, gate_weight, bias, topk, route_scale, gate_temp, impl)
     args, kwargs = (h, gate_weight, bias), dict(topk=topk, route_scale=route_scale, gate_temp=gate_temp)
     kernel = _kernels.select(NAME, NAME, impl, device, args, kwargs) or reference
     return kernel(*args, **kwargs)
@@ -53,5 +56,5 @@ def moe_route(h: Tensor, gate_weight: Tensor, bias: Tensor, topk: int, route_sca
 
 @moe_route.register_fake
 def _(h, gate_weight, bias, topk, route_scale, gate_temp, impl="auto"):
-    _, dims = _validate(h, gate_weight, bias, topk, impl)
+    _, dims = _validate(h, gate_weight, bias, topk, route_scale, gate_temp, impl)
     return h.new_empty((dims["T"], topk), dtype=torch.float32), h.new_empty((dims["T"], topk), dtype=torch.int64)

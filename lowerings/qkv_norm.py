@@ -11,25 +11,26 @@ from dsv41.models import functional
 NAME = "qkv_norm"
 
 
-def _validate(qkv, q_weight, kv_weight, cos, sin, quant_block, norm_rounding, impl):
+def _validate(qkv, q_weight, kv_weight, cos, sin, eps, quant_block, norm_rounding, impl):
     _checks.check_impl(NAME, impl)
+    _checks.check_finite(NAME, "eps", eps, positive=True)
     _checks.check_choice(NAME, "norm_rounding", norm_rounding, functional.NORM_ROUNDINGS)
     device = _checks.check_devices(NAME, qkv=qkv, q_weight=q_weight, kv_weight=kv_weight, cos=cos, sin=sin)
-    dims = {}
+    dims = _checks.Dims()
     _checks.check_tensor(NAME, "q_weight", q_weight, torch.bfloat16, "q_dim", dims)
     _checks.check_tensor(NAME, "kv_weight", kv_weight, torch.bfloat16, "kv_dim", dims)
-    dims["q_dim+kv_dim"] = dims["q_dim"] + dims["kv_dim"]
+    dims.derive("q_dim+kv_dim", dims["q_dim"] + dims["kv_dim"], "q_dim", "kv_dim")
     _checks.check_tensor(NAME, "qkv", qkv, torch.bfloat16, "T q_dim+kv_dim", dims)
     if (cos is None) != (sin is None):
         raise ValueError(f"dsv41::{NAME}: arguments 'cos' and 'sin' must both be tensors or both be None")
     _checks.check_tensor(NAME, "cos", cos, torch.float32, "T rd/2", dims, optional=True)
     _checks.check_tensor(NAME, "sin", sin, torch.float32, "T rd/2", dims, optional=True)
     if cos is not None:
-        _checks.check_rotary(NAME, dims["rd/2"], "kv_dim", dims["kv_dim"])
+        _checks.check_rotary(NAME, dims, "kv_dim")
     _checks.check_scalar(NAME, "quant_block", quant_block, quant_block >= 0, "must be >= 0")
     if quant_block > 0:
         _checks.check_scalar(NAME, "quant_block", quant_block, dims["kv_dim"] % quant_block == 0,
-                             f"must divide kv_dim = {dims['kv_dim']}")
+                             f"must divide kv_dim = {dims['kv_dim']} {dims.source('kv_dim')}")
     return device, dims
 
 
@@ -51,7 +52,7 @@ def qkv_norm(qkv: Tensor, q_weight: Tensor, kv_weight: Tensor, cos: Tensor | Non
     """RMSNorm of the q and kv parts of qkv, then (optionally) RoPE and FP8 fake-quant of kv.
 
     qkv [T, q_dim + kv_dim] bf16, q_weight [q_dim] bf16, kv_weight [kv_dim] bf16, cos/sin [T, rd/2] fp32 or both
-    None (rd <= kv_dim), quant_block >= 0 (0: no quantisation; else it divides kv_dim):
+    None (rd <= kv_dim), eps finite and > 0, quant_block >= 0 (0: no quantisation; else it divides kv_dim):
         qr = rms_norm(qkv[:, :q_dim], q_weight, eps)                                  [T, q_dim] bf16
         kv = rms_norm(qkv[:, q_dim:], kv_weight, eps)                                 [T, kv_dim] bf16
         kv = apply_rope_tail(kv, cos, sin)        (interleaved RoPE on the last rd dims; if cos is given)
@@ -60,7 +61,7 @@ def qkv_norm(qkv: Tensor, q_weight: Tensor, kv_weight: Tensor, cos: Tensor | Non
     bf16(w * bf16(v * rsqrt(mean(v^2) + eps))) ("bf16_then_weight", see `dsv41.models.functional.rms_norm`).
     impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
     """
-    device, _ = _validate(qkv, q_weight, kv_weight, cos, sin, quant_block, norm_rounding, impl)
+    device, _ = _validate(qkv, q_weight, kv_weight, cos, sin, eps, quant_block, norm_rounding, impl)
     args, kwargs = (qkv, q_weight, kv_weight, cos, sin), dict(eps=eps, quant_block=quant_block, norm_rounding=norm_rounding)
     kernel = _kernels.select(NAME, NAME, impl, device, args, kwargs) or reference
     return kernel(*args, **kwargs)
@@ -68,5 +69,5 @@ def qkv_norm(qkv: Tensor, q_weight: Tensor, kv_weight: Tensor, cos: Tensor | Non
 
 @qkv_norm.register_fake
 def _(qkv, q_weight, kv_weight, cos, sin, eps, quant_block, norm_rounding="fp32_weight", impl="auto"):
-    _, dims = _validate(qkv, q_weight, kv_weight, cos, sin, quant_block, norm_rounding, impl)
+    _, dims = _validate(qkv, q_weight, kv_weight, cos, sin, eps, quant_block, norm_rounding, impl)
     return qkv.new_empty((dims["T"], dims["q_dim"])), qkv.new_empty((dims["T"], dims["kv_dim"]))

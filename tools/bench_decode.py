@@ -27,6 +27,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -334,8 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         batches = [int(b) for b in args.batch.split(",")]
     except ValueError:
         parser.error(f"--batch must be comma-separated integers, got {args.batch!r}")
+    if args.layers != "all" and not all(x.strip().isdecimal() for x in args.layers.split(",")):
+        parser.error(f"--layers must be comma-separated layer ids or 'all', got {args.layers!r}")
     if not torch.cuda.is_available():
-        print("dsv41 bench decode needs a CUDA device", flush=True)
+        print("dsv41 bench decode: error: needs a CUDA device", file=sys.stderr, flush=True)
         return 2
     from dsv41.backend import make_backend
     from dsv41.cuda_graphs import DecodeGraphRunner, copy_bandwidth

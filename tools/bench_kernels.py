@@ -29,6 +29,7 @@ Writes ``kernels.json`` ({"gpu", "torch", ..., "rows": [{"op", "tokens", "varian
 from __future__ import annotations
 
 import argparse
+import sys
 import functools
 import json
 import math
@@ -550,12 +551,15 @@ def main(argv: list[str] | None = None) -> int:
         plot(result, args.out / "kernels.png")
         print(table(result))
         return 0
-    tokens = [int(t) for t in (args.tokens or ("1" if args.op in COLUMN_OPS else "1,2,4,8,16,32,64")).split(",")]
+    tokens_text = args.tokens or ("1" if args.op in COLUMN_OPS else "1,2,4,8,16,32,64")
+    if not all(t.strip().isdecimal() and int(t) >= 1 for t in tokens_text.split(",")):
+        parser.error(f"--tokens must be comma-separated token counts >= 1, got {tokens_text!r}")
+    tokens = [int(t) for t in tokens_text.split(",")]
     if args.op == "allreduce_mhc":
         args.out.mkdir(parents=True, exist_ok=True)
         return allreduce_mhc_bench(tokens, args.replays, args.out)
     if not torch.cuda.is_available():
-        print("dsv41 bench kernels: needs a CUDA device")
+        print("dsv41 bench kernels: error: needs a CUDA device", file=sys.stderr)
         return 1
     variants = args.variants.split(",")
     unknown = set(variants) - set(VARIANTS)

@@ -26,7 +26,7 @@ from dsv41.config import BOOLEANS, Dsv41Config
     (dict(mode=None), TypeError, r"Dsv41Config\.mode must be a str, got None"),
     (dict(dump_dir=3), TypeError, r"Dsv41Config\.dump_dir must be a path"),
     (dict(norm_eps="1e-20"), TypeError, r"Dsv41Config\.norm_eps must be a number"),
-    (dict(hc_eps=0.0), ValueError, r"Dsv41Config\.hc_eps must be > 0"),
+    (dict(hc_eps=0.0), ValueError, r"Dsv41Config\.hc_eps must be finite and > 0"),
     (dict(sinkhorn_iters=2.0), TypeError, r"Dsv41Config\.sinkhorn_iters must be an int"),
     (dict(max_tokns=8), TypeError, r"Dsv41Config has no setting\(s\) \['max_tokns'\]"),
 ])

@@ -79,7 +79,7 @@ BAD = {
     "candidates Ncap": (lambda kw: dict(candidates=kw["candidates"][:, :-1]), r"'candidates' must have shape \[T, Ncap\] = \[3, 16\]"),
     "topk": (lambda kw: dict(topk=0), r"'topk' must be >= 1, got 0"),
     "cand_topk_blocks": (lambda kw: dict(cand_topk_blocks=-1), r"'cand_topk_blocks' must be >= 0, got -1"),
-    "cand_block": (lambda kw: dict(cand_block=0), r"'cand_block' must be >= 1 when cand_topk_blocks > 0, got 0"),
+    "cand_block": (lambda kw: dict(cand_block=0), r"'cand_block' must be in \[1, max\(Ncap, 1\)\] when cand_topk_blocks > 0 .*, got 0"),
     "score_scale": (lambda kw: dict(score_scale=math.inf), r"'score_scale' must be a finite number, got inf"),
 }
 

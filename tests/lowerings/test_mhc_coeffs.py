@@ -32,7 +32,7 @@ BAD = {
     "fn cols": (lambda kw: dict(fn=kw["fn"][:, :-1]), r"'fn' must have shape"),
     "base size": (lambda kw: dict(base=kw["base"][:-2]), r"'base' must have shape \[\(2\+hc\)\*hc\] = \[24\]"),
     "scale size": (lambda kw: dict(scale=torch.ones(4)), r"'scale' must have shape \[3\] = \[3\], got \[4\]"),
-    "iters": (lambda kw: dict(iters=0), r"'iters' must be >= 1, got 0"),
+    "iters": (lambda kw: dict(iters=0), r"'iters' must be in \[1, MAX_ITERS = 1024\], got 0"),
 }
 
 

@@ -98,10 +98,10 @@ BAD = {
     "w13 not 2I": (lambda kw: dict(w13=kw["w13"][:, :-1]), ValueError,
                    r"'w13' must have shape \[E, 2\*I, D\] = \[8, 128, 64\], got \[8, 127, 64\]"),
     "w13 dtype": (lambda kw: dict(w13=kw["w13"].half()), TypeError, r"'w13' must be torch.bfloat16"),
-    "limit": (lambda kw: dict(swiglu_limit=0.0), ValueError, r"'swiglu_limit' must be finite and > 0, got 0.0"),
-    "limit inf": (lambda kw: dict(swiglu_limit=float("inf")), ValueError, r"'swiglu_limit' must be finite and > 0"),
+    "limit": (lambda kw: dict(swiglu_limit=0.0), ValueError, r"'swiglu_limit' must be a finite number > 0, got 0.0"),
+    "limit inf": (lambda kw: dict(swiglu_limit=float("inf")), ValueError, r"'swiglu_limit' must be a finite number > 0"),
     "quant_block": (lambda kw: dict(quant_block=-1), ValueError, r"'quant_block' must be >= 0, got -1"),
-    "quant_block I": (lambda kw: dict(quant_block=24), ValueError, r"'quant_block' must divide I = 64, got 24"),
+    "quant_block I": (lambda kw: dict(quant_block=24), ValueError, r"'quant_block' must divide I = 64 \(from 'w2'\), got 24"),
     "impl": (lambda kw: dict(impl="fast"), ValueError, r"'impl' must be one of"),
     "device": (lambda kw: dict(token=kw["token"].to("meta")), ValueError, r"'token' is on meta, expected cpu like 'x'"),
 }

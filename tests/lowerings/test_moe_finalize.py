@@ -24,7 +24,7 @@ BAD = {
     "token M": (lambda kw: dict(token=kw["token"][:-1]), r"'token' must have shape \[M\] = \[18\], got \[17\]"),
     "shared T": (lambda kw: dict(shared=kw["shared"][:-1]), r"'shared' must have shape \[T, D\] = \[3, 32\], got \[2, 32\]"),
     "shared D": (lambda kw: dict(shared=kw["shared"][:, :-1]), r"'shared' must have shape \[T, D\] = \[3, 32\]"),
-    "num_tokens": (lambda kw: dict(num_tokens=-1), r"'num_tokens' must be >= 0, got -1"),
+    "num_tokens": (lambda kw: dict(num_tokens=-1), r"'num_tokens' must be in \[0, 2\*\*31 - 1\], got -1"),
 }
 
 

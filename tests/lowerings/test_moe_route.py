@@ -20,8 +20,8 @@ def test_reference_matches_model(samples, seed):
 BAD = {
     "gate_weight D": (lambda kw: dict(gate_weight=kw["gate_weight"][:, :-1]), r"'gate_weight' must have shape \[E, D\] = \[16, 32\]"),
     "bias E": (lambda kw: dict(bias=kw["bias"][:-1]), r"'bias' must have shape \[E\] = \[16\], got \[15\]"),
-    "topk zero": (lambda kw: dict(topk=0), r"'topk' must be in \[1, E = 16\], got 0"),
-    "topk > E": (lambda kw: dict(topk=17), r"'topk' must be in \[1, E = 16\], got 17"),
+    "topk zero": (lambda kw: dict(topk=0), r"'topk' must be in \[1, E = 16\] \(from 'gate_weight'\), got 0"),
+    "topk > E": (lambda kw: dict(topk=17), r"'topk' must be in \[1, E = 16\] \(from 'gate_weight'\), got 17"),
 }
 
 

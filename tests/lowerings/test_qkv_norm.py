@@ -58,7 +58,7 @@ BAD = {
     "rd > kv_dim": (lambda kw: dict(cos=torch.ones(3, 40), sin=torch.ones(3, 40)),
                     r"'cos' and 'sin' have 40 columns, so they rotate rd = 80 dims, more than kv_dim = 64"),
     "quant_block negative": (lambda kw: dict(quant_block=-1), r"'quant_block' must be >= 0, got -1"),
-    "quant_block divides": (lambda kw: dict(quant_block=24), r"'quant_block' must divide kv_dim = 64, got 24"),
+    "quant_block divides": (lambda kw: dict(quant_block=24), r"'quant_block' must divide kv_dim = 64 \(from 'kv_weight'\), got 24"),
 }
 
 

@@ -23,11 +23,11 @@ BAD = {
     "cos T": (lambda kw: dict(cos=kw["cos"][:-1]), r"'cos' must have shape \[T, rd/2\] = \[3, 8\]"),
     "sin rd": (lambda kw: dict(sin=kw["sin"][:, :-1]), r"'sin' must have shape \[T, rd/2\] = \[3, 8\]"),
     "rd > hd": (lambda kw: dict(cos=torch.ones(3, 20), sin=torch.ones(3, 20)), r"rotate rd = 40 dims, more than hd = 32"),
-    "groups divides H": (lambda kw: dict(groups=3), r"'groups' must be >= 1 and divide H = 4, got 3"),
-    "groups zero": (lambda kw: dict(groups=0), r"'groups' must be >= 1 and divide H = 4, got 0"),
+    "groups divides H": (lambda kw: dict(groups=3), r"'groups' must be >= 1 and divide H = 4 \(from 'o'\), got 3"),
+    "groups zero": (lambda kw: dict(groups=0), r"'groups' must be >= 1 and divide H = 4 \(from 'o'\), got 0"),
     "weight cols": (lambda kw: dict(weight=kw["weight"][:, :-1]),
                     r"'weight' must have shape \[groups\*R, H\*hd/groups\] = \[16, 64\], got \[16, 63\]"),
-    "weight rows": (lambda kw: dict(weight=kw["weight"][:-1]), r"'groups' must divide weight.shape\[0\] = 15, got 2"),
+    "weight rows": (lambda kw: dict(weight=kw["weight"][:-1]), r"'groups' must divide weight.shape\[0\] = 15 \(R >= 1 rows per group\), got 2"),
 }
 
 

@@ -141,4 +141,4 @@ def test_kernel_profiler_launches_need_cuda(capsys):
     from dsv41.tools.bench_kernels import main
 
     assert main(["--profiler-launches", "--op", "mhc_coeffs", "--tokens", "1"]) == 1
-    assert "needs a CUDA device" in capsys.readouterr().out
+    assert "needs a CUDA device" in capsys.readouterr().err
