@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from ..harness import compile_fx, gen, rand
+from ..harness import gen, rand
+from .blocks import assert_outputs_agree, compile_and_run, fused_sites
 from .hf_style import T_SITES, HFStyleBlock
 
 T, N = 3, 24
@@ -28,25 +29,14 @@ def inputs(seed, block):
 
 @pytest.fixture(scope="module")
 def compiled():
-    """The block compiled once; (block, backend, [(compiled outputs, eager outputs)] on two fresh inputs)."""
-    block = HFStyleBlock()
-    fn, backend = compile_fx(block)
-    with torch.no_grad():
-        runs = [(fn(*x), block(*x)) for x in (inputs(seed, block) for seed in (1, 2))]
-    torch._dynamo.reset()
-    return block, backend, runs
+    """The block compiled once; (backend, [(compiled outputs, eager outputs)] on two fresh inputs)."""
+    return compile_and_run(HFStyleBlock(), inputs, (1, 2))
 
 
 def test_every_site_is_fused(compiled):
-    _, backend, _ = compiled
-    report = backend.reports[-1]
-    assert len(backend.reports) == 1 and report.fallback is None
-    assert {k: v for k, v in report.matches.items() if v} == T_SITES, report.declined
+    sites, report = fused_sites(compiled[0])
+    assert sites == T_SITES, report.declined
 
 
 def test_agrees_with_eager(compiled):
-    for (gh, gx, gi), (wh, wx, wi) in compiled[2]:
-        assert torch.equal(gi, wi)
-        for g_, w_ in ((gh, wh), (gx, wx)):
-            close = torch.isclose(g_.float(), w_.float(), atol=1.6e-2, rtol=1.6e-2)
-            assert not g_.isnan().any() and close.float().mean() >= 0.99, (~close).sum()
+    assert_outputs_agree(compiled[1])

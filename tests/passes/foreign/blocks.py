@@ -1,0 +1,35 @@
+"""What the foreign decode blocks' tests share: the block compiled once through the real backend (fx mode) and run
+beside eager on fresh inputs, its one fusion report, and the outputs' agreement."""
+
+from __future__ import annotations
+
+import torch
+
+from ..harness import compile_fx
+
+
+def compile_and_run(block, inputs, seeds):
+    """(backend, [(compiled outputs, eager outputs) on inputs(seed, block) for each seed]); Dynamo reset after."""
+    fn, backend = compile_fx(block)
+    with torch.no_grad():
+        runs = [(fn(*x), block(*x)) for x in (inputs(seed, block) for seed in seeds)]
+    torch._dynamo.reset()
+    return backend, runs
+
+
+def fused_sites(backend):
+    """(the nonzero match counts per fusion, the report) of the backend's one graph, which must not have fallen back."""
+    report = backend.reports[-1]
+    assert len(backend.reports) == 1 and report.fallback is None
+    return {k: v for k, v in report.matches.items() if v}, report
+
+
+def assert_outputs_agree(runs):
+    """Per run (h, x_new, selection): the selection (indices or mask) equal; h and x_new bf16 within one bf16 ulp of
+    an fp32 reordering (atol=rtol=1.6e-2) on at least 99% of elements, since the FP8 round trip may move a bucket;
+    no NaN."""
+    for (gh, gx, gi), (wh, wx, wi) in runs:
+        assert torch.equal(gi, wi)
+        for g_, w_ in ((gh, wh), (gx, wx)):
+            close = torch.isclose(g_.float(), w_.float(), atol=1.6e-2, rtol=1.6e-2)
+            assert not g_.isnan().any() and close.float().mean() >= 0.99, (~close).sum()
