@@ -24,7 +24,8 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from dsv41.passes.matcher import (Derived, MatchFailure, MatchResult, PatternSet, evaluate, fake_value, leaves,
-                                  quiet_fake_tensor, view_root)
+                                  quiet_fake_tensor)
+from dsv41.passes.normalize import view_root
 from dsv41.passes.printing import module_path
 
 log = logging.getLogger("dsv41")

@@ -57,7 +57,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dsv41.passes.normalize import normalize_graph, position as _position
+from dsv41.passes.normalize import normalize_graph, position as _position, view_root
 
 ANY_STR = "__dsv41_any__"  # a string argument of a search function that matches any string (a group name)
 
@@ -972,12 +972,6 @@ class PatternSet:
         nodes = [n for n in anchor.graph.nodes if n in inside]
         found_islands = [(_op_name(p.target), t, why) for p, t, why in st2.islands]
         return MatchResult(pat, inputs, outputs, nodes, free, found_islands, exposed=exposed)
-
-
-def view_root(n):
-    while isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.view.default:
-        n = n.args[0]
-    return n
 
 
 def _views_of_one_root(x, y) -> bool:

@@ -366,7 +366,8 @@ def _clamp_before_e4m3(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
-def _through_views(n):
+def view_root(n):
+    """The value n is a chain of `aten.view`s of (n itself when it is not a view)."""
     while isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.view.default:
         n = n.args[0]
     return n
@@ -375,7 +376,7 @@ def _through_views(n):
 def _lower_bound(n) -> float | None:
     """A positive lower bound of every value of n read from its ops (`clamp_min(a, lo)`, then divisions and
     multiplications by positive numbers, views), or None."""
-    n = _through_views(n)
+    n = view_root(n)
     if not (isinstance(n, fx.Node) and n.op == "call_function" and len(n.args) == 2):
         return None
     a, c = n.args
@@ -391,7 +392,7 @@ def _normal_power_of_two(s) -> bool:
     """Every value of s is a power of two at least 2^-126 (so 1/s is exact), +-0, +-inf or NaN: a float32 built from
     exponent bits (`(e << 23).view(float32)`: no mantissa bits), or exp2(ceil(log2(u))) of a u bounded below by
     2^-120 or more (`_lower_bound`: the reference's amax floor over 448)."""
-    s = _through_views(s)
+    s = view_root(s)
     if not (isinstance(s, fx.Node) and s.op == "call_function"):
         return False
     if s.target is aten.view.dtype and s.args[1] == torch.float32:
