@@ -100,6 +100,14 @@ def store_shared_remote(val: Float32, smem_ptr: cute.Pointer, mbar_ptr: cute.Poi
 
 
 @cute.jit
+def load_shared_remote(smem_ptr: cute.Pointer, peer: Int32) -> Int32:
+    """``ld.shared::cluster`` of the Int32 at CTA ``peer``'s copy of ``smem_ptr`` (``peer`` may be this CTA)."""
+    src = cute.arch.map_dsmem_ptr(smem_ptr, peer).toint()
+    return cute.arch.inline_ptx("ld.shared::cluster.u32 {$w0}, [{$r0}];", write_only_types=[Int32],
+                                read_only_args=[Int32(src)])
+
+
+@cute.jit
 def cta_or_cluster_sum(val: Float32, buf: cute.Tensor, mbar_ptr: cute.Pointer, num_warps: cutlass.Constexpr[int],
                        cluster_n: cutlass.Constexpr[int]) -> Float32:
     """Sum ``val`` over every thread of the CTA, or of the whole cluster when ``cluster_n > 1``.

@@ -19,38 +19,52 @@ bit. In candidate-block mode (layer 20) the same kernel writes each 8-column blo
 the newest block (n_c - 1) // 8 pinned to +inf, to a second workspace bs [T, ceil(Ncap / 8)].
 
 The select is an exact radix select on order-preserving 32-bit keys (NaN and -inf share the lowest key of a score;
--0 = +0), 8-bit digits from the top: a round builds a 256-bin shared histogram (warp-aggregated shared atomics) of
-the keys matching the digits chosen so far and picks the digit of the bin holding the remaining take-th largest.
-The rounds stop as soon as that bin holds exactly the keys still to take (rows of distinct scores stop after 2
-or 3 of the 4), which leaves the bin [lo, hi] (the keys with the chosen top bits) and how many of its keys to take.
-A collection pass keeps every key > hi and the first keys in [lo, hi] in column order, placing each at (keys > hi
-before it) + min(bin keys before it, needed) by a block-wide scan: the output comes out sorted by column, ties
-broken by the lower column. CTAs have 1024 threads.
+-0 = +0), 8-bit digits from the top: a round builds a 256-bin histogram of the keys matching the digits chosen so
+far and picks the digit of the bin holding the remaining take-th largest. The rounds stop as soon as that bin holds
+exactly the keys still to take (rows of distinct scores stop after 2 or 3 of the 4), which leaves the bin [lo, hi]
+(the keys with the chosen top bits) and how many of its keys to take. A collection pass keeps every key > hi and the
+first keys in [lo, hi] in column order, placing each at (keys > hi before it) + min(bin keys before it, needed): the
+output comes out sorted by column, ties broken by the lower column.
 
-``TopkSelect`` holds per_thread keys a thread in registers (element e = j * 1024 + thread, column order = (j,
-thread) order). A row of N <= 4096 columns is one such CTA, which writes the output (launch 2). A wider row is
-split into ceil(N / S) slices of S columns (``select_plan``: a power of two times 1024, about N / 128 so a row fills
-about a wave of the 132 SMs, at least 2048 and 2K, at most 16384), one CTA each (launch 2), which writes the exact
-local top-K of its slice (keys and columns in column order, padded below every score) and two bounds: kth = lo of
-its K-th key's bin (a lower bound of that key; none when the slice has fewer than K keys), and rank = the lowest key
-with the top 16 bits of its r-th largest key, r = ceil(K / full slices) (a second histogram in round 1; 8 bits when
-the rounds stop after round 0; none from a short last slice). Every key of the
-row's top-K is >= B = max(max kth, min rank): one slice alone has K keys >= its K-th key, and the full slices
-together have >= r * full slices >= K keys >= min rank. ``TopkMerge`` (launch 3, one CTA a row) reduces B, streams
-the slices' candidates from global memory 8 consecutive per thread, compacts those >= B in order into a workspace
-(block scans; round 0's histogram on the way), runs the remaining rounds and the collection over the survivors,
-streamed again, and writes the output. Nothing bounds the survivor count (a constant row keeps all slices x K
-candidates); a row of random scores keeps about 3% of them (1789 of 128 x 512 at 2^19 columns, in the model). Every element of the global top-K (tie rule
-included) is in its slice's local top-K and >= B, so the merge is exact. No CTA waits for another (no cooperative
-launch, no spin barrier, no atomics in global memory), so the launches are CUDA-graph capturable and
-bit-deterministic. The test file's numpy model of these steps is checked against torch.topk on the CPU.
+``TopkSelect`` (launch 2) runs it for a row on one thread-block cluster of ``cluster_n`` CTAs of 1024 threads:
+ceil(N / 4096) CTAs, at most 16 (Hopper's non-portable cluster size; ``select_plan``), CTA r of the cluster owning
+the span of columns [r * span, (r + 1) * span), span = ceil(N / cluster_n) <= 65536. Why a cluster: the design it
+replaces (about 128 slice CTAs a row, then one merge CTA streaming their 128 x K candidates from global memory twice)
+spent most of its time in that one serial CTA (ncu at base clocks, 2^19 columns: slices 11.5 us, merge 51.0); in a
+cluster every CTA works on its own columns until the end, the only serial steps are 256-bin sums, and no candidates
+travel through global memory. Why
+16-bit prefixes on chip: the full keys of a 2^20-wide row do not fit in 16 SMs' shared memory (256 KB a CTA), their
+top 16 bits do (128 KB), and they decide rounds 0 and 1 and nearly every key of the collection.
+- Pass 1 reads the CTA's scores from global memory once (coalesced, 8 loads in flight a thread), stores each key's
+  top 16 bits (unsigned order) in shared memory and builds round 0's histogram (warp-aggregated shared atomics).
+- A round: each CTA's histogram of its keys matching the prefix so far (round 1 from the shared prefixes; rounds 2
+  and 3 re-read from global memory, L2-resident after the score kernel, the full key of each key whose 16-bit
+  prefix matches: a few dozen for random scores, every key for a constant row); a cluster barrier (release /
+  acquire); the 256 bins summed over the cluster's CTAs through DSMEM (``ld.shared::cluster``), so every CTA picks
+  the same digit and stops after the same round; the same reads give the bins of the CTAs before this one, whose
+  counts above the picked digit add up, over the rounds, to the keys > hi in those CTAs, and whose count at the
+  last digit is their keys in [lo, hi]. Two histogram buffers alternate, so one cluster barrier a round suffices
+  (a buffer is cleared only after every peer has passed the next barrier, i.e. finished reading it).
+- The collection pass over the CTA's prefixes (8 consecutive elements a thread, a block scan a chunk of 8192)
+  starts from those counts of the earlier CTAs, so the CTAs write disjoint output positions in global column order.
+  A key whose prefix is above (below) the top 16 bits of the bin's keys is above (below) the bin; when the bin is
+  16 bits wide or wider its prefix decides too; only when the bin is narrower (level 24 or 32) and the prefix is
+  the bin's is the full key re-read. A final cluster barrier keeps every CTA's shared memory alive until its
+  peers' last reads.
+Exactness: the cluster histogram of a round is the row's histogram of the keys matching the prefix, so the rounds
+pick the bin of the row's K-th largest key as one CTA over the whole row would; every key > hi and the first
+`remaining` keys of [lo, hi] in column order are taken (the tie rule), at a position counted over all keys before
+it in column order (the earlier CTAs' counts + the block scans). No CTA waits on another outside its cluster (no
+cooperative launch, no spin barrier, no global atomics), so the launch is CUDA-graph capturable and
+bit-deterministic. The test file's numpy model of these steps is checked against the tie rule and torch.topk on
+the CPU.
 
 Candidate-block mode selects min(cand_topk_blocks, ceil(Ncap / 8)) blocks from bs with the same select kernel
 (K = 2048, no offset) and expands the chosen blocks to the [T, Ncap] bool mask in torch.
 
 Resources (ptxas for sm_90a, CUDA 13.0's ptxas -v on the PTX the DSL emits, CUTE_DSL_KEEP=ptx): the score kernel
-takes 168 registers (3 CTAs of 128 threads per SM); the one-CTA select (1 to 4 keys per thread) 32 registers, the
-slice CTAs 52 to 64 (2, 8 and 16 keys per thread: 52, 56, 64), the merge 64; none spills.
+takes 168 registers (3 CTAs of 128 threads per SM); the select 60 (1024 threads), no spills, and 2 * capacity
+bytes + 4.3 KB of shared memory (132 KB at capacity 65536: one CTA an SM).
 """
 
 from __future__ import annotations
@@ -72,9 +86,9 @@ BLOCK = 8  # the candidate block size the score kernel's block maxima take (one 
 MAX_COLUMNS = 1 << 20  # Ncap
 MAX_K = 2048
 THREADS = 1024  # per select CTA
-SINGLE_COLUMNS = 4 * THREADS  # the widest row one CTA selects alone
-MAX_SLICE_COLUMNS = 16 * THREADS  # the widest slice
-TARGET_SLICES = 128  # slices per wide row: about one wave of the H200's 132 SMs
+CTA_COLUMNS = 4096  # columns a select CTA takes before a row's cluster grows
+MAX_CLUSTER = 16  # CTAs of a row's select cluster (Hopper's non-portable maximum)
+MAX_SPAN = MAX_COLUMNS // MAX_CLUSTER  # the most columns of one select CTA (their prefixes: 128 KB of shared memory)
 _WARPS = 4  # per score CTA
 _TILE = 8  # key columns per MMA (its N)
 _TILES = 4  # MMA tiles per warp per round
@@ -86,12 +100,12 @@ _VEC = 8  # bf16 per 16-byte vector
 _SEL_WARPS = THREADS // 32
 _BINS = 256
 _ROUNDS = 4  # of 8-bit digits, at most
-_GROUP = 8  # consecutive candidates per merge thread and chunk
-_CHUNK = _GROUP * THREADS  # candidates per merge pass step
-_INT_MAX = 2**31 - 1
+_GROUP = 8  # elements per select thread and pass step (8 prefixes: one 16-byte shared load)
+_CHUNK = _GROUP * THREADS  # elements per select pass step
 _INT_MIN = -(2**31)
-_PAD = _INT_MIN  # the key of a padding slot: below every score's key
+_PAD = _INT_MIN  # the key of an element past a CTA's columns: below every score's key
 _KEY_NEG_INF = -(0x7F800000) - 1  # the key of -inf (and NaN): the float bits 0xFF800000 ^ 0x7FFFFFFF
+_NEG_INF_TOP16 = (_KEY_NEG_INF - _INT_MIN) >> 16  # its 16-bit prefix (0x7F), which no other key has
 
 
 class IndexScore:
@@ -182,277 +196,155 @@ class IndexScore:
 
 
 class TopkSelect:
-    """The exact top-``k`` of rows of scores held in registers, ``per_thread`` keys per thread (element e = j *
-    1024 + thread).
-
-    ``final``: one CTA per row of N <= 1024 * per_thread columns, which writes the output [T, k] int64 (column +
-    offset, -1 for a -inf score). Else one CTA per (row, slice of 1024 * per_thread columns), which writes its slice's
-    k candidates (keys and columns, in column order, padded below every score) and its two bounds (module
-    docstring) to the workspace.
+    """The exact top-``k`` of rows of scores: one thread-block cluster of ``cluster_n`` CTAs per row (module
+    docstring), each CTA ``span`` consecutive columns of the row (its cluster rank r: columns [r * span, (r + 1) *
+    span)), their 16-bit key prefixes in ``capacity`` >= span slots of shared memory; writes mOut [T, k] int64.
     """
 
-    def __init__(self, k: int, per_thread: int, final: bool, pdl: bool):
+    def __init__(self, k: int, capacity: int, pdl: bool):
         self.k = k
-        self.per_thread = per_thread
-        self.final = final
+        self.capacity = capacity
         self.pdl = pdl
 
     @cute.jit
-    def __call__(self, mScores: cute.Tensor, mCandKey: cute.Tensor, mCandIdx: cute.Tensor, mBounds: cute.Tensor,
-                 mOut: cute.Tensor, offset: Int64, rank: Int32, n_ctas: Int32, stream):
-        self.kernel(mScores, mCandKey, mCandIdx, mBounds, mOut, offset, rank).launch(
-            grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+    def __call__(self, mScores: cute.Tensor, mOut: cute.Tensor, offset: Int64, cluster_n: Int32, span: Int32,
+                 n_ctas: Int32, stream):
+        self.kernel(mScores, mOut, offset, cluster_n, span).launch(
+            grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=[cluster_n, 1, 1], stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, mScores: cute.Tensor, mCandKey: cute.Tensor, mCandIdx: cute.Tensor, mBounds: cute.Tensor,
-               mOut: cute.Tensor, offset: Int64, rank: Int32):
+    def kernel(self, mScores: cute.Tensor, mOut: cute.Tensor, offset: Int64, cluster_n: Int32, span: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
+        rank = Int32(cute.arch.block_idx_in_cluster())
         smem = cutlass.memory.SmemAllocator()
-        sHist = smem.allocate_tensor(Int32, cute.make_layout(_BINS), byte_alignment=16)
+        sPrefix = smem.allocate_tensor(cutlass.Uint16, cute.make_layout(self.capacity), byte_alignment=16)
+        sHist = smem.allocate_tensor(Int32, cute.make_layout((_BINS, 2)), byte_alignment=16)
+        sTotal = smem.allocate_tensor(Int32, cute.make_layout((_BINS, 2)), byte_alignment=16)
         sScan = smem.allocate_tensor(Int32, cute.make_layout((2, _SEL_WARPS)), byte_alignment=16)
-        sRankHist = smem.allocate_tensor(Int32, cute.make_layout(_BINS), byte_alignment=16)
-        sPick = smem.allocate_tensor(Int32, cute.make_layout(6), byte_alignment=8)
-        if const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()
-
-        n_cols = mScores.shape[1]
-        span = self.per_thread * THREADS  # columns per CTA
-        slices = (n_cols + span - 1) // span
-        t = cta
-        first = Int32(0)  # the CTA's first column
-        sl = Int32(0)  # its slice
-        if const_expr(not self.final):
-            t = cta // slices
-            sl = cta % slices
-            first = sl * span
-        count = cutlass.min(n_cols - first, span)  # its keys
-        take = cutlass.min(count, self.k)  # how many it selects
-        keys = []
-        for j in cutlass.range_constexpr(self.per_thread):
-            e = j * THREADS + tidx
-            key = Int32(_PAD)
-            if e < count:
-                key = _order_key(mScores[t, first + e])
-            keys.append(key)
-
-        # Radix select, 8-bit digits from the top: after a round, `prefix` = the top `level` bits of the take-th
-        # largest key (unsigned order), `remaining` = how many keys with those bits are still to take; it stops
-        # early once they are all of that bin's keys. A slice's rounds 0 and 1 (if it runs) also find the top
-        # `rank_level` bits `rank_prefix` of its rank-th largest key, in a second histogram.
-        prefix = Int32(0)
-        remaining = take
-        level = Int32(0)
-        done = Int32(0)
-        rank_prefix = Int32(0)
-        rank_remaining = rank
-        rank_level = Int32(8)
-        for rnd in cutlass.range_constexpr(_ROUNDS):
-            if done == 0:
-                shift = 24 - 8 * rnd
-                ranked = rnd < 2 and not self.final  # the rank's bin: round 0 shares sHist, round 1 has sRankHist
-                if tidx < _BINS:
-                    sHist[tidx] = Int32(0)
-                    if const_expr(ranked and rnd == 1):
-                        sRankHist[tidx] = Int32(0)
-                cute.arch.barrier()
-                for j in cutlass.range_constexpr(self.per_thread):
-                    _histogram_add(sHist, _digit(keys[j], rnd), _matches(keys[j], rnd, prefix))
-                    if const_expr(ranked and rnd == 1):
-                        _histogram_add(sRankHist, _digit(keys[j], rnd), _matches(keys[j], rnd, rank_prefix))
-                cute.arch.barrier()
-                if warp == 0:
-                    _pick_digit(sHist, sPick, 0, prefix, remaining, lane)
-                if const_expr(ranked):
-                    if warp == 1:
-                        _pick_digit(sRankHist if const_expr(rnd == 1) else sHist, sPick, 3, rank_prefix, rank_remaining,
-                                    lane)
-                cute.arch.barrier()
-                prefix = sPick[0]
-                remaining = sPick[1]
-                done = cutlass.select_(remaining == sPick[2], Int32(1), Int32(0))
-                level = Int32(32 - shift)
-                if const_expr(ranked):
-                    rank_prefix = sPick[3]
-                    rank_remaining = sPick[4]
-                    rank_level = Int32(32 - shift)
-        lo, hi = _bin_edges(prefix, level)
-
-        # Collection in column order: element (j, thread) goes to (keys > hi before it) + min(keys in the bin
-        # before it, remaining); the first `remaining` keys of the bin in column order are taken.
-        row_base = sl * self.k
-        lt = Int32(cute.arch.lanemask_lt())
-        n_gt = Int32(0)
-        n_eq = Int32(0)
-        for j in cutlass.range_constexpr(self.per_thread):
-            e = j * THREADS + tidx
-            gt = keys[j] > hi
-            eq = (keys[j] >= lo) & (keys[j] <= hi) & (keys[j] != Int32(_PAD))
-            ball_gt = cute.arch.vote_ballot_sync(gt)
-            ball_eq = cute.arch.vote_ballot_sync(eq)
-            if lane == 0:
-                sScan[j % 2, warp] = cute.arch.popc(ball_gt) + (cute.arch.popc(ball_eq) << 16)
-            cute.arch.barrier()
-            warp_total = sScan[j % 2, lane]  # lane l: warp l's packed counts
-            incl = _warp_inclusive_scan(warp_total, lane)
-            before = cute.arch.shuffle_sync(incl - warp_total, warp) + cute.arch.popc(ball_gt & lt) + (
-                cute.arch.popc(ball_eq & lt) << 16)
-            block_total = cute.arch.shuffle_sync(incl, _SEL_WARPS - 1)
-            gt_before = n_gt + (before & Int32(0xFFFF))
-            eq_before = n_eq + (before >> 16)
-            if gt | (eq & (eq_before < remaining)):
-                pos = gt_before + cutlass.min(eq_before, remaining)
-                if const_expr(self.final):
-                    mOut[t, pos] = cutlass.select_(keys[j] > Int32(_KEY_NEG_INF), Int64(first + e) + offset,
-                                                   Int64(-1))
-                else:
-                    mCandKey[t, row_base + pos] = keys[j]
-                    mCandIdx[t, row_base + pos] = first + e
-            n_gt = n_gt + (block_total & Int32(0xFFFF))
-            n_eq = n_eq + (block_total >> 16)
-        if const_expr(not self.final):
-            for p in cutlass.range(take + tidx, self.k, THREADS):  # padding after a short last slice's keys
-                mCandKey[t, row_base + p] = Int32(_PAD)
-                mCandIdx[t, row_base + p] = Int32(-1)
-            if tidx == 0:  # the bounds: no bound from a slice with fewer than k keys (kth) or span keys (rank)
-                mBounds[t, sl] = cutlass.select_(take == self.k, lo, Int32(_PAD))
-                mBounds[t, slices + sl] = cutlass.select_(count == span, _bin_edges(rank_prefix, rank_level)[0],
-                                                          Int32(_INT_MAX))
-        if const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
-
-
-class TopkMerge:
-    """The exact top-``k`` of each row's slice candidates (one CTA per row), streamed from global memory.
-
-    mCandKey, mCandIdx [T, C] (C = slices * k, slice by slice in column order), mBounds [T, 2 * slices]; mSurvKey,
-    mSurvIdx [T, C]: a workspace for the candidates at or above the row's bound, compacted in order; mOut [T, k].
-    """
-
-    def __init__(self, k: int, pdl: bool):
-        self.k = k
-        self.pdl = pdl
-
-    @cute.jit
-    def __call__(self, mCandKey: cute.Tensor, mCandIdx: cute.Tensor, mBounds: cute.Tensor, mSurvKey: cute.Tensor,
-                 mSurvIdx: cute.Tensor, mOut: cute.Tensor, offset: Int64, n_ctas: Int32, stream):
-        self.kernel(mCandKey, mCandIdx, mBounds, mSurvKey, mSurvIdx, mOut, offset).launch(
-            grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
-
-    @cute.kernel
-    def kernel(self, mCandKey: cute.Tensor, mCandIdx: cute.Tensor, mBounds: cute.Tensor, mSurvKey: cute.Tensor,
-               mSurvIdx: cute.Tensor, mOut: cute.Tensor, offset: Int64):
-        tidx, _, _ = cute.arch.thread_idx()
-        t, _, _ = cute.arch.block_idx()
-        warp = cute.arch.warp_idx()
-        lane = cute.arch.lane_idx()
-        smem = cutlass.memory.SmemAllocator()
-        sHist = smem.allocate_tensor(Int32, cute.make_layout(_BINS), byte_alignment=16)
-        sScan = smem.allocate_tensor(Int32, cute.make_layout((2, _SEL_WARPS)), byte_alignment=16)
-        sBound = smem.allocate_tensor(Int32, cute.make_layout((2, _SEL_WARPS)), byte_alignment=16)
-        sPick = smem.allocate_tensor(Int32, cute.make_layout(3), byte_alignment=8)
-        if const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()
-        n_cand = mCandKey.shape[1]
-        slices = mBounds.shape[1] // 2
-
-        # The bound: max(max over slices of kth, min over slices of rank), every key of the top-k is >= it.
-        kth = Int32(_PAD)
-        rank = Int32(_INT_MAX)
-        for s in cutlass.range(tidx, slices, THREADS):
-            kth = cutlass.max(kth, mBounds[t, s])
-            rank = cutlass.min(rank, mBounds[t, slices + s])
-        kth = _warp_reduce(kth, cutlass.max)
-        rank = _warp_reduce(rank, cutlass.min)
-        if lane == 0:
-            sBound[0, warp] = kth
-            sBound[1, warp] = rank
+        sPick = smem.allocate_tensor(Int32, cute.make_layout(5), byte_alignment=8)
+        groups = cute.tiled_divide(sPrefix, (_GROUP,))  # thread-owned runs of _GROUP consecutive slots
         if tidx < _BINS:
-            sHist[tidx] = Int32(0)
+            sHist[tidx, 0] = Int32(0)
+            sHist[tidx, 1] = Int32(0)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+        t = cta // cluster_n
+        first = rank * span  # the CTA's first column
+        count = cutlass.max(cutlass.min(mScores.shape[1] - first, span), Int32(0))  # its columns
         cute.arch.barrier()
-        bound = cutlass.max(_warp_reduce(sBound[0, lane], cutlass.max), _warp_reduce(sBound[1, lane], cutlass.min))
 
-        # Compaction of the candidates >= bound, in order, with the histogram of radix round 0.
-        n_surv = Int32(0)
-        for base in cutlass.range(0, n_cand, _CHUNK):
-            e0 = base + tidx * _GROUP
+        # Pass 1 (global, coalesced: element e = base + j * THREADS + thread): each key's top 16 bits (unsigned
+        # order) to shared memory, and round 0's histogram.
+        for base in cutlass.range(0, count, _CHUNK):
             keys = []
-            live = []
             for j in cutlass.range_constexpr(_GROUP):
+                e = base + j * THREADS + tidx
                 key = Int32(_PAD)
-                if e0 + j < n_cand:
-                    key = mCandKey[t, e0 + j]
+                if e < count:
+                    key = _order_key(mScores[t, first + e])
                 keys.append(key)
-                live.append((key >= bound) & (key != Int32(_PAD)))
-                _histogram_add(sHist, _digit(key, 0), live[j])
-            mine = cute_utils.tree_sum([cutlass.select_(v, Int32(1), Int32(0)) for v in live])
-            before, total = _block_scan(mine, sScan, (base // _CHUNK) % 2, warp, lane)
-            pos = n_surv + before
             for j in cutlass.range_constexpr(_GROUP):
-                if live[j]:
-                    mSurvKey[t, pos] = keys[j]
-                    mSurvIdx[t, pos] = mCandIdx[t, e0 + j]
-                pos = pos + cutlass.select_(live[j], Int32(1), Int32(0))
-            n_surv = n_surv + total
-        cute.arch.barrier()
+                e = base + j * THREADS + tidx
+                if e < count:
+                    sPrefix[e] = cutlass.Uint16(_top16(keys[j]))
+                _histogram_add(sHist[None, 0], _digit(keys[j], 0), e < count)
 
-        # Radix select over the survivors (as TopkSelect's, each round a pass over them).
+        # Radix select, 8-bit digits from the top, over the cluster: a round's histograms (one per CTA, of its keys
+        # matching the digits chosen so far) are summed through DSMEM after a cluster barrier, so every CTA picks
+        # the same digit; `prefix` = the top `level` bits of the take-th largest key, `remaining` = how many keys
+        # with those bits are still to take; the rounds stop once they are all of that bin's keys. `gt_before`,
+        # `eq_before`: the keys above the bin and in it of the CTAs before this one (in column order).
         prefix = Int32(0)
         remaining = Int32(self.k)
         level = Int32(0)
         done = Int32(0)
+        gt_before = Int32(0)
+        eq_before = Int32(0)
         for rnd in cutlass.range_constexpr(_ROUNDS):
             if done == 0:
                 if const_expr(rnd > 0):
-                    if tidx < _BINS:
-                        sHist[tidx] = Int32(0)
-                    cute.arch.barrier()
-                    for base in cutlass.range(0, n_surv, _CHUNK):
+                    for base in cutlass.range(0, count, _CHUNK):
+                        e0 = base + tidx * _GROUP
+                        tops = self.prefixes(groups, e0)
                         for j in cutlass.range_constexpr(_GROUP):
-                            key = Int32(_PAD)
-                            if base + tidx * _GROUP + j < n_surv:
-                                key = mSurvKey[t, base + tidx * _GROUP + j]
-                            _histogram_add(sHist, _digit(key, rnd), _matches(key, rnd, prefix))
-                    cute.arch.barrier()
+                            if const_expr(rnd == 1):
+                                live = (tops[j] >> 8) == prefix
+                            else:
+                                live = tops[j] == (prefix >> (8 * rnd - 16))
+                            live = live & (e0 + j < count)
+                            digit = tops[j] & Int32(_BINS - 1)
+                            if const_expr(rnd > 1):  # the lower 16 bits: the full key, from global memory (L2)
+                                key = Int32(_PAD)
+                                if live:
+                                    key = _order_key(mScores[t, first + e0 + j])
+                                live = live & _matches(key, rnd, prefix)
+                                digit = _digit(key, rnd)
+                            _histogram_add(sHist[None, rnd % 2], digit, live)
+                cute.arch.cluster_arrive()  # release: this CTA's histogram; acquire: every peer's
+                cute.arch.cluster_wait()
+                if tidx < _BINS:
+                    total = Int32(0)
+                    before = Int32(0)
+                    for peer in cutlass.range(cluster_n):
+                        n_peer = cute_utils.load_shared_remote(cute_utils.elem_ptr(sHist, (tidx, rnd % 2)), peer)
+                        total = total + n_peer
+                        before = before + cutlass.select_(peer < rank, n_peer, Int32(0))
+                    sTotal[tidx, 0] = total
+                    sTotal[tidx, 1] = before
+                    sHist[tidx, (rnd + 1) % 2] = Int32(0)  # the next round's (its peers read it before this round)
+                cute.arch.barrier()
                 if warp == 0:
-                    _pick_digit(sHist, sPick, 0, prefix, remaining, lane)
+                    _pick_digit(sTotal, sPick, prefix, remaining, lane)
                 cute.arch.barrier()
                 prefix = sPick[0]
                 remaining = sPick[1]
                 done = cutlass.select_(remaining == sPick[2], Int32(1), Int32(0))
+                gt_before = gt_before + sPick[3]
+                eq_before = sPick[4]
                 level = Int32(8 * (rnd + 1))
+        cute.arch.cluster_arrive()  # the peers' histogram reads are done; matched by the wait before the exit
         lo, hi = _bin_edges(prefix, level)
 
-        # Collection in order: each thread's _GROUP consecutive survivors per chunk, one block scan per chunk.
-        n_gt = Int32(0)
-        n_eq = Int32(0)
-        for base in cutlass.range(0, n_surv, _CHUNK):
+        # Collection in column order: each thread's _GROUP consecutive elements a chunk, one block scan a chunk.
+        # A key goes to (keys > hi before it) + min(keys in the bin before it, remaining). Its 16-bit prefix
+        # decides unless the bin is narrower (level > 16) and the prefix is the bin's: then the full key does.
+        for base in cutlass.range(0, count, _CHUNK):
             e0 = base + tidx * _GROUP
+            tops = self.prefixes(groups, e0)
             keys = []
             for j in cutlass.range_constexpr(_GROUP):
-                key = Int32(_PAD)
-                if e0 + j < n_surv:
-                    key = mSurvKey[t, e0 + j]
-                keys.append(key)
+                key = (tops[j] << 16) ^ Int32(_INT_MIN)  # the lowest key with this prefix
+                if (level > 16) & (tops[j] == _top16(lo)) & (e0 + j < count):
+                    key = _order_key(mScores[t, first + e0 + j])
+                keys.append(cutlass.select_(e0 + j < count, key, Int32(_PAD)))
             gts = [cutlass.select_(key > hi, Int32(1), Int32(0)) for key in keys]
             eqs = [cutlass.select_((key >= lo) & (key <= hi) & (key != Int32(_PAD)), Int32(1), Int32(0))
                    for key in keys]
             before, total = _block_scan(cute_utils.tree_sum(gts) + (cute_utils.tree_sum(eqs) << 16), sScan,
                                         (base // _CHUNK) % 2, warp, lane)
-            gt_before = n_gt + (before & Int32(0xFFFF))
-            eq_before = n_eq + (before >> 16)
+            n_gt = gt_before + (before & Int32(0xFFFF))
+            n_eq = eq_before + (before >> 16)
             for j in cutlass.range_constexpr(_GROUP):
-                if (gts[j] == 1) | ((eqs[j] == 1) & (eq_before < remaining)):
-                    mOut[t, gt_before + cutlass.min(eq_before, remaining)] = cutlass.select_(
-                        keys[j] > Int32(_KEY_NEG_INF), Int64(mSurvIdx[t, e0 + j]) + offset, Int64(-1))
-                gt_before = gt_before + gts[j]
-                eq_before = eq_before + eqs[j]
-            n_gt = n_gt + (total & Int32(0xFFFF))
-            n_eq = n_eq + (total >> 16)
+                if (gts[j] == 1) | ((eqs[j] == 1) & (n_eq < remaining)):
+                    mOut[t, n_gt + cutlass.min(n_eq, remaining)] = cutlass.select_(
+                        tops[j] > Int32(_NEG_INF_TOP16), Int64(first + e0 + j) + offset, Int64(-1))
+                n_gt = n_gt + gts[j]
+                n_eq = n_eq + eqs[j]
+            gt_before = gt_before + (total & Int32(0xFFFF))
+            eq_before = eq_before + (total >> 16)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.cluster_wait()
+
+    @cute.jit
+    def prefixes(self, groups: cute.Tensor, e0: Int32):
+        """The _GROUP shared prefixes from slot e0 (a multiple of _GROUP) as Int32 (16-byte load; slots past the
+        capacity read the last group's, which the callers mask)."""
+        return cute_utils.load_vec(groups[None, cutlass.min(e0, self.capacity - _GROUP) // _GROUP], Int32)
 
 
 @cute.jit
@@ -473,6 +365,12 @@ def _order_key(x: Float32) -> Int32:
     key = cutlass.select_(bits < 0, bits ^ Int32(0x7FFFFFFF), bits)
     key = cutlass.select_(bits == Int32(_INT_MIN), Int32(0), key)  # -0
     return cutlass.select_(_is_nan(x), Int32(_KEY_NEG_INF), key)
+
+
+@cute.jit
+def _top16(key: Int32) -> Int32:
+    """The top 16 bits of ``key`` in unsigned order (the prefix shared memory keeps)."""
+    return ((key ^ Int32(_INT_MIN)) >> 16) & Int32(0xFFFF)
 
 
 @cute.jit
@@ -507,13 +405,6 @@ def _warp_inclusive_scan(val: Int32, lane: Int32) -> Int32:
 
 
 @cute.jit
-def _warp_reduce(val: Int32, op: cutlass.Constexpr) -> Int32:
-    for off in cutlass.range_constexpr(5):
-        val = op(val, cute.arch.shuffle_sync_bfly(val, offset=1 << off))
-    return val
-
-
-@cute.jit
 def _block_scan(val: Int32, sScan: cute.Tensor, parity: Int32, warp: Int32, lane: Int32):
     """(sum of ``val`` over the threads before this one, over all threads) for a CTA of THREADS threads; one barrier,
     on the half ``parity`` of sScan [2, 32] (alternate it between consecutive calls)."""
@@ -539,24 +430,35 @@ def _histogram_add(sHist: cute.Tensor, digit: Int32, live):
 
 
 @cute.jit
-def _pick_digit(sHist: cute.Tensor, sPick: cute.Tensor, slot: cutlass.Constexpr[int], prefix: Int32,
-                remaining: Int32, lane: Int32):
-    """One warp: the digit d whose bin holds the remaining-th largest key (#keys in higher bins < remaining <= that
-    + sHist[d]); sPick[slot:slot + 3] = (prefix extended by d, remaining - #keys in higher bins, sHist[d]). Lane l
-    owns bins [8l, 8l + 8)."""
-    bins = [sHist[8 * lane + i] for i in range(8)]
-    total = cute_utils.tree_sum(bins)
-    suffix = total  # becomes the keys in the bins of lanes >= this one
+def _warp_suffix_sum(val: Int32, lane: Int32) -> Int32:
+    """The sum of ``val`` over the lanes >= this one."""
     for off in cutlass.range_constexpr(5):
-        other = cute.arch.shuffle_sync_down(suffix, offset=1 << off)
-        suffix = suffix + cutlass.select_(lane + (1 << off) < 32, other, Int32(0))
-    above = suffix - total
+        other = cute.arch.shuffle_sync_down(val, offset=1 << off)
+        val = val + cutlass.select_(lane + (1 << off) < 32, other, Int32(0))
+    return val
+
+
+@cute.jit
+def _pick_digit(sTotal: cute.Tensor, sPick: cute.Tensor, prefix: Int32, remaining: Int32, lane: Int32):
+    """One warp: the digit d whose bin holds the cluster's remaining-th largest key (#keys in higher bins <
+    remaining <= that + total[d]). sTotal [256, 2]: the cluster's histogram and that of the CTAs before this one;
+    sPick[0:5] = (prefix extended by d, remaining - #keys in higher bins, total[d], the earlier CTAs' keys in bins
+    above d, theirs in bin d). Lane l owns bins [8l, 8l + 8)."""
+    bins = [sTotal[8 * lane + i, 0] for i in range(8)]
+    earlier = [sTotal[8 * lane + i, 1] for i in range(8)]
+    lane_bins = cute_utils.tree_sum(bins)
+    lane_earlier = cute_utils.tree_sum(earlier)
+    above = _warp_suffix_sum(lane_bins, lane) - lane_bins  # the keys in the bins of the lanes above this one
+    earlier_above = _warp_suffix_sum(lane_earlier, lane) - lane_earlier
     for i in cutlass.range_constexpr(7, -1, -1):
         if (above < remaining) & (remaining <= above + bins[i]):
-            sPick[slot] = (prefix << 8) | (8 * lane + i)
-            sPick[slot + 1] = remaining - above
-            sPick[slot + 2] = bins[i]
+            sPick[0] = (prefix << 8) | (8 * lane + i)
+            sPick[1] = remaining - above
+            sPick[2] = bins[i]
+            sPick[3] = earlier_above
+            sPick[4] = earlier[i]
         above = above + bins[i]
+        earlier_above = earlier_above + earlier[i]
 
 
 def config_reason(heads: int, head_dim: int, n_cap: int, topk: int, cand_block: int, cand_topk_blocks: int,
@@ -604,21 +506,13 @@ def supports(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_c: torch.Te
     return hopper_reason(q=q, w=w, keys=keys, n_c=n_c, **optional)
 
 
-def slice_columns(n: int, k: int) -> int:
-    """Columns per slice CTA of a row of n > SINGLE_COLUMNS columns at k: the power of two times 1024 nearest above
-    n / TARGET_SLICES, at least 2048 and 2k (so a slice's k-th key filters), at most MAX_SLICE_COLUMNS."""
-    want = max(-(-n // TARGET_SLICES), 2 * THREADS, 2 * k)
-    return min(1 << (want - 1).bit_length(), MAX_SLICE_COLUMNS)
-
-
-def select_plan(n: int, k: int) -> tuple[int, int, int]:
-    """(keys per thread, slices, rank) of the select of rows of n columns at k: one CTA (slices = 1) up to
-    SINGLE_COLUMNS columns, else slices of slice_columns(n, k) and the rank ceil(k / full slices) whose bin each
-    full slice reports (module docstring)."""
-    if n <= SINGLE_COLUMNS:
-        return 1 << max(0, math.ceil(math.log2(-(-n // THREADS)))), 1, 0
-    cols = slice_columns(n, k)
-    return cols // THREADS, -(-n // cols), -(-k // (n // cols))
+def select_plan(n: int) -> tuple[int, int, int]:
+    """(cluster_n, span, capacity) of the select of rows of n columns: ceil(n / CTA_COLUMNS) CTAs a row, at most
+    MAX_CLUSTER, of span = ceil(n / cluster_n) columns each (the last one's the rest), their prefixes in capacity
+    shared slots (the power of two >= span, at least CTA_COLUMNS: one build a capacity)."""
+    cluster_n = min(MAX_CLUSTER, -(-n // CTA_COLUMNS))
+    span = -(-n // cluster_n)
+    return cluster_n, span, max(CTA_COLUMNS, 1 << (span - 1).bit_length())
 
 
 @cached_kernel(__file__, cute_utils.__file__)
@@ -634,24 +528,10 @@ def _compile_index_score(masked: bool, blocks: bool, pdl: bool):
 
 
 @cached_kernel(__file__, cute_utils.__file__)
-def _compile_topk_select(k: int, per_thread: int, final: bool, pdl: bool):
-    t = cute.sym_int()
+def _compile_topk_select(k: int, capacity: int, pdl: bool):
     return compile_tvm_ffi(
-        TopkSelect(k, per_thread, final, pdl),
-        fake_tensor(Float32, (t, cute.sym_int()), 4), fake_tensor(Int32, (t, cute.sym_int()), 4),
-        fake_tensor(Int32, (t, cute.sym_int()), 4), fake_tensor(Int32, (t, cute.sym_int()), 4),
-        fake_tensor(Int64, (t, k), 8), Int64(0), Int32(1), Int32(1), env_stream(),
-    )
-
-
-@cached_kernel(__file__, cute_utils.__file__)
-def _compile_topk_merge(k: int, pdl: bool):
-    t, c = cute.sym_int(), cute.sym_int()
-    return compile_tvm_ffi(
-        TopkMerge(k, pdl),
-        fake_tensor(Int32, (t, c), 4), fake_tensor(Int32, (t, c), 4), fake_tensor(Int32, (t, cute.sym_int()), 4),
-        fake_tensor(Int32, (t, c), 4), fake_tensor(Int32, (t, c), 4), fake_tensor(Int64, (t, k), 8), Int64(0),
-        Int32(1), env_stream(),
+        TopkSelect(k, capacity, pdl), fake_tensor(Float32, (cute.sym_int(), cute.sym_int()), 4),
+        fake_tensor(Int64, (cute.sym_int(), k), 8), Int64(0), Int32(1), Int32(1), Int32(1), env_stream(),
     )
 
 
@@ -661,13 +541,9 @@ def compile_scores(masked: bool, blocks: bool, pdl: bool = True):
     return _compile_index_score(masked, blocks, pdl)
 
 
-def select_launches(n_cols: int, k: int, pdl: bool = True) -> list:
-    """The compiled select launches for rows of ``n_cols`` scores and ``k`` (memory, disk or a fresh compile):
-    [single] for one CTA a row, else [slices, merge]."""
-    per_thread, slices, _ = select_plan(n_cols, k)
-    if slices == 1:
-        return [_compile_topk_select(k, per_thread, True, pdl)]
-    return [_compile_topk_select(k, per_thread, False, pdl), _compile_topk_merge(k, pdl)]
+def select_launch(n_cols: int, k: int, pdl: bool = True):
+    """The compiled select launch for rows of ``n_cols`` scores and ``k`` (memory, disk or a fresh compile)."""
+    return _compile_topk_select(k, select_plan(n_cols)[2], pdl)
 
 
 def select_reason(scores: torch.Tensor, k: int) -> str | None:
@@ -699,17 +575,8 @@ def topk_indices(scores: torch.Tensor, k: int, offset: int = 0, *, out: torch.Te
             raise ValueError(f"topk_indices: {reason}")
     if t == 0:
         return out
-    _, slices, rank = select_plan(n, k)
-    launches = select_launches(n, k, pdl)
-    if slices == 1:
-        unused = scores.new_empty((t, 1), dtype=torch.int32)  # no workspace (its rows must still number T)
-        launches[0](scores, unused, unused, unused, out, offset, 0, t)
-        return out
-    # workspace: the slices' candidates, their bounds, the candidates that pass the bound
-    cand_key, cand_idx, surv_key, surv_idx = scores.new_empty((4, t, slices * k), dtype=torch.int32).unbind(0)
-    bounds = scores.new_empty((t, 2 * slices), dtype=torch.int32)
-    launches[0](scores, cand_key, cand_idx, bounds, out, offset, rank, t * slices)
-    launches[1](cand_key, cand_idx, bounds, surv_key, surv_idx, out, offset, t)
+    cluster_n, span, _ = select_plan(n)
+    select_launch(n, k, pdl)(scores, out, offset, cluster_n, span, t * cluster_n)
     return out
 
 

@@ -46,7 +46,7 @@ def kernels_for(cfg, max_context: int | None = None) -> list[tuple[str, object]]
         n_cap = max_context // cfg.ratio(cfg.candidate_source_layer)
         n_blocks = -(-n_cap // cfg.candidate_block_size)
         selects.add((n_blocks, min(cfg.candidate_topk_blocks, n_blocks)))
-    builds += [(f"indexer_topk select (N={n}, K={k})", lambda n=n, k=k: indexer_topk.select_launches(n, k))
+    builds += [(f"indexer_topk select (N={n}, K={k})", lambda n=n, k=k: indexer_topk.select_launch(n, k))
                for n, k in sorted(selects)]
     return builds
 

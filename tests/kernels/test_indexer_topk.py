@@ -1,21 +1,23 @@
 """The indexer kernels (dsv41.kernels.indexer_topk): the score kernel and the exact top-K select.
 
 CPU: every kind of launch compiles for sm_90a (score: plain, candidate-masked, block maxima, without PDL;
-select: one-CTA rows, slices, merge, at k = 512 and 2048); `select_plan`'s slices and ranks keep the bound valid at
-every width; a numpy model of the select's steps (slice-local radix top-K with the early stop, the two bounds,
-the filtered and compacted merge) equals the tie rule and torch.topk's values on every score pattern below at
-N = 1 to 2^20, and reaches the early stop, all 4 rounds, a bound that drops most candidates and a constant row whose
-128 x 2048 candidates all survive; `supports` and `select_reason` explain what they reject; the bench rows per width
-(the op's NaN and tie rules and `compare_kernel` are tested in tests/lowerings/test_indexer_topk.py).
+select: the smallest and largest shared capacity at k = 512 and 2048, without PDL); `select_plan`'s clusters cover
+every width; a numpy model of the select's steps (a cluster of CTAs a row, 16-bit prefixes on chip, the full key
+re-read where a prefix does not decide, the histograms summed over the cluster with the earlier CTAs' counts, the
+collection from those counts) equals the tie rule and torch.topk's values on every score pattern below at N = 1 to
+2^20, writes every output position once, and reaches the early stop, all 4 rounds, few re-reads for random scores
+and all of a CTA's for a constant row; `supports` and `select_reason` explain what they reject; the bench rows per
+width (the op's NaN and tie rules and `compare_kernel` are tested in tests/lowerings/test_indexer_topk.py).
 GPU (H200), outputs poisoned (-7) before each call:
 - the select (`topk_indices`) on given scores equals the tie rule exactly (a stable descending sort: equal scores,
   -inf ones included, taken lower index first; NaN as -inf; then sorted ascending, + offset, -1 for -inf), -1
-  positions included: random, constant rows, rising values, crowded near-ties (4 levels; neighbours 1 ulp apart),
-  NaN and +-inf, every slice a permutation of the same values (all slices' K-th keys equal), the largest scores in
-  a short last slice, rows with fewer valid scores than K and none, at widths 1 to 2^20: one CTA (<= 4096 columns),
-  then slices + merge, slice counts that do not divide N (4097: a 1-column last slice), K = 512 and 2048 (a
-  constant 2^20 row at K = 2048 sends 128 x 2048 candidates through the merge); rows in DSV41_TEST_TOKENS (default
-  1,2,3,8,33,64) at 4096 to 524288 columns, with short and half-constant rows;
+  positions included: random, constant rows, rising values, crowded near-ties (4 levels; neighbours 1 ulp apart,
+  which share their 16-bit prefix: the full keys decide, and the bin's ties are cut across CTAs), NaN and +-inf,
+  every CTA's span a permutation of the same values (equal histograms in every CTA), the largest scores in the last
+  CTA's span, rows with fewer valid scores than K and none, at widths 1 to 2^20: one CTA (<= 4096 columns), then
+  clusters of 2 to 16 CTAs, widths the cluster does not divide (4097: spans 2049 and 2048; 65537: 16 spans of
+  4097, the last 4082), K = 512 and 2048; rows in DSV41_TEST_TOKENS (default 1,2,3,8,33,64) at 4096 to 524288
+  columns, with short and half-constant rows;
 - the scores of the score kernel against the reference's within its tolerance (`SCORE_RTOL` x sum_h |w_h| |q_h|.|k|),
   -inf exactly where the reference has it, in the plain, candidate-masked and block modes; the block maxima equal the
   max of the kernel's own scores (newest block pinned);
@@ -23,7 +25,8 @@ GPU (H200), outputs poisoned (-7) before each call:
   candidate-masked and candidate-block mode; the block mode also exactly against `select_candidate_blocks` of the
   kernel's own scores; N_c = 0, N_c < 512, N_c = Ncap in every batch;
 - the op (impl "cute" and "auto", index and mask form) calls the entry; CUDA-graph replays (DSV41_TEST_REPLAYS, default
-  100) alternating two input sets are bit-identical to direct calls.
+  100) alternating two input sets are bit-identical to direct calls (the op at 65536 columns: 16-CTA clusters; the
+  select alone at 2^20).
 DSV41_TEST_MAX_COLUMNS (default 1048576) caps the widths, so compute-sanitizer runs stay short, e.g.
 `DSV41_TEST_TOKENS=1,3 DSV41_TEST_MAX_COLUMNS=65536 DSV41_TEST_REPLAYS=2 compute-sanitizer --tool racecheck python3 -m
 pytest -m gpu tests/kernels/test_indexer_topk.py`. When CUDA is present these tests fail (never skip) if the kernel
@@ -88,12 +91,12 @@ def _score_rows(kind, t, n, g):
         s[(u >= 0.61) & (u < 0.7)] = -0.0
         s[(u >= 0.7) & (u < 0.8)] = 0.0
         return s
-    if kind == "slice-kth-equal":  # every slice a permutation of the same values: all full slices' k-th keys equal
-        span = K.select_plan(n, TOPK)[0] * K.THREADS
+    if kind == "cta-permuted":  # every CTA's span a permutation of the same values: equal histograms in every CTA
+        span = K.select_plan(n)[1]
         base = torch.randn(span, generator=g)
         perms = [base[torch.randperm(span, generator=g)] for _ in range(t * -(-n // span))]
         return torch.cat(perms).view(t, -1)[:, :n].contiguous()
-    if kind == "top-in-short-slice":  # the largest scores in the last (short, when N does not divide) slice
+    if kind == "top-in-last-cta":  # the largest scores in the last CTA's span (short when the cluster does not divide)
         s = torch.randn(t, n, generator=g)
         s[:, -min(n, 700):] += 100.0
         return s
@@ -106,7 +109,7 @@ def _score_rows(kind, t, n, g):
     raise ValueError(kind)
 
 
-KINDS = ["random", "constant", "rising", "four-levels", "ulp-apart", "nan-inf", "slice-kth-equal", "top-in-short-slice",
+KINDS = ["random", "constant", "rising", "four-levels", "ulp-apart", "nan-inf", "cta-permuted", "top-in-last-cta",
          "few-valid"]
 
 
@@ -144,17 +147,16 @@ def _assert_op_matches(got, inputs, topk=TOPK, cand_topk_blocks=0):
 
 
 SCORE_VARIANTS = [(False, False, True), (True, False, True), (False, True, True), (False, False, False)]
-SELECT_VARIANTS = [(512, 1, True, True), (512, 4, True, True), (512, 2, False, True), (512, 16, False, True),
-                   (2048, 4, True, True), (2048, 4, False, True), (2048, 16, False, True), (512, 8, False, False)]
-MERGE_VARIANTS = [(512, True), (2048, True), (512, False)]
+SELECT_VARIANTS = [(512, 4096, True), (512, 65536, True), (2048, 8192, True), (2048, 32768, True),
+                   (512, 16384, False)]
 
 
-# A model of the select's algorithm (TopkSelect's slices or single CTA, TopkMerge's bound, filter and streamed radix
-# select), step for step, on int64 arrays holding the kernel's int32 keys, elements in column order (numpy: this
-# CPU torch build takes milliseconds per cumsum or boolean index of 64K elements).
+# A model of the select (TopkSelect: a cluster of CTAs per row, each its span's 16-bit key prefixes on chip), step
+# for step, on int64 arrays holding the kernel's int32 keys, elements in column order (numpy: this CPU torch build
+# takes milliseconds per cumsum or boolean index of 64K elements).
 
-_INT_MIN, _INT_MAX, _KEY_NEG_INF = -(2**31), 2**31 - 1, -(0x7F800000) - 1
-_PAD = _INT_MIN
+_INT_MIN, _KEY_NEG_INF = -(2**31), -(0x7F800000) - 1
+_NEG_INF_TOP16 = (_KEY_NEG_INF - _INT_MIN) >> 16
 
 
 def _order_keys(scores):
@@ -171,82 +173,70 @@ def _bin_edges(prefix, level):
     return lo, lo + (1 << (32 - level)) - 1
 
 
-def _radix_select(keys, take, rank=None, levels=None):
-    """(prefix, level, remaining, rank_bin): 8-bit rounds from the top over the non-padding keys until the bin of
-    the take-th largest holds exactly the `remaining` keys still to take, or 32 bits; rank_bin: (prefix, level) of
-    the rank-th largest's bin after round 0 and, if it runs, round 1."""
-    u = keys - _INT_MIN  # unsigned order
-    live = keys != _PAD
-    prefix, remaining, level = 0, take, 0
-    rank_prefix, rank_remaining, rank_level = 0, rank, 8
-
-    def pick(match, shift, r):
-        """(digit, r - keys in the higher bins, the digit's count) of the bin of the r-th largest matching key."""
-        hist = np.bincount((u[match] >> shift) & 255, minlength=256)
-        above = hist[::-1].cumsum()[::-1] - hist
-        (digit,) = np.flatnonzero((above < r) & (r <= above + hist))
-        return int(digit), r - int(above[digit]), int(hist[digit])
-
+def _model_row(row, k, offset, cluster_n, span, stats):
+    """idx [k] of one row of keys as the cluster selects it."""
+    n = len(row)
+    u = row - _INT_MIN  # unsigned order
+    top = u >> 16  # the prefixes in shared memory
+    cta = np.arange(n) // span  # each column's CTA
+    prefix, remaining, level = 0, k, 0
+    gt_before, eq_before = np.zeros(cluster_n, np.int64), np.zeros(cluster_n, np.int64)
     for rnd in range(4):
-        shift = 24 - 8 * rnd
-        digit, remaining, count = pick(live & ((u >> (shift + 8)) == prefix) if rnd else live, shift, remaining)
-        if rnd < 2 and rank is not None and rank <= live.sum():  # (a short slice's is never used)
-            match = live & ((u >> (shift + 8)) == rank_prefix) if rnd else live
-            rank_digit, rank_remaining, _ = pick(match, shift, rank_remaining)
-            rank_prefix, rank_level = (rank_prefix << 8) | rank_digit, 8 * (rnd + 1)
-        prefix, level = (prefix << 8) | digit, 8 * (rnd + 1)
-        if remaining == count:
+        if rnd == 0:
+            match, digit = np.ones(n, bool), top >> 8
+        elif rnd == 1:
+            match, digit = (top >> 8) == prefix, top & 255
+        else:  # the full key, re-read from global memory, of each key whose prefix matches
+            reread = top == prefix >> (8 * rnd - 16)
+            stats["reread"] = max(stats["reread"], int(np.bincount(cta[reread], minlength=1).max()))
+            match, digit = reread & ((u >> (32 - 8 * rnd)) == prefix), (u >> (24 - 8 * rnd)) & 255
+        hists = np.zeros((cluster_n, 256), np.int64)
+        np.add.at(hists, (cta[match], digit[match]), 1)
+        total = hists.sum(0)
+        above = total[::-1].cumsum()[::-1] - total
+        (d,) = np.flatnonzero((above < remaining) & (remaining <= above + total))
+        earlier = hists.cumsum(0) - hists  # per CTA: the histogram of the CTAs before it
+        gt_before += earlier[:, d + 1:].sum(1)
+        eq_before = earlier[:, d]
+        prefix, remaining, level = (prefix << 8) | int(d), remaining - int(above[d]), 8 * (rnd + 1)
+        if remaining == total[d]:
             break
-    if levels is not None:
-        levels.add(level)
-    return prefix, level, remaining, (rank_prefix, rank_level)
-
-
-def _collect(keys, prefix, level, remaining):
-    """Positions (in order) of the keys above the bin and the first `remaining` keys in it."""
+    stats["levels"].add(level)
     lo, hi = _bin_edges(prefix, level)
-    eq = (keys >= lo) & (keys <= hi) & (keys != _PAD)
-    return np.flatnonzero((keys > hi) | (eq & (eq.cumsum() - eq < remaining)))
+    idx = np.full(k, POISON)
+    written = np.zeros(k, np.int64)
+    for r in range(cluster_n):
+        part = slice(r * span, min((r + 1) * span, n))
+        key = (top[part] << 16) + _INT_MIN  # the lowest key with the prefix, unless the full key decides
+        exact = (level > 16) & (top[part] == (lo - _INT_MIN) >> 16)
+        stats["reread"] = max(stats["reread"], int(exact.sum()))
+        key = np.where(exact, row[part], key)
+        gt, eq = key > hi, (key >= lo) & (key <= hi)
+        n_gt = gt_before[r] + gt.cumsum() - gt
+        n_eq = eq_before[r] + eq.cumsum() - eq
+        take = gt | (eq & (n_eq < remaining))
+        pos = (n_gt + np.minimum(n_eq, remaining))[take]
+        np.add.at(written, pos, 1)
+        idx[pos] = np.where(top[part][take] > _NEG_INF_TOP16, np.arange(n)[part][take] + offset, -1)
+    assert (written == 1).all(), "positions written other than once"
+    return idx
 
 
 def _model_select(scores, k, offset, stats=None):
     """idx [T, k] as topk_indices computes it, through the model; `stats` collects the round levels reached and the
-    largest survivor count of a merge."""
-    stats = {"levels": set(), "survivors": 0} if stats is None else stats
-    per_thread, slices, rank = K.select_plan(scores.shape[1], k)
-    span = per_thread * K.THREADS
-    out = []
-    for row in _order_keys(scores):
-        if slices == 1:
-            cols = _collect(row, *_radix_select(row, k, levels=stats["levels"])[:3])
-        else:
-            cand_key, cand_col, kth, ranked = [], [], [], []
-            for s in range(slices):
-                part = row[s * span:(s + 1) * span]
-                take = min(len(part), k)
-                prefix, level, remaining, rank_bin = _radix_select(part, take, rank, stats["levels"])
-                chosen = _collect(part, prefix, level, remaining)
-                assert len(chosen) == take
-                cand_key += [part[chosen], np.full(k - take, _PAD)]
-                cand_col += [chosen + s * span, np.full(k - take, -1)]
-                kth.append(_bin_edges(prefix, level)[0] if take == k else _PAD)
-                ranked.append(_bin_edges(*rank_bin)[0] if len(part) == span else _INT_MAX)
-            cand_key, cand_col = np.concatenate(cand_key), np.concatenate(cand_col)
-            bound = max(max(kth), min(ranked))
-            survive = (cand_key >= bound) & (cand_key != _PAD)
-            surv_key, surv_col = cand_key[survive], cand_col[survive]
-            stats["survivors"] = max(stats["survivors"], len(surv_key))
-            cols = surv_col[_collect(surv_key, *_radix_select(surv_key, k, levels=stats["levels"])[:3])]
-        assert len(cols) == k
-        out.append(np.where(row[cols] > _KEY_NEG_INF, cols + offset, -1))
-    return torch.from_numpy(np.stack(out))
+    most full keys a CTA re-reads from global memory in a pass."""
+    stats = {"levels": set(), "reread": 0} if stats is None else stats
+    cluster_n, span, _ = K.select_plan(scores.shape[1])
+    return torch.from_numpy(np.stack([_model_row(row, k, offset, cluster_n, span, stats)
+                                      for row in _order_keys(scores)]))
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n", [1, 7, 600, 4096, 4097, 16385, 65537, 300001, 1 << 20], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("n", [1, 7, 600, 4096, 4097, 16385, 61441, 65537, 300001, 1 << 20], ids=lambda n: f"N{n}")
 def test_select_model_is_exact(n, kind):
     """The model equals the tie rule exactly and selects the values torch.topk selects (as multisets), at k = 512
-    and 2048: one CTA, 3 slices with a 1-column last one (4097), slice counts that do not divide N, 2^20."""
+    and 2048: one CTA, clusters of 2 (4097: spans 2049 and 2048) to 16 CTAs, widths the cluster does not divide,
+    2^20."""
     t = 1 if n > 65537 else 2
     g = torch.Generator().manual_seed(7 * n + KINDS.index(kind))
     s = _score_rows(kind, t, n, g)
@@ -259,15 +249,16 @@ def test_select_model_is_exact(n, kind):
 
 
 def test_select_model_paths():
-    """The adversarial rows reach every path: the early stop and all 4 rounds, a bound that drops most candidates
-    (random), and a constant row whose 128 x 2048 candidates all survive (no fixed merge capacity)."""
+    """The rows reach every path: random scores stop early and re-read few full keys from global memory (the
+    16-bit prefixes decide almost all); a constant row runs all 4 rounds and re-reads every key of a CTA; the
+    bin's ties are cut across CTAs (rows 2 and 3 of "ulp-apart": 16 values over 2^20 columns)."""
     g = torch.Generator().manual_seed(0)
-    random_stats = {"levels": set(), "survivors": 0}
+    random_stats = {"levels": set(), "reread": 0}
     _model_select(torch.randn(1, 524288, generator=g), TOPK, 0, random_stats)
-    assert min(random_stats["levels"]) < 32 and random_stats["survivors"] < 128 * TOPK // 16
-    constant_stats = {"levels": set(), "survivors": 0}
+    assert max(random_stats["levels"]) < 32 and random_stats["reread"] < 64
+    constant_stats = {"levels": set(), "reread": 0}
     got = _model_select(torch.full((1, 1 << 20), 0.25), 2048, 0, constant_stats)
-    assert constant_stats["levels"] == {32} and constant_stats["survivors"] == 128 * 2048
+    assert constant_stats["levels"] == {32} and constant_stats["reread"] == K.MAX_SPAN
     assert torch.equal(got[0], torch.arange(2048))
 
 
@@ -276,33 +267,24 @@ def test_score_compiles_for_sm90a(variant, monkeypatch, tmp_path):
     assert_compiles_fresh(monkeypatch, tmp_path, K._compile_index_score, variant)
 
 
-@pytest.mark.parametrize("variant", SELECT_VARIANTS, ids=lambda c: "k{}-per{}-final{}-pdl{}".format(*c))
+@pytest.mark.parametrize("variant", SELECT_VARIANTS, ids=lambda c: "k{}-capacity{}-pdl{}".format(*c))
 def test_select_compiles_for_sm90a(variant, monkeypatch, tmp_path):
     assert_compiles_fresh(monkeypatch, tmp_path, K._compile_topk_select, variant)
 
 
-@pytest.mark.parametrize("variant", MERGE_VARIANTS, ids=lambda c: "k{}-pdl{}".format(*c))
-def test_merge_compiles_for_sm90a(variant, monkeypatch, tmp_path):
-    assert_compiles_fresh(monkeypatch, tmp_path, K._compile_topk_merge, variant)
-
-
 def test_select_plan_covers_the_widths():
-    """One CTA up to 4096 columns (keys per thread the smallest power of two that holds the row), then about 128
-    slices of a power of two times 1024 columns (at least 2048 and 2k, at most 16384), whose full slices times the
-    rank reach k. SELECT_VARIANTS compiles each kind (single, slice) at both k and the smallest and largest keys per
-    thread; the other counts only change an unrolled loop's length."""
-    assert [K.select_plan(n, 512)[:2] for n in (1, 1024, 1025, 4096)] == [(1, 1), (1, 1), (2, 1), (4, 1)]
-    assert K.select_plan(4097, 512) == (2, 3, 256)  # slices of 2048, 2048 and 1 columns
-    assert K.select_plan(65536, 512) == (2, 32, 16) and K.select_plan(524288, 512) == (4, 128, 4)
-    assert K.select_plan(1 << 20, 512) == (8, 128, 4) and K.select_plan(131072, 2048) == (4, 32, 64)
-    for k in (1, 5, 512, 2048):
-        for n in [k, 4096, 4097, 8191, 65537, 300001, (1 << 20) - 1, 1 << 20]:
-            if n < k or n <= K.SINGLE_COLUMNS:
-                continue
-            per_thread, slices, rank = K.select_plan(n, k)
-            span = per_thread * K.THREADS
-            assert (slices - 1) * span < n <= slices * span and 2 * k <= span <= K.MAX_SLICE_COLUMNS
-            assert (n // span) * rank >= k and rank <= span and slices <= 2 * K.TARGET_SLICES
+    """One CTA up to 4096 columns, then ceil(N / 4096) CTAs a row up to 16, every CTA at least one column, the
+    spans covering the row, the capacity the power of two that holds a span (at least 4096: its shared prefixes
+    at most 128 KB). SELECT_VARIANTS compiles the smallest and largest capacity at both k; the others only change
+    the shared allocation."""
+    assert [K.select_plan(n) for n in (1, 4096, 4097, 65536, 65537)] == [
+        (1, 1, 4096), (1, 4096, 4096), (2, 2049, 4096), (16, 4096, 4096), (16, 4097, 8192)]
+    assert K.select_plan(524288) == (16, 32768, 32768) and K.select_plan(1 << 20) == (16, 65536, 65536)
+    assert K.select_plan(131072) == (16, 8192, 8192)  # layer 20's blocks at Ncap = 2^20
+    for n in [1, 7, 4096, 4097, 8191, 61441, 65537, 300001, (1 << 20) - 1, 1 << 20]:
+        cluster_n, span, capacity = K.select_plan(n)
+        assert 1 <= cluster_n <= K.MAX_CLUSTER and (cluster_n - 1) * span < n <= cluster_n * span
+        assert span <= capacity <= K.MAX_SPAN and capacity & (capacity - 1) == 0
 
 
 def test_supports_explains():
@@ -347,7 +329,8 @@ def test_select_reason_explains():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n", _widths(1, 7, 600, 4096, 4097, 16385, 65536, 65537, 300001, (1 << 20) - 1, 1 << 20),
+@pytest.mark.parametrize("n", _widths(1, 7, 600, 4096, 4097, 16385, 61441, 65536, 65537, 300001, (1 << 20) - 1,
+                                     1 << 20),
                          ids=lambda n: f"N{n}")
 def test_select_matches_the_tie_rule(n, kind):
     t = 2 if n > 65537 else 3
@@ -399,7 +382,7 @@ def test_op_matches_reference(t):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_cap", _widths(65536, 524288, 1 << 20), ids=lambda n: f"Ncap{n}")
 def test_op_wide_rows(n_cap):
-    """Rows wider than one select CTA: 4 to 64 slices and the merge."""
+    """Rows wider than one select CTA: clusters of 16 CTAs (spans of 4096, 32768 and 65536 columns)."""
     inputs = _op_inputs(2 if n_cap > 65536 else 3, n_cap, n_cap)
     _assert_op_matches(_op(inputs), inputs)
 
@@ -482,6 +465,31 @@ def test_cuda_graph_replay(blocks):
         outs[1].fill_(i % 2 == 0)
         graph.replay()
         assert torch.equal(outs[0], direct[i % 2][0]) and torch.equal(outs[1], direct[i % 2][1]), f"replay {i}"
+
+
+@pytest.mark.gpu
+def test_select_cuda_graph_replay():
+    """The select alone on the widest rows (16-CTA clusters, rounds 2-3 re-reading full keys for the ulp-apart rows):
+    replays alternating a random and an ulp-apart score set equal the tie rule, outputs poisoned before each."""
+    n = min(1 << 20, MAX_COLUMNS)
+    g = torch.Generator().manual_seed(70)
+    sets = [_score_rows(kind, 2, n, g).cuda() for kind in ("random", "ulp-apart")]
+    wants = [_tie_rule(s, TOPK, OFFSET) for s in sets]
+    static = sets[0].clone()
+    out = torch.full((2, TOPK), POISON, dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        K.topk_indices(static, TOPK, OFFSET, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        K.topk_indices(static, TOPK, OFFSET, out=out)
+    for i in range(min(REPLAYS, 20)):
+        static.copy_(sets[i % 2])
+        out.fill_(POISON)
+        graph.replay()
+        assert torch.equal(out, wants[i % 2]), f"replay {i}"
 
 
 def test_bench_table_and_plot_per_width(tmp_path):
