@@ -63,7 +63,7 @@ Candidate-block mode selects min(cand_topk_blocks, ceil(Ncap / 8)) blocks from b
 (K = 2048, no offset) and expands the chosen blocks to the [T, Ncap] bool mask in torch.
 
 Resources (ptxas for sm_90a, CUDA 13.0's ptxas -v on the PTX the DSL emits, CUTE_DSL_KEEP=ptx): the score kernel
-takes 168 registers (3 CTAs of 128 threads per SM); the select 60 (1024 threads), no spills, and 2 * capacity
+takes 168 registers (3 CTAs of 128 threads per SM); the select 64 (the most for 1024 threads), no spills, and 2 * capacity
 bytes + 4.3 KB of shared memory (132 KB at capacity 65536: one CTA an SM).
 """
 
@@ -289,9 +289,10 @@ class TopkSelect:
                 if tidx < _BINS:
                     total = Int32(0)
                     before = Int32(0)
-                    for peer in cutlass.range(cluster_n):
-                        n_peer = cute_utils.load_shared_remote(cute_utils.elem_ptr(sHist, (tidx, rnd % 2)), peer)
-                        total = total + n_peer
+                    for peer in cutlass.range_constexpr(MAX_CLUSTER):  # 16 independent loads, none predicated
+                        n_peer = cute_utils.load_shared_remote(cute_utils.elem_ptr(sHist, (tidx, rnd % 2)),
+                                                               cutlass.min(Int32(peer), cluster_n - 1))
+                        total = total + cutlass.select_(peer < cluster_n, n_peer, Int32(0))
                         before = before + cutlass.select_(peer < rank, n_peer, Int32(0))
                     sTotal[tidx, 0] = total
                     sTotal[tidx, 1] = before
