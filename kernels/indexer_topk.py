@@ -63,8 +63,8 @@ Candidate-block mode selects min(cand_topk_blocks, ceil(Ncap / 8)) blocks from b
 (K = 2048, no offset) and expands the chosen blocks to the [T, Ncap] bool mask in torch.
 
 Resources (ptxas for sm_90a, CUDA 13.0's ptxas -v on the PTX the DSL emits, CUTE_DSL_KEEP=ptx): the score kernel
-takes 168 registers (3 CTAs of 128 threads per SM); the select 64 (the most for 1024 threads), no spills, and 2 * capacity
-bytes + 4.3 KB of shared memory (132 KB at capacity 65536: one CTA an SM).
+takes 168 registers (3 CTAs of 128 threads per SM); the select 64 (the most 1024 threads may have), no spills, and
+2 * capacity bytes + 4.3 KB of shared memory (132 KB at capacity 65536: one CTA an SM).
 """
 
 from __future__ import annotations
