@@ -1,10 +1,10 @@
 """The indexer kernels (dsv41.kernels.indexer_topk): the score kernel and the exact top-K select.
 
 CPU: every kind of launch compiles for sm_90a (score: plain, candidate-masked, block maxima, without PDL;
-select: the smallest and largest shared capacity at k = 512 and 2048, without PDL); `select_plan`'s clusters cover
-every width; a numpy model of the select's steps (a cluster of CTAs a row, 16-bit prefixes on chip, the full key
-re-read where a prefix does not decide, the histograms summed over the cluster with the earlier CTAs' counts, the
-collection from those counts) equals the tie rule and torch.topk's values on every score pattern below at N = 1 to
+select: the smallest and largest shared capacity at k = 512 and 2048, without PDL); `score_grid` fills one wave
+and covers the rows; `select_plan`'s clusters cover every width; a numpy model of the select's steps (a cluster
+of CTAs a row, 16-bit prefixes on chip, the full key re-read where a prefix does not decide, the histograms summed
+over the cluster with the earlier CTAs' counts, the collection from those counts) equals the tie rule and torch.topk's values on every score pattern below at N = 1 to
 2^20, writes every output position once, and reaches the early stop, all 4 rounds, few re-reads for random scores
 and all of a CTA's for a constant row; `supports` and `select_reason` explain what they reject; the bench rows per
 width (the op's NaN and tie rules and `compare_kernel` are tested in tests/lowerings/test_indexer_topk.py).
@@ -285,6 +285,21 @@ def test_select_plan_covers_the_widths():
         cluster_n, span, capacity = K.select_plan(n)
         assert 1 <= cluster_n <= K.MAX_CLUSTER and (cluster_n - 1) * span < n <= cluster_n * span
         assert span <= capacity <= K.MAX_SPAN and capacity & (capacity - 1) == 0
+
+
+def test_score_grid_is_one_wave():
+    """The score grid covers every row with CTAs of whole 128-column rounds, within one wave of 3 CTAs an SM on the
+    H200's 132 SMs (and a 114-SM part) while T <= 3 x SMs, with the fewest rounds that do; never an empty CTA."""
+    assert K.score_grid(1, 4096, 132) == (1, 32) and K.score_grid(1, 524288, 132) == (11, 373)
+    assert K.score_grid(1, 1 << 20, 132) == (21, 391) and K.score_grid(64, 524288, 132) == (683, 6)
+    for sms in (114, 132):
+        for t in (1, 2, 3, 8, 33, 64, 396, 500):
+            for n in (1, 127, 128, 4096, 65537, 524288, 1 << 20):
+                rounds, ctas = K.score_grid(t, n, sms)
+                assert (ctas - 1) * rounds * 128 < n <= ctas * rounds * 128
+                assert t * ctas <= max(t, K.SCORE_CTAS_PER_SM * sms)
+                if rounds > 1:  # one round fewer would need more CTAs a row than a wave has for each row
+                    assert -(-n // ((rounds - 1) * 128)) > max(1, K.SCORE_CTAS_PER_SM * sms // t)
 
 
 def test_supports_explains():
