@@ -4,10 +4,11 @@ CPU: every kind of launch compiles for sm_90a (score: plain, candidate-masked, b
 select: the smallest and largest shared capacity at k = 512 and 2048, without PDL); `score_grid` fills one wave
 and covers the rows; `select_plan`'s clusters cover every width; a numpy model of the select's steps (a cluster
 of CTAs a row, 16-bit prefixes on chip, the full key re-read where a prefix does not decide, the histograms summed
-over the cluster with the earlier CTAs' counts, the collection from those counts) equals the tie rule and torch.topk's values on every score pattern below at N = 1 to
-2^20, writes every output position once, and reaches the early stop, all 4 rounds, few re-reads for random scores
-and all of a CTA's for a constant row; `supports` and `select_reason` explain what they reject; the bench rows per
-width (the op's NaN and tie rules and `compare_kernel` are tested in tests/lowerings/test_indexer_topk.py).
+over the cluster with the earlier CTAs' counts, the collection from those counts) equals the tie rule and
+torch.topk's values on every score pattern below at N = 1 to 2^20, writes every output position once, and reaches
+the early stop, all 4 rounds, few re-reads for random scores and all of a CTA's for a constant row; `supports`
+and `select_reason` explain what they reject; the bench rows per width (the op's NaN and tie rules and
+`compare_kernel` are tested in tests/lowerings/test_indexer_topk.py).
 GPU (H200), outputs poisoned (-7) before each call:
 - the select (`topk_indices`) on given scores equals the tie rule exactly (a stable descending sort: equal scores,
   -inf ones included, taken lower index first; NaN as -inf; then sorted ascending, + offset, -1 for -inf), -1
