@@ -9,13 +9,13 @@ x [T, D] bf16, token [M] int64, row_weights [M] fp32, offsets [E] int32 (expert 
                        out[m] = bf16(a[m] @ w2[e]^T)                                                  fp32 accumulation
 
 Only the selected experts' weights are read, each once from HBM. Work split (both launches): CTA (s, j) takes the
-s-th expert that has rows (s < min(M, E); CTAs past the last such expert exit at once) and weight rows tile j: in
-GEMM1 the 8 w1 rows [8j, 8j + 8) and the 8 w3 rows of the same columns of a (I / 8 tiles: 288 CTAs per expert at
-Flash sizes), in GEMM2 the 16 w2 rows [16j, 16j + 16) (D / 16 tiles: 320 per expert). The CTA's warps split K
-(the full D or I) into equal contiguous ranges, and each warp runs ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulation)
-with its 16 weight rows as A and 8 expert rows at a time as B, both loaded as 16-byte vectors (the column
-relabelling of ``dsv41.kernels.moe_route``), GROUP 32-column chunks of loads in flight before their MMAs. The warps'
-partial sums are added in shared memory in warp order (deterministic: no atomics, so CUDA-graph replays are
+s-th expert that has rows (s < min(M, E); CTAs past the last such expert load and compute nothing) and weight rows
+tile j: in GEMM1 the 8 w1 rows [8j, 8j + 8) and the 8 w3 rows of the same columns of a (I / 8 tiles: 288 CTAs per
+expert at Flash sizes), in GEMM2 the 16 w2 rows [16j, 16j + 16) (D / 16 tiles: 320 per expert). The CTA's warps split
+K (the full D or I) into equal contiguous ranges, and each warp runs ``mma.sync.m16n8k16`` (bf16 in, fp32
+accumulation) with its 16 weight rows as A and 8 expert rows at a time as B, both loaded as 16-byte vectors (the
+column relabelling of ``dsv41.kernels.moe_route``), GROUP 32-column chunks of loads in flight before their MMAs. The
+warps' partial sums are added in shared memory in warp order (deterministic: no atomics, so CUDA-graph replays are
 bit-identical), then the epilogue runs one thread per (row, output column). GEMM1's MMA rows r and r + 8 are w1 and
 w3 of the same column, so g and u of a column meet in one lane's accumulators before the shared-memory sum.
 
@@ -124,7 +124,6 @@ class ExpertGemm:
             self.find_expert(slot, lane, mOffsets, sExpert)
         cute.arch.barrier()
         expert = sExpert[0]
-        first, end = sExpert[1], sExpert[2]
         n0 = tile * self.cols
         row_lo = n0 + r
         row_hi = n0 + r + 8
@@ -148,6 +147,7 @@ class ExpertGemm:
         if const_expr(self.pdl and not self.swiglu):
             cute.arch.griddepcontrol_wait()  # GEMM1 has written a
         if expert >= 0:
+            first, end = sExpert[1], sExpert[2]
             for t0 in cutlass.range(first, end, _TILE_N):
                 m = t0 + r
                 valid = m < end

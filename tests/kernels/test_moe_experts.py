@@ -90,7 +90,8 @@ def test_supports_explains():
     assert "w13 must have shape [16, 128, 128]" in K.supports(x, token, w, offsets, w13[:, :-1], w2, **kw)
     assert "D and I must be multiples of 32, got D = 128, I = 48" in K.supports(
         x, token, w, offsets, w13[:, :96], w2[:, :, :48], **kw)
-    assert "quant_block must be 0 or 32, got 16" in K.supports(x, token, w, offsets, w13, w2, **{**kw, "quant_block": 16})
+    assert "quant_block must be 0 or 32, got 16" in K.supports(x, token, w, offsets, w13, w2,
+                                                               **{**kw, "quant_block": 16})
     big = torch.zeros(385, dtype=torch.int64)
     assert "M = 385 rows, the kernel takes 1 to 384" in K.supports(x, big, torch.zeros(385), offsets, w13, w2, **kw)
     assert "must be 2-D, 1-D and 3-D" in K.supports(x[0], token, w, offsets, w13, w2, **kw)
