@@ -22,7 +22,7 @@ fail (never skip) if the kernel cannot run.
 import pytest
 import torch
 
-from tests.kernels.support import require_cute_dsl, tokens_from_env
+from tests.kernels.support import assert_replays_bit_identical, require_cute_dsl, tokens_from_env
 
 require_cute_dsl()
 
@@ -170,20 +170,8 @@ def test_cuda_graph_replay(shape, t):
     assert not torch.equal(sets[0][3], sets[1][3]), "the two input sets should route differently"
     static = [x.clone() for x in sets[0][:4]] + list(weights)
     out = torch.empty_like(direct[0])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        K.moe_experts(*static, swiglu_limit=LIMIT, quant_block=BLOCK, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        K.moe_experts(*static, swiglu_limit=LIMIT, quant_block=BLOCK, out=out)
-    for i in range(500):
-        for dst, src in zip(static[:4], sets[i % 2][:4], strict=True):
-            dst.copy_(src)
-        out.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(out, direct[i % 2]), f"replay {i}"
+    assert_replays_bit_identical(lambda: K.moe_experts(*static, swiglu_limit=LIMIT, quant_block=BLOCK, out=out),
+                                 [*static[:4], None, None], sets, out, direct)  # the weights are shared, not copied
 
 
 @pytest.mark.gpu

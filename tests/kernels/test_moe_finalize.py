@@ -17,7 +17,8 @@ When CUDA is present these tests fail (never skip) if the kernel cannot run.
 import pytest
 import torch
 
-from tests.kernels.support import assert_compiles_fresh, require_cute_dsl, tokens_from_env
+from tests.kernels.support import (assert_compiles_fresh, assert_replays_bit_identical, require_cute_dsl,
+                                   tokens_from_env)
 
 require_cute_dsl()
 
@@ -142,21 +143,8 @@ def test_cuda_graph_replay(form):
     assert not torch.equal(sets[0][1], sets[1][1]), "the two input sets should route differently"
     static = [None if a is None else a.clone() for a in sets[0]]
     out = torch.empty_like(direct[0])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        K.moe_finalize(*static[:3], num_tokens=t, weights=static[3], out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        K.moe_finalize(*static[:3], num_tokens=t, weights=static[3], out=out)
-    for i in range(500):
-        for dst, src in zip(static, sets[i % 2], strict=True):
-            if dst is not None:
-                dst.copy_(src)
-        out.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(out, direct[i % 2]), f"replay {i}"
+    assert_replays_bit_identical(lambda: K.moe_finalize(*static[:3], num_tokens=t, weights=static[3], out=out),
+                                 static, sets, out, direct)
 
 
 @pytest.mark.gpu
