@@ -5,17 +5,18 @@ dependent launch, the tiny model's sizes, a GEMM2 whose A operand is streamed ra
 the entry explain what they reject.
 GPU (H200), against the op's reference (`dsv41.lowerings.moe_experts.reference`: the model's torch._grouped_mm path)
 on the same inputs, outputs poisoned with NaN before each call, compared by the op's `compare_kernel` (|diff| <= 2^-6
-|want| + 2^-5 rms(want row), but for at most one row in 16 within 2^-4 relative L2: the GEMMs sum in another order, so
-a bf16 rounding of g, u or a and then an FP8 step of a may differ). T in DSV41_TEST_TOKENS (default
+|want| + 2^-5 rms(want row), but for at most one row in 16 within 2^-4 relative L2: the GEMMs sum in another order,
+so a bf16 rounding of g, u or a and then an FP8 step of a may differ). T in DSV41_TEST_TOKENS (default
 1,2,3,5,8,16,31,64) at three small shapes, each a code path: D=128 I=64 (the tiny model), D=512 I=1536 (GEMM2's A
 resident over two load groups), D=256 I=4096 (GEMM2's A streamed: 16 chunks a warp), with the model's SwiGLU limit
 and a limit of 0.75 that clamps often; the Flash sizes D=5120 I=2304 (E=16) at T = 1, 8, 64 (one pass of 6 experts,
-48 rows over 8 experts, 384 rows in 6-8 passes an expert); routings with experts that get no rows and with every
+48 rows over 8 experts, 384 rows: about 48 an expert, 6 passes); routings with experts that get no rows and with every
 token on one expert; without the quantisation and PDL (bit-identical to the PDL launches); 500 CUDA-graph replays
 alternating two input sets (different x and routings) bit-identical to direct calls, PDL edges included; the op with
 impl="cute" is the entry; experts whose weights lie past 2^31 elements at Flash sizes (E = 384). Weights are drawn on
-the device (a CPU draw of Flash-size weights took most of the file's former > 300 s). When CUDA is present these tests
-fail (never skip) if the kernel cannot run.
+the device: the file's former > 300 s went to CPU draws of Flash-size weights at E = 64 (2.3e9 elements, about 9 ns
+each on one core here: ~20 s a draw, 64+ draws). When CUDA is present these tests fail (never skip) if the kernel
+cannot run.
 """
 
 

@@ -162,3 +162,17 @@ def test_op_runs_the_kernel():
                        reference(*odd, 4, weights=weights))
     with pytest.raises(RuntimeError, match="D must be a positive multiple of 8"):
         torch.ops.dsv41.moe_finalize(*odd, 4, weights, "cute")
+
+
+def test_bench_entry():
+    """`dsv41 bench kernels --op moe_finalize`: T * k rows in a routing's expert-sorted order (each token k rows), the
+    floor's bytes, and the eager variant is the op's reference with shared."""
+    from dsv41.models import FLASH
+    from dsv41.tools.bench_kernels import OPS
+
+    op = OPS["moe_finalize"](FLASH)
+    rows, token, shared = op.make_inputs(8, torch.Generator().manual_seed(0))
+    assert rows.shape == (48, 5120) and shared.shape == (8, 5120) and rows.dtype == shared.dtype == torch.bfloat16
+    assert torch.equal(torch.bincount(token, minlength=8), torch.full((8,), 6))
+    assert op.nbytes(8) == 48 * (5120 * 2 + 8) + 2 * 8 * 5120 * 2
+    assert torch.equal(op.reference(rows, token, shared), reference(rows, token, shared, 8))
