@@ -10,13 +10,13 @@ so a bf16 rounding of g, u or a and then an FP8 step of a may differ). T in DSV4
 1,2,3,5,8,16,31,64) at three small shapes, each a code path: D=128 I=64 (the tiny model), D=512 I=1536 (GEMM2's A
 resident over two load groups), D=256 I=4096 (GEMM2's A streamed: 16 chunks a warp), with the model's SwiGLU limit
 and a limit of 0.75 that clamps often; the Flash sizes D=5120 I=2304 (E=16) at T = 1, 8, 64 (one pass of 6 experts,
-48 rows over 8 experts, 384 rows: about 48 an expert, 6 passes); routings with experts that get no rows and with every
-token on one expert; without the quantisation and PDL (bit-identical to the PDL launches); 500 CUDA-graph replays
-alternating two input sets (different x and routings) bit-identical to direct calls, PDL edges included; the op with
-impl="cute" is the entry; experts whose weights lie past 2^31 elements at Flash sizes (E = 384). Weights are drawn on
-the device: the file's former > 300 s went to CPU draws of Flash-size weights at E = 64 (2.3e9 elements, about 9 ns
-each on one core here: ~20 s a draw, 64+ draws). When CUDA is present these tests fail (never skip) if the kernel
-cannot run.
+48 rows over 8 experts, 384 rows: about 48 an expert, 6 passes); routings with experts that get no rows and with
+every token on one expert; without the quantisation and PDL (bit-identical to the PDL launches); 500 CUDA-graph
+replays alternating two input sets (different x and routings) bit-identical to direct calls, PDL edges included; the
+op with impl="cute" is the entry; experts whose weights lie past 2^31 elements at Flash sizes (E = 384). Weights are
+drawn on the device: the file's former > 300 s went to CPU draws of Flash-size weights at E = 64 (2.3e9 elements,
+about 9 ns each on one core here: ~20 s a draw, 64+ draws). When CUDA is present these tests fail (never skip) if the
+kernel cannot run.
 """
 
 
