@@ -12,9 +12,10 @@ bit-identical to it there (on CUDA the reference's atomics add in any order) and
 included, gives the same bits. The product is a ``mul.rn`` so that it is never contracted into an FMA with the sum.
 
 Work split: CTA (t, b) computes token t's columns [1024 b, 1024 b + 1024), one 8-column vector a thread (128
-threads). Each warp finds token t's rows by scanning token 32 rows at a time (a ballot of token[m] == t; rows in
-ascending order within and across the scans) and loads the matching rows BATCH at a time (predicated, all in
-flight before their adds), so a token's k rows cost one round trip.
+threads). Its warps take turns scanning token 32 rows at a time, a ballot of token[m] == t giving each 32-row group's
+mask of token t's rows (shared memory, M / 32 words); then every thread walks the masks alike (uniform, no
+divergence), loading the rows they name BATCH at a time across masks (predicated, all in flight before their adds),
+so a token's k rows cost one round trip wherever the expert order put them.
 
 With ``pdl`` the kernel is a programmatic dependent launch: it lets the next kernel launch at once and waits for the
 preceding one before it reads anything.
@@ -31,7 +32,7 @@ from dsv41.kernels import cute_utils
 from dsv41.kernels.compile_cache import (cached_kernel, compile_tvm_ffi, env_stream, fake_tensor, hopper_reason,
                                          shape_reason)
 
-MAX_ROWS = 4096  # M: each warp scans every row's token (M / 32 ballots), so the kernel is for decode's row counts
+MAX_ROWS = 4096  # M: each CTA scans every row's token and holds M / 32 masks in shared memory (decode's row counts)
 _VEC = 8  # columns a thread: one 16-byte bf16 vector
 _THREADS = 128
 _COLS = _THREADS * _VEC  # columns a CTA
@@ -59,6 +60,7 @@ class MoeFinalize:
                mOut: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
         t = cta // self.blocks
         v = (cta % self.blocks) * _THREADS + tidx  # the thread's 8-column vector
@@ -70,30 +72,46 @@ class MoeFinalize:
             cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()
 
-        acc = [Float32(0.0)] * _VEC
-        for m0 in cutlass.range(0, n_rows, 32):
-            m = m0 + lane
+        # the scan: mask g of sMask = the rows 32g .. 32g + 31 that belong to token t (the warps take turns)
+        groups = (n_rows + 31) // 32
+        smem = cutlass.memory.SmemAllocator()
+        sMask = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS // 32), byte_alignment=4)
+        for g in cutlass.range(warp, groups, _THREADS // 32):
+            m = g * 32 + lane
             mine = (m < n_rows) & (mToken[cutlass.min(m, n_rows - 1)] == Int64(t))
             mask = cute.arch.vote_ballot_sync(mine)
-            while mask != 0:
-                rows, present = [], []
-                for _ in cutlass.range_constexpr(_BATCH):
-                    present.append(mask != 0)
-                    rows.append(m0 + _lowest_bit(mask))
-                    mask = mask & (mask - Int32(1))
-                vals = [cute_utils.load_vec(cute.tiled_divide(mRows[rows[j], None], vec)[None, vc], Float32,
-                                            pred=present[j] & active) for j in range(_BATCH)]
-                if const_expr(self.weighted):
-                    w = [cutlass.select_(present[j], mWeights[cutlass.min(rows[j], n_rows - 1)], Float32(0.0))
-                         for j in range(_BATCH)]
-                for j in cutlass.range_constexpr(_BATCH):
-                    # an absent row adds +0.0 (loaded as zeros): y never holds -0.0 (it starts at +0.0 and a
-                    # round-to-nearest sum is -0.0 only of two -0.0), so that leaves y's bits unchanged
-                    for i in cutlass.range_constexpr(_VEC):
-                        r = vals[j][i]
-                        if const_expr(self.weighted):
-                            r = _mul_rn(r, w[j])
-                        acc[i] = acc[i] + r
+            if lane == 0:
+                sMask[g] = mask
+        cute.arch.barrier()
+
+        # the sum: every thread walks the masks alike, BATCH rows at a time (across masks), in ascending row order
+        acc = [Float32(0.0)] * _VEC
+        g = Int32(0)
+        mask = sMask[0]
+        while g < groups:
+            rows, present = [], []
+            for _ in cutlass.range_constexpr(_BATCH):
+                while (mask == 0) & (g < groups - 1):
+                    g = g + 1
+                    mask = sMask[g]
+                present.append(mask != 0)
+                rows.append(g * 32 + _lowest_bit(mask))
+                mask = mask & (mask - Int32(1))
+            if (mask == 0) & (g >= groups - 1):
+                g = groups  # every row taken
+            vals = [cute_utils.load_vec(cute.tiled_divide(mRows[cutlass.min(rows[j], n_rows - 1), None], vec)[None, vc],
+                                        Float32, pred=present[j] & active) for j in range(_BATCH)]
+            if const_expr(self.weighted):
+                w = [cutlass.select_(present[j], mWeights[cutlass.min(rows[j], n_rows - 1)], Float32(0.0))
+                     for j in range(_BATCH)]
+            for j in cutlass.range_constexpr(_BATCH):
+                # an absent row adds +0.0 (loaded as zeros): y never holds -0.0 (it starts at +0.0 and a
+                # round-to-nearest sum is -0.0 only of two -0.0), so that leaves y's bits unchanged
+                for i in cutlass.range_constexpr(_VEC):
+                    r = vals[j][i]
+                    if const_expr(self.weighted):
+                        r = _mul_rn(r, w[j])
+                    acc[i] = acc[i] + r
         if active:
             dst = cute.tiled_divide(mOut[t, None], vec)[None, v]
             y = cute.make_rmem_tensor(dst.shape, Float32)
