@@ -76,12 +76,12 @@ class MoeFinalize:
         groups = (n_rows + 31) // 32
         smem = cutlass.memory.SmemAllocator()
         sMask = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS // 32), byte_alignment=4)
-        for g in cutlass.range(warp, groups, _THREADS // 32):
-            m = g * 32 + lane
+        for scan in cutlass.range(warp, groups, _THREADS // 32):
+            m = scan * 32 + lane
             mine = (m < n_rows) & (mToken[cutlass.min(m, n_rows - 1)] == Int64(t))
             mask = cute.arch.vote_ballot_sync(mine)
             if lane == 0:
-                sMask[g] = mask
+                sMask[scan] = mask
         cute.arch.barrier()
 
         # the sum: every thread walks the masks alike, BATCH rows at a time (across masks), in ascending row order
