@@ -33,7 +33,9 @@ With ``pdl`` both launches are programmatic dependents, and GEMM2 starts before 
 waits for the preceding kernel (which wrote the routing), then lets GEMM2 launch; GEMM2's CTAs, as SMs free up in
 GEMM1's last wave, find their expert (offsets by relaxed gpu-scope loads: they were written before GEMM1's wait
 returned) and load their resident w2 slice, and only then wait for GEMM1 before reading a. GEMM2 lets the next
-kernel launch at once.
+kernel launch at once. Static evidence (sm_90a SASS, nvdisasm; not yet timed on the GPU): GEMM1 runs ACQBULK (the
+wait) before PREEXIT (the trigger); GEMM2 runs PREEXIT, its offsets loads (LDG.E.STRONG.GPU), its 18 w2 loads
+(LDG.E.128) and only then ACQBULK.
 """
 
 from __future__ import annotations
