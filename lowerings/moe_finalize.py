@@ -46,9 +46,7 @@ def moe_finalize(expert_out: Tensor, token: Tensor, shared: Tensor | None, num_t
     impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
     """
     device, _ = _validate(expert_out, token, shared, num_tokens, weights, impl)
-    args, kwargs = (expert_out, token, shared), dict(num_tokens=num_tokens)
-    if weights is not None:  # the kernel contract has no weights: the reference applies them
-        return reference(*args, weights=weights, **kwargs)
+    args, kwargs = (expert_out, token, shared), dict(num_tokens=num_tokens, weights=weights)
     kernel = _kernels.select(NAME, NAME, impl, device, args, kwargs) or reference
     return kernel(*args, **kwargs)
 

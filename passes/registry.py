@@ -26,7 +26,7 @@ class Fusion:
 
 FUSIONS = (
     Fusion("mhc_coeffs", kernel="mhc_coeffs"),
-    Fusion("moe_finalize"),
+    Fusion("moe_finalize", kernel="moe_finalize"),
     Fusion("allreduce_mhc", kernel="mhc_post_pre"),
     Fusion("mhc_post_pre", kernel="mhc_post_pre"),
     Fusion("qkv_norm"),

@@ -1,7 +1,7 @@
 """`dsv41 bench kernels`: time each CuTe DSL kernel against its reference subgraph, eager and Inductor-compiled.
 
 For every op and token count T, each variant -- ``dsv41`` (the kernel), ``inductor`` (the reference functions of
-``dsv41.models.functional``, or the op's reference for ``moe_experts`` and ``moe_metadata``, under
+``dsv41.models.functional``, or the op's reference for ``moe_experts``, ``moe_metadata`` and ``moe_finalize``, under
 ``torch.compile(mode="max-autotune-no-cudagraphs", fullgraph=True)``, in the
 default mode for ``moe_experts`` and ``indexer_topk``: see their ops) and
 ``eager`` (the same functions, uncompiled) -- is captured in one CUDA graph that calls it once per input set, round
@@ -206,6 +206,31 @@ def _metadata_op(cfg) -> Op:
     )
 
 
+def _finalize_op(cfg) -> Op:
+    """The combine of one layer as the decode has it: T * k expert rows (already weighted), each token's k rows at
+    the positions a routing sorts them to, + the shared expert, rounded to bf16; the Inductor and eager variants
+    are the op's reference (an index_add_)."""
+    from dsv41.kernels.moe_finalize import moe_finalize
+    from dsv41.lowerings.moe_finalize import reference
+
+    d, e, k = cfg.dim, cfg.n_routed_experts, cfg.n_activated_experts
+
+    def make_inputs(t, g):
+        experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).flatten()
+        token = torch.argsort(experts, stable=True) // k
+        return [torch.randn(t * k, d, generator=g).bfloat16(), token, torch.randn(t, d, generator=g).bfloat16()]
+
+    return Op(
+        name="moe_finalize",
+        make_inputs=make_inputs,
+        # read the rows (bf16), token (int64) and shared (bf16); write y (bf16)
+        nbytes=lambda t: t * k * (d * 2 + 8) + 2 * t * d * 2,
+        reference=lambda rows, token, shared: reference(rows, token, shared, shared.shape[0]),
+        kernel=lambda rows, token, shared, pdl=True: moe_finalize(rows, token, shared, num_tokens=shared.shape[0],
+                                                                  pdl=pdl),
+    )
+
+
 def _indexer_op(cfg, columns: int) -> Op:
     """dsv41::indexer_topk (index form) over a key cache of ``columns`` rows per token, all visible."""
     from dsv41.kernels.indexer_topk import index_scores, indexer_topk, topk_indices
@@ -242,7 +267,7 @@ def _indexer_op(cfg, columns: int) -> Op:
 
 
 OPS = {"mhc_coeffs": _coeffs_op, "mhc_post_pre": _post_pre_op, "moe_route": _route_op, "moe_experts": _experts_op,
-       "moe_metadata": _metadata_op, "indexer_topk": _indexer_op}
+       "moe_metadata": _metadata_op, "moe_finalize": _finalize_op, "indexer_topk": _indexer_op}
 COLUMN_OPS = ("indexer_topk",)  # built per --columns width
 DEFAULT_COLUMNS = "4096,65536,524288,1048576"
 

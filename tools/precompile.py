@@ -17,7 +17,8 @@ from dsv41.models.config import get_config
 def kernels_for(cfg, max_context: int | None = None) -> list[tuple[str, object]]:
     """(label, thunk that compiles or loads it) for every kernel a decode step of ``cfg`` uses; the indexer's top-K
     launches depend on the key-cache length, so they are listed only with the model's ``max_context``."""
-    from dsv41.kernels import indexer_topk, mhc_coeffs, mhc_post_pre, moe_experts, moe_metadata, moe_route
+    from dsv41.kernels import (indexer_topk, mhc_coeffs, mhc_post_pre, moe_experts, moe_finalize, moe_metadata,
+                               moe_route)
     route = (cfg.dim, cfg.n_routed_experts, cfg.n_activated_experts)
     experts = (cfg.dim, cfg.moe_inter_dim, cfg.n_routed_experts, cfg.fp8_block)
     builds = [
@@ -32,6 +33,10 @@ def kernels_for(cfg, max_context: int | None = None) -> list[tuple[str, object]]
           if route[1] <= moe_metadata.MAX_EXPERTS else []),
         *([(f"moe_experts(D={experts[0]}, I={experts[1]}, E={experts[2]}, quant_block={experts[3]})",
             lambda: moe_experts.compile_for(*experts))] if moe_experts.config_reason(*experts) is None else []),
+        # the decode's combine: rows weighted before w2, the shared expert added (fp32 out under TP: no shared)
+        *[(f"moe_finalize(D={cfg.dim}, shared={with_shared})",
+           lambda with_shared=with_shared: moe_finalize.compile_for(cfg.dim, False, with_shared))
+          for with_shared in (True, False) if moe_finalize.config_reason(cfg.dim) is None],
     ]
     if max_context is None or (cfg.index_n_heads, cfg.index_head_dim) != (indexer_topk.HEADS, indexer_topk.HEAD_DIM):
         return builds

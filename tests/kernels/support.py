@@ -31,3 +31,26 @@ def assert_compiles_fresh(monkeypatch, tmp_path, cached, config: tuple, build=No
     assert callable((build or cached)(*config))
     assert cached.object_path(*config).exists()
     cached.cache_clear()
+
+
+def assert_replays_bit_identical(call, static: list, sets: list[list], out: torch.Tensor, direct: list,
+                                 replays: int = 500) -> None:
+    """Capture ``call()`` (which reads ``static`` and writes ``out``) in one CUDA graph, after a warm-up on a side
+    stream, then replay it ``replays`` times round robin over ``sets``: before each replay the set is copied into
+    ``static`` (None entries are absent arguments) and ``out`` is poisoned with NaN; the replay's ``out`` must equal
+    the direct call's output ``direct[i]`` of that set bit for bit."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for i in range(replays):
+        for dst, src in zip(static, sets[i % len(sets)], strict=True):
+            if dst is not None:
+                dst.copy_(src)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, direct[i % len(sets)]), f"replay {i}"

@@ -1,23 +1,29 @@
 """The routed-experts kernel (dsv41.kernels.moe_experts).
 
 CPU: both launches compile for sm_90a (Flash sizes with and without the FP8 fake quantisation and programmatic
-dependent launch, the tiny model's sizes); `supports` and the entry explain what they reject.
+dependent launch, the tiny model's sizes, a GEMM2 whose A operand is streamed rather than resident); `supports` and
+the entry explain what they reject.
 GPU (H200), against the op's reference (`dsv41.lowerings.moe_experts.reference`: the model's torch._grouped_mm path)
 on the same inputs, outputs poisoned with NaN before each call, compared by the op's `compare_kernel` (|diff| <= 2^-6
-|want| + 2^-5 rms(want row), but for at most one row in 16 within 2^-4 relative L2: the GEMMs sum in another order, so
-a bf16 rounding of g, u or a and then an FP8 step of a may differ): T in DSV41_TEST_TOKENS (default
-1,2,3,5,8,16,31,64) at D=5120 I=2304 E=64 and D=128 I=64 E=16 (the tiny model), with the model's SwiGLU limit and a
-limit of 0.75 that clamps often; routings with experts that get no rows and with every token on one expert (64 rows of
-one expert: 8 row passes); 500 CUDA-graph replays alternating two input sets (different routings) bit-identical to
-direct calls; the op with impl="cute" is the entry; experts whose weights lie past 2^31 elements at Flash sizes (E =
-384). When CUDA is present these tests fail (never skip) if the kernel cannot run.
+|want| + 2^-5 rms(want row), but for at most one row in 16 within 2^-4 relative L2: the GEMMs sum in another order,
+so a bf16 rounding of g, u or a and then an FP8 step of a may differ). T in DSV41_TEST_TOKENS (default
+1,2,3,5,8,16,31,64) at three small shapes, each a code path: D=128 I=64 (the tiny model), D=512 I=1536 (GEMM2's A
+resident over two load groups), D=256 I=4096 (GEMM2's A streamed: 16 chunks a warp), with the model's SwiGLU limit
+and a limit of 0.75 that clamps often; the Flash sizes D=5120 I=2304 (E=16) at T = 1, 8, 64 (one pass of 6 experts,
+48 rows over 8 experts, 384 rows: about 48 an expert, 6 passes); routings with experts that get no rows and with
+every token on one expert; without the quantisation and PDL (bit-identical to the PDL launches); 500 CUDA-graph
+replays alternating two input sets (different x and routings) bit-identical to direct calls, PDL edges included; the
+op with impl="cute" is the entry; experts whose weights lie past 2^31 elements at Flash sizes (E = 384). Weights are
+drawn on the device: the file's former > 300 s went to CPU draws of Flash-size weights at E = 64 (2.3e9 elements,
+about 9 ns each on one core here: ~20 s a draw, 64+ draws). When CUDA is present these tests fail (never skip) if the
+kernel cannot run.
 """
 
 
 import pytest
 import torch
 
-from tests.kernels.support import require_cute_dsl, tokens_from_env
+from tests.kernels.support import assert_replays_bit_identical, require_cute_dsl, tokens_from_env
 
 require_cute_dsl()
 
@@ -25,7 +31,8 @@ from dsv41.kernels import moe_experts as K  # noqa: E402
 from dsv41.lowerings import moe_experts as op_module  # noqa: E402
 
 TOKENS = tokens_from_env("1,2,3,5,8,16,31,64")
-SHAPES = [(5120, 2304, 64), (128, 64, 16)]  # (D, I, E)
+SMALL = [(128, 64, 16), (512, 1536, 16), (256, 4096, 16)]  # (D, I, E)
+FLASH = (5120, 2304, 16)
 TOPK, LIMIT, BLOCK = 6, 10.0, 32
 
 
@@ -41,31 +48,27 @@ def _routing(t, e, g, one_expert=False):
     return order // TOPK, torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
 
 
-def _inputs(t, d, inter, e, seed, one_expert=False, device="cuda"):
+def _weights(d, inter, e, seed, device):
+    """w13 [E, 2I, D], w2 [E, D, I] bf16, drawn on ``device``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w13 = torch.empty(e, 2 * inter, d, device=device).normal_(0, d**-0.5, generator=g).bfloat16()
+    w2 = torch.empty(e, d, inter, device=device).normal_(0, inter**-0.5, generator=g).bfloat16()
+    return w13, w2
+
+
+def _inputs(t, d, inter, e, seed, one_expert=False, device="cuda", weights=None):
+    """x, token, row_weights, offsets (from ``seed``) and the weights (``weights``, else drawn from ``seed``)."""
     g = torch.Generator().manual_seed(seed)
     token, offsets = _routing(t, e, g, one_expert)
     m = token.shape[0]
     x = torch.randn(t, d, generator=g).bfloat16()
     row_weights = 0.5 * torch.rand(m, generator=g)
-    w13 = (torch.randn(e, 2 * inter, d, generator=g) / d**0.5).bfloat16()
-    w2 = (torch.randn(e, d, inter, generator=g) / inter**0.5).bfloat16()
-    return [a.to(device) for a in (x, token, row_weights, offsets, w13, w2)]
+    w13, w2 = weights if weights is not None else _weights(d, inter, e, seed, device)
+    return [a.to(device) for a in (x, token, row_weights, offsets)] + [w13, w2]
 
 
-def _run(inputs, limit=LIMIT, quant_block=BLOCK, **kw):
-    m, d = inputs[1].shape[0], inputs[0].shape[1]
-    out = torch.full((m, d), float("nan"), dtype=torch.bfloat16, device=inputs[0].device)
-    return K.moe_experts(*inputs, swiglu_limit=limit, quant_block=quant_block, out=out, **kw)
-
-
-def _assert_matches(got, inputs, limit=LIMIT, quant_block=BLOCK):
-    assert not got.isnan().any(), "rows left unwritten"
-    want = op_module.reference(*inputs, limit, quant_block)
-    mismatch = op_module.compare_kernel(got, want)
-    assert mismatch is None, mismatch
-
-
-@pytest.mark.parametrize("config", [(5120, 2304, 384, 32, True), (5120, 2304, 384, 0, False), (128, 64, 16, 32, True)],
+@pytest.mark.parametrize("config", [(5120, 2304, 384, 32, True), (5120, 2304, 384, 0, False), (128, 64, 16, 32, True),
+                                    (256, 4096, 16, 32, True)],
                          ids=lambda c: "D{}-I{}-E{}-q{}-pdl{}".format(*c))
 def test_compiles_for_sm90a(config, monkeypatch, tmp_path):
     monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path))  # a fresh cache: really run cute.compile
@@ -88,7 +91,8 @@ def test_supports_explains():
     assert "w13 must have shape [16, 128, 128]" in K.supports(x, token, w, offsets, w13[:, :-1], w2, **kw)
     assert "D and I must be multiples of 32, got D = 128, I = 48" in K.supports(
         x, token, w, offsets, w13[:, :96], w2[:, :, :48], **kw)
-    assert "quant_block must be 0 or 32, got 16" in K.supports(x, token, w, offsets, w13, w2, **{**kw, "quant_block": 16})
+    assert "quant_block must be 0 or 32, got 16" in K.supports(x, token, w, offsets, w13, w2,
+                                                               **{**kw, "quant_block": 16})
     big = torch.zeros(385, dtype=torch.int64)
     assert "M = 385 rows, the kernel takes 1 to 384" in K.supports(x, big, torch.zeros(385), offsets, w13, w2, **kw)
     assert "must be 2-D, 1-D and 3-D" in K.supports(x[0], token, w, offsets, w13, w2, **kw)
@@ -98,7 +102,7 @@ def test_supports_explains():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("limit", [LIMIT, 0.75], ids=lambda v: f"limit{v}")
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "D{}-I{}-E{}".format(*s))
+@pytest.mark.parametrize("shape", SMALL, ids=lambda s: "D{}-I{}-E{}".format(*s))
 @pytest.mark.parametrize("t", TOKENS, ids=lambda t: f"T{t}")
 def test_matches_reference(t, shape, limit):
     for seed in range(2):
@@ -107,18 +111,29 @@ def test_matches_reference(t, shape, limit):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "D{}-I{}-E{}".format(*s))
 @pytest.mark.parametrize("t", [1, 8, 64], ids=lambda t: f"T{t}")
-def test_every_token_on_one_expert(t, shape):
+def test_flash_sizes(t):
+    inputs = _inputs(t, *FLASH, 5)
+    _assert_matches(_run(inputs), inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, t", [(s, t) for s in SMALL for t in (1, 8, 64)] + [(FLASH, 64)],
+                         ids=lambda v: f"T{v}" if isinstance(v, int) else "D{}-I{}-E{}".format(*v))
+def test_every_token_on_one_expert(shape, t):
+    """All rows on the last expert (at T = 64: 384 rows, 48 passes over the CTA's weight slice)."""
     inputs = _inputs(t, *shape, 3, one_expert=True)
     _assert_matches(_run(inputs), inputs)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [SMALL[1], SMALL[2], FLASH], ids=lambda s: "D{}-I{}-E{}".format(*s))
 @pytest.mark.parametrize("t", [1, 16], ids=lambda t: f"T{t}")
-def test_without_quantisation_and_pdl(t):
-    inputs = _inputs(t, *SHAPES[0], 4)
+def test_without_quantisation_and_pdl(t, shape):
+    """Plain stream-ordered launches give the PDL launches' results bit for bit (and match without the FP8 step)."""
+    inputs = _inputs(t, *shape, 4)
     _assert_matches(_run(inputs, quant_block=0, pdl=False), inputs, quant_block=0)
+    assert torch.equal(_run(inputs, pdl=False), _run(inputs, pdl=True)), "PDL changed the result"
 
 
 @pytest.mark.gpu
@@ -143,30 +158,21 @@ def test_experts_past_2_pow_31_elements():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay():
-    """500 replays alternating two input sets (different routings) are bit-identical to direct calls."""
-    sets = [_inputs(16, *SHAPES[0], seed) for seed in (10, 11)]
+@pytest.mark.parametrize("shape, t", [(SMALL[1], 16), (FLASH, 5)], ids=["D512-I1536-T16", "flash-T5"])
+def test_cuda_graph_replay(shape, t):
+    """500 replays alternating two input sets (different x and routings; the weights shared) are bit-identical to
+    direct calls; both GEMMs are PDL launches, so the graph holds a programmatic edge."""
+    weights = _weights(*shape, 9, "cuda")
+    sets = [_inputs(t, *shape, seed, weights=weights) for seed in (10, 11)]
     direct = [_run(s) for s in sets]
     for out, s in zip(direct, sets, strict=True):
         assert torch.equal(out, _run(s)), "direct calls are not deterministic"
         _assert_matches(out, s)
     assert not torch.equal(sets[0][3], sets[1][3]), "the two input sets should route differently"
-    static = [x.clone() for x in sets[0]]
+    static = [x.clone() for x in sets[0][:4]] + list(weights)
     out = torch.empty_like(direct[0])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        K.moe_experts(*static, swiglu_limit=LIMIT, quant_block=BLOCK, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        K.moe_experts(*static, swiglu_limit=LIMIT, quant_block=BLOCK, out=out)
-    for i in range(500):
-        for dst, src in zip(static, sets[i % 2], strict=True):
-            dst.copy_(src)
-        out.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(out, direct[i % 2]), f"replay {i}"
+    assert_replays_bit_identical(lambda: K.moe_experts(*static, swiglu_limit=LIMIT, quant_block=BLOCK, out=out),
+                                 [*static[:4], None, None], sets, out, direct)  # the weights are shared, not copied
 
 
 @pytest.mark.gpu
@@ -174,7 +180,7 @@ def test_op_runs_the_kernel():
     """dsv41::moe_experts with impl="cute" (and "auto" on Hopper) calls this kernel: bit-identical to the entry."""
     import dsv41.lowerings  # noqa: F401  (registers the ops)
 
-    inputs = _inputs(4, *SHAPES[0], 12)
+    inputs = _inputs(4, *FLASH, 12)
     want = K.moe_experts(*inputs, swiglu_limit=LIMIT, quant_block=BLOCK)
     for impl in ("cute", "auto"):
         assert torch.equal(torch.ops.dsv41.moe_experts(*inputs, LIMIT, BLOCK, impl), want), impl
