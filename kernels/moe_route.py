@@ -24,21 +24,29 @@ The reduction over D is deterministic (no atomics on data, so CUDA-graph replays
    tokens there is one ticket for all 120 CTAs and its last CTA sums the partials itself; above, where that CTA's
    score math (~100 SASS per (token, expert)) would outweigh a second ticket, the last of the 5 CTAs of each row
    group sums its group's partials into scores (the score plane ``ws[S]``), and the last of those 24 goes on;
-3. that last CTA takes the tokens 16 at a time: all its threads bring the (token, expert) scores into shared memory
-   (the partials summed in split order, with the temperature, softplus and sqrt, or the score plane); then warp w
-   selects token t0 + w: lane l holds experts l, l + 32, ...; k rounds, each a ``redux.sync`` max of the order keys of
-   score + bias and a ``redux.sync`` min of the indices holding it (equal biased scores: the lower index first, NaN
-   above every number as torch's sort ranks it), then the weights from the winners' unbiased scores.
+3. one ticket (T <= ONE_HOP_TOKENS): the last CTA splits the T x E (token, expert) pairs into units of a token and a
+   segment of 32 experts, spread over its 16 warps (lane l: expert l of the segment; only the units of real tokens
+   run); each unit's lane sums its partials in split order into the score (temperature, softplus, sqrt) and the
+   unit ranks its segment's k best into a list in shared memory (level 1: k rounds of a ``redux.sync`` max of the
+   order keys of score + bias and a ballot for the lowest lane holding it); after a barrier warp t merges token t's
+   E / 32 lists the same way (level 2: lane g holds list g, best first), so a token's selection is two short rounds
+   of k instead of k long ones, and at T = 1 twelve warps share it;
+   two tickets: the last CTA takes the tokens 16 at a time from the score plane into shared memory, and warp w
+   selects token t0 + w alone (every warp busy, so fewer instructions beat a shorter path): lane l holds experts
+   l, l + 32, ...; k rounds, each a ``redux.sync`` max of the order keys and a ``redux.sync`` min of the indices
+   holding it.
+   Equal biased scores: the lower index first; NaN above every number, as torch's sort ranks them. The weights come
+   from the winners' unbiased scores, summed in round order.
 
 The summation order and math are the same on both paths (their results are bit-identical). The last CTA of each
 ticket resets its counter, so every launch (CUDA-graph replays included) finds them zero; launches that share the
 counters (one set per device) must therefore be stream-ordered.
 
-Static evidence (sm_90a, ptxas -v, cuobjdump -sass; not yet timed on the GPU): 64 registers (the two-ticket design
-before: 92), no spills. From the last partial store to the output stores at T <= 4: thread 0's fence and atomic, then
-one batch of L2 loads (before: 6 fences, 2 atomics, 2 dependent batches of L2 loads); the selecting warp runs ~900
-SASS instructions there at T = 1, E = 384, k = 6 (ticket 21, scores 288, selection 586 = 98 + 6 rounds x 76 + 32),
-before ~1280 (selection 1100: 153 per round).
+Static evidence (sm_90a, ptxas -v, nvdisasm; not yet timed on the GPU): 64 registers, no spills. From the last
+partial store to the output stores at T <= 4: thread 0's fence and atomic, then one batch of L2 loads. After the
+ticket the critical warp runs ~550 SASS instructions at T = 1, E = 384, k = 6 (loads and one score chain 182, level
+1 84 = 6 rounds x 14, level 2 ~270 = 34 + 6 rounds x 33 + 39), where the one-warp selection before ran ~870 (three
+score chains in series, 288; selection 586 = 98 + 6 rounds x 76 + 32) and one more barrier.
 
 With ``pdl`` the kernel is a programmatic dependent launch: it lets the next kernel launch at once, loads its slice
 of the weight, and only then waits for the preceding kernel before reading h.
@@ -60,7 +68,7 @@ from dsv41.kernels.compile_cache import (cached_kernel, compile_tvm_ffi, env_str
 
 ROWS = 16  # weight rows per CTA: the MMA's M
 K_PER_CTA = 1024  # columns per CTA
-MAX_EXPERTS = 512  # E / 32 score slots per lane in the selection
+MAX_EXPERTS = 512  # E / 32 selection segments of 32 experts
 MAX_TOPK = 8
 ONE_HOP_TOKENS = 4  # up to this many tokens the last CTA sums the split partials itself (one ticket), else two
 _WARPS = 16
@@ -69,11 +77,15 @@ _VEC = 8  # bf16 per 16-byte vector
 _TILE_N = 8  # tokens per MMA
 _TILES = 4  # MMA token tiles per pass
 _TOK_PASS = _TILE_N * _TILES  # = _WARPS * 32 / ROWS: one thread per (token, row) of a pass
+_SEG = 32  # experts per selection segment: one per lane
 _SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus: x above it is returned as is
 _LOWEST = -(2**31)  # the order key of a retired slot: below every score's key
 _NAN_KEY = 2**31 - 1  # the order key of a NaN score: above +inf's
 _NO_EXPERT = 2**31 - 1  # an index above every expert's
-assert MAX_EXPERTS <= _TOK_PASS * (ROWS + 1)  # the last CTA's scores (16 tokens x E) fit in sAcc's storage
+# sAcc's storage holds the last CTA's scores (16 tokens x E), and the one-ticket selection's lists (key, expert,
+# score of each token's E / 32 segments x k) and winners (expert, score of each token's k)
+assert MAX_EXPERTS <= _TOK_PASS * (ROWS + 1)
+assert ONE_HOP_TOKENS * (3 * (MAX_EXPERTS // _SEG) * MAX_TOPK + 2 * MAX_TOPK) <= _WARPS * _TOK_PASS * (ROWS + 1)
 
 
 class MoeRoute:
@@ -86,6 +98,7 @@ class MoeRoute:
         self.pdl = pdl
         self.splits = dim // K_PER_CTA
         self.groups = experts // ROWS
+        self.segs = experts // _SEG
 
     @cute.jit
     def __call__(self, mH: cute.Tensor, mW: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor,
@@ -127,8 +140,6 @@ class MoeRoute:
         a_hi = [cute_utils.load_bf16_pairs(gW_hi[None, vecs[c]]) for c in range(_CHUNKS)]
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
-        bias = [mBias[lane + 32 * j] for j in range(self.experts // 32)]  # for the selection, in flight with h
-
         for t0 in cutlass.range(0, n_tok, _TOK_PASS):
             b_tiles = []  # the B operand of every token tile, requested before the first MMA
             for n in cutlass.range_constexpr(_TILES):
@@ -157,30 +168,43 @@ class MoeRoute:
                 mWs[split, tok, group * ROWS + row] = part
             cute.arch.barrier()  # sAcc is rewritten by the next pass
 
-        sScore = cute.make_tensor(sAcc.iterator, cute.make_layout((_WARPS * self.experts,)))  # sAcc, once free
         plane = n_tok * self.experts  # ws[s] holds (token, expert) f = t * E + e at s * plane + f
-        select_args = (n_tok, warp, lane, sScore, bias, mWeights, mExperts, route_scale)
         if n_tok <= ONE_HOP_TOKENS:
             if self.last_to_arrive(mCount, 0, self.groups * self.splits, tidx, s_last) != 0:
-                # every thread: its (at most ceil(ONE_HOP_TOKENS * E / 512)) scores, all partials requested first
-                f = [tidx + _WARPS * 32 * u for u in range(-(-ONE_HOP_TOKENS * self.experts // (_WARPS * 32)))]
-                parts = [self.partials(mWs, plane, cutlass.min(f_u, plane - 1)) for f_u in f]
-                scores = [self.score(p, gate_temp) for p in parts]  # (unconditional: the chains overlap)
-                for u in cutlass.range_constexpr(len(f)):
-                    if f[u] < plane:
-                        sScore[f[u]] = scores[u]
-                self.select_tokens(0, *select_args)
+                # warp w: the (token, segment) units w, w + 16, ... of the T x E / 32; lane l: expert l of each unit's
+                # segment (every unit's partials and bias requested first). Then warp w merges token w's lists.
+                units = [warp + _WARPS * u for u in range(-(-ONE_HOP_TOKENS * self.segs // _WARPS))]
+                tokens = [cutlass.min(u // self.segs, n_tok - 1) for u in units]
+                segs = [u % self.segs for u in units]
+                biases = [mBias[g * _SEG + lane] for g in segs]
+                parts = [self.partials(mWs, plane, t * self.experts + g * _SEG + lane) for t, g in zip(tokens, segs)]
+                lists = self.selection_smem(sAcc)  # sAcc, once free
+                for u in cutlass.range_constexpr(len(units)):
+                    if units[u] < n_tok * self.segs:  # (warp-uniform: only the tokens' units run)
+                        self.select_segment(tokens[u], segs[u], self.score(parts[u], gate_temp), biases[u], lane,
+                                            *lists[:3])
+                cute.arch.barrier()  # every token's lists are written
+                if warp < n_tok:
+                    self.merge_segments(warp, lane, *lists, mWeights, mExperts, route_scale)
         elif self.last_to_arrive(mCount, 1 + group, self.splits, tidx, s_last) != 0:
             # the row group's finisher: its (token, expert) scores into the score plane ws[S]
             for i in cutlass.range(tidx, n_tok * ROWS, _WARPS * 32):
                 f = (i // ROWS) * self.experts + group * ROWS + i % ROWS
                 mWs.iterator[self.splits * plane + f] = self.score(self.partials(mWs, plane, f), gate_temp)
             if self.last_to_arrive(mCount, 0, self.groups, tidx, s_last) != 0:
+                # 16 tokens at a time, every warp busy: warp w selects token t0 + w from the plane alone (all E of a
+                # token in one warp: fewer instructions than the segments' two levels)
+                sScore = cute.make_tensor(sAcc.iterator, cute.make_layout((_WARPS * self.experts,)))  # sAcc, free
+                bias = [mBias[lane + 32 * j] for j in range(self.segs)]
                 for t0 in cutlass.range(0, n_tok, _WARPS):
                     for i in cutlass.range(tidx, cutlass.min(n_tok - t0, _WARPS) * self.experts, _WARPS * 32):
                         sScore[i] = cute.arch.load(mWs.iterator + (self.splits * plane + t0 * self.experts + i),
                                                    Float32, sem="relaxed", scope="gpu")
-                    self.select_tokens(t0, *select_args)
+                    cute.arch.barrier()
+                    if t0 + warp < n_tok:
+                        self.select(t0 + warp, warp * self.experts, lane, sScore, bias, mWeights, mExperts,
+                                    route_scale)
+                    cute.arch.barrier()  # sScore is rewritten next
 
     @cute.jit
     def last_to_arrive(self, mCount: cute.Tensor, slot: Int32, arrivals: cutlass.Constexpr[int], tidx: Int32,
@@ -214,14 +238,85 @@ class MoeRoute:
             logit = logit + parts[s]
         return _score(logit / gate_temp)
 
+    def selection_smem(self, sAcc: cute.Tensor) -> tuple:
+        """The one-ticket selection's shared tensors in sAcc's storage: the segments' lists key / expert / score
+        [ONE_HOP_TOKENS, E / 32 segments, k] (lane-contiguous per place) and the winners' expert / score
+        [ONE_HOP_TOKENS, k]."""
+        list_layout = cute.make_layout((ONE_HOP_TOKENS, self.segs, self.topk),
+                                       stride=(self.segs * self.topk, 1, self.segs))
+        out_layout = cute.make_layout((ONE_HOP_TOKENS, self.topk), stride=(self.topk, 1))
+        n_list = ONE_HOP_TOKENS * self.segs * self.topk
+        n_out = ONE_HOP_TOKENS * self.topk
+        base = sAcc.iterator
+        return (cute.make_tensor(cute.recast_ptr(base, dtype=Int32), list_layout),
+                cute.make_tensor(cute.recast_ptr(base + n_list, dtype=Int32), list_layout),
+                cute.make_tensor(base + 2 * n_list, list_layout),
+                cute.make_tensor(cute.recast_ptr(base + 3 * n_list, dtype=Int32), out_layout),
+                cute.make_tensor(base + 3 * n_list + n_out, out_layout))
+
     @cute.jit
-    def select_tokens(self, t0: Int32, n_tok: Int32, warp: Int32, lane: Int32, sScore: cute.Tensor, bias: list,
-                      mWeights: cute.Tensor, mExperts: cute.Tensor, route_scale: Float32):
-        """Once sScore holds the scores of tokens [t0, t0 + 16) (row w: token t0 + w), warp w selects token t0 + w."""
-        cute.arch.barrier()
-        if t0 + warp < n_tok:
-            self.select(t0 + warp, warp * self.experts, lane, sScore, bias, mWeights, mExperts, route_scale)
-        cute.arch.barrier()  # sScore may be rewritten next
+    def select_segment(self, row: Int32, g: Int32, score: Float32, bias: Float32, lane: Int32, sKey: cute.Tensor,
+                       sExpert: cute.Tensor, sScore: cute.Tensor):
+        """Level 1 of the one-ticket selection, by one warp: segment g's 32 experts [32g, 32g + 32), one per lane
+        (``score``, ``bias``), ranked into their k best, written to the list [row, g, 0:k], best first.
+
+        Round i: the largest order key of score + bias (``redux.sync`` max), then the lowest lane holding it (a
+        ballot: lanes are experts in index order, so equal biased scores go to the lower index; NaN ranks above
+        every number), which writes place i and retires its key. A segment holds 32 >= k experts, so no retired key
+        is ever taken.
+        """
+        lane_le = Int32(cute.arch.lanemask_le())
+        lane_bit = Int32(cute.arch.lanemask_eq())
+        key = _order_key(score + bias)
+        for i in cutlass.range(self.topk, unroll=1):  # rolled: code that runs once per launch is fetched cold
+            top = cute.arch.warp_redux_sync(key, "max")
+            won = (cute.arch.vote_ballot_sync(key == top) & lane_le) == lane_bit
+            if won:
+                sKey[row, g, i] = key
+                sExpert[row, g, i] = g * _SEG + lane
+                sScore[row, g, i] = score
+            key = cutlass.select_(won, Int32(_LOWEST), key)
+
+    @cute.jit
+    def merge_segments(self, t: Int32, lane: Int32, sKey: cute.Tensor, sExpert: cute.Tensor,
+                       sScore: cute.Tensor, sOutExpert: cute.Tensor, sOutScore: cute.Tensor, mWeights: cute.Tensor,
+                       mExperts: cute.Tensor, route_scale: Float32):
+        """Level 2 of the one-ticket selection, by one warp, once list row t holds token t's E / 32 lists: lane g
+        takes segment g's list (best first) and the warp merges them into the token's k experts and writes them and
+        their weights.
+
+        Round i: the largest head key (``redux.sync`` max), then the lowest lane holding it (a ballot: segments are
+        in expert order and each list breaks its own ties by index, so this is the lower expert index of equal
+        biased scores); that lane writes place i's expert and score and drops its head. Every lane then sums
+        the winners' scores in round order, and lane i < k writes place i.
+        """
+        lane_le = Int32(cute.arch.lanemask_le())
+        lane_bit = Int32(cute.arch.lanemask_eq())
+        g = cutlass.min(lane, self.segs - 1)
+        keys = [cutlass.select_(lane < self.segs, sKey[t, g, j], Int32(_LOWEST)) for j in range(self.topk)]
+        experts = [sExpert[t, g, j] for j in range(self.topk)]
+        scores = [sScore[t, g, j] for j in range(self.topk)]
+        for i in cutlass.range(self.topk, unroll=1):
+            top = cute.arch.warp_redux_sync(keys[0], "max")
+            won = (cute.arch.vote_ballot_sync(keys[0] == top) & lane_le) == lane_bit
+            if won:
+                sOutExpert[t, i] = experts[0]
+                sOutScore[t, i] = scores[0]
+            # the list with its head taken (each list assigned by name: the loop carries what it assigns)
+            keys_after, experts_after, scores_after = keys[1:] + [Int32(_LOWEST)], experts[1:], scores[1:]
+            for j in cutlass.range_constexpr(self.topk - 1):
+                keys[j] = cutlass.select_(won, keys_after[j], keys[j])
+                experts[j] = cutlass.select_(won, experts_after[j], experts[j])
+                scores[j] = cutlass.select_(won, scores_after[j], scores[j])
+            keys[self.topk - 1] = cutlass.select_(won, keys_after[self.topk - 1], keys[self.topk - 1])
+        cute.arch.sync_warp()
+        total = Float32(0.0)
+        for i in cutlass.range_constexpr(self.topk):
+            total = total + sOutScore[t, i]
+        total = total + 1e-20
+        if lane < self.topk:
+            mExperts[t, lane] = Int64(sOutExpert[t, lane])
+            mWeights[t, lane] = sOutScore[t, lane] / total * route_scale
 
     @cute.jit
     def select(self, t: Int32, row: Int32, lane: Int32, sScore: cute.Tensor, bias: list, mWeights: cute.Tensor,
