@@ -198,11 +198,12 @@ def test_tails_agree(shape):
 
 
 @pytest.mark.gpu
-def test_matches_reference_nan_bias():
+@pytest.mark.parametrize("t", [3, K.ONE_HOP_TOKENS + 1], ids=lambda t: f"T{t}")
+def test_matches_reference_nan_bias(t):
     """Experts whose bias is NaN come first, the lower index first, then the ties of the test above as the reference
-    breaks them; the weights (from the unbiased scores) stay finite."""
+    breaks them; the weights (from the unbiased scores) stay finite. On both tails."""
     d, e, k = 5120, 384, 6
-    h, w, _ = _inputs(3, d, e, 13)
+    h, w, _ = _inputs(t, d, e, 13)
     h.zero_()
     levels = torch.randperm(e, generator=torch.Generator().manual_seed(14))
     bias = torch.zeros(e).index_fill_(0, levels[:2], math.nan).index_fill_(0, levels[2:12], 0.25).cuda()
