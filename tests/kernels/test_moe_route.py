@@ -18,8 +18,8 @@ fp32 accumulation over 128 columns, then fp32 sums over warps and CTAs), so its 
   with rtol 1e-5: a logit error dx moves sqrt(softplus(x)) by at most dx / 2 relatively (and the weight by about
   dx), so 1e-5 is 10x the expected error while a wrong temperature, eps or scale is off by far more.
 - ties (equal biased scores, made exact for both implementations: zero hidden states, quantised bias): the experts
-  must equal the reference's exactly, order included (the lower expert index first), on both tails (the one-ticket
-  tail breaks them in two levels: within each block of 32 experts, then across the blocks).
+  must equal the reference's exactly, order included (the lower expert index first), on both tails (each breaks them
+  in two levels: within a block of 32 or 16 experts, then across the blocks).
 - NaN biased scores rank above every number, in index order, as the reference's sort ranks them.
 - the two tails (one ticket, two tickets) give the same tokens bit-identical routes.
 CUDA graphs: 500 replays alternating two input sets with different routings are bit-identical to direct calls, on
@@ -169,7 +169,7 @@ def test_matches_reference_ties(t, shape):
 def test_matches_reference_one_expert_set(t, shape):
     """A bias that dominates the scores routes every token to the same k experts (the others get no rows); their
     weights still come from each token's own unbiased scores. The k experts lie in one block of 32 (one segment
-    of the one-ticket selection, whose list then supplies every place)."""
+    of the one-ticket selection, whose list then supplies every place; one or two of the two-ticket one's)."""
     d, e, k = shape
     h, w, _ = _inputs(t, d, e, 6)
     g = torch.Generator().manual_seed(7)
