@@ -23,22 +23,34 @@ The reduction over D is deterministic (no atomics on data, so CUDA-graph replays
    them to its other threads, as a cooperative grid sync does, so no other thread fences). Up to ONE_HOP_TOKENS
    tokens there is one ticket for all 120 CTAs and its last CTA sums the partials itself; above, where that CTA's
    score math (~100 SASS per (token, expert)) would outweigh a second ticket, the last of the 5 CTAs of each row
-   group sums its group's partials into scores (the score plane ``ws[S]``), and the last of those 24 goes on;
-3. that last CTA takes the tokens 16 at a time: all its threads bring the (token, expert) scores into shared memory
-   (the partials summed in split order, with the temperature, softplus and sqrt, or the score plane); then warp w
-   selects token t0 + w: lane l holds experts l, l + 32, ...; k rounds, each a ``redux.sync`` max of the order keys of
-   score + bias and a ``redux.sync`` min of the indices holding it (equal biased scores: the lower index first, NaN
-   above every number as torch's sort ranks it), then the weights from the winners' unbiased scores.
+   group scores its group's 16 experts and ranks them (level 1 below) into the workspace, and the last of those 24
+   goes on;
+3. the selection, in two levels. Level 1 ranks a segment of experts, one per lane in index order, into its k best
+   (a list, best first): k rounds of a ``redux.sync`` max of the order keys of score + bias and a ballot for the
+   lowest lane holding it. Level 2 merges a token's lists (lane g: list g) the same way, its winners' heads
+   dropping. Either round is ~15-35 SASS, where a warp ranking all E experts in its lanes spent 76 per round.
+   One ticket: the last CTA spreads the T x E / 32 (token, segment of 32) units over its 16 warps (only real
+   tokens' units run; at T = 1 twelve warps share the token), each lane summing its partials in split order into
+   the score (temperature, softplus, sqrt); lists in shared memory; after a barrier warp t merges token t.
+   Two tickets: a row group's finisher ranks its 16 experts (lanes 16.. out) per token into the lists
+   ``ws[S:S + 2]`` (key, expert, score [T, E / 16, k]); the last CTA's warp w merges tokens w, w + 16, ... from
+   them (E / 16 <= 32 lists).
+   Equal biased scores: the lower index first (within a segment the lower lane, across them the lower segment);
+   NaN above every number, as torch's sort ranks them. The weights come from the winners' unbiased scores, summed
+   in round order.
 
 The summation order and math are the same on both paths (their results are bit-identical). The last CTA of each
 ticket resets its counter, so every launch (CUDA-graph replays included) finds them zero; launches that share the
 counters (one set per device) must therefore be stream-ordered.
 
-Static evidence (sm_90a, ptxas -v, cuobjdump -sass; not yet timed on the GPU): 64 registers (the two-ticket design
-before: 92), no spills. From the last partial store to the output stores at T <= 4: thread 0's fence and atomic, then
-one batch of L2 loads (before: 6 fences, 2 atomics, 2 dependent batches of L2 loads); the selecting warp runs ~900
-SASS instructions there at T = 1, E = 384, k = 6 (ticket 21, scores 288, selection 586 = 98 + 6 rounds x 76 + 32),
-before ~1280 (selection 1100: 153 per round).
+Static evidence (sm_90a, ptxas -v, nvdisasm; not yet timed on the GPU): 64 registers, no spills. From the last
+partial store to the output stores at T <= 4: thread 0's fence and atomic, then one batch of L2 loads. At E = 384,
+k = 6, after the ticket, the critical warp at T = 1 runs ~550 SASS (loads and one score chain 182, level 1 84 = 6
+rounds x 14, level 2 ~270 = 34 + 6 rounds x 33 + ~40), where the one-warp selection before ran ~870 (three score
+chains in series 288, selection 586 = 98 + 6 rounds x 76 + 32) and one more barrier; above 4 tokens the last CTA
+spends ~270 SASS per token (the merge, after one batch of L2 loads of its 24 lists) instead of 586 plus staging the
+scores in shared memory, and a finisher's warp ~230 per token (loads, score, level 1 = 115 + 6 x 19) instead of
+one score chain per thread.
 
 With ``pdl`` the kernel is a programmatic dependent launch: it lets the next kernel launch at once, loads its slice
 of the weight, and only then waits for the preceding kernel before reading h.
@@ -60,7 +72,7 @@ from dsv41.kernels.compile_cache import (cached_kernel, compile_tvm_ffi, env_str
 
 ROWS = 16  # weight rows per CTA: the MMA's M
 K_PER_CTA = 1024  # columns per CTA
-MAX_EXPERTS = 512  # E / 32 score slots per lane in the selection
+MAX_EXPERTS = 512  # the two-ticket merge: one lane per row group of 16 experts
 MAX_TOPK = 8
 ONE_HOP_TOKENS = 4  # up to this many tokens the last CTA sums the split partials itself (one ticket), else two
 _WARPS = 16
@@ -69,11 +81,14 @@ _VEC = 8  # bf16 per 16-byte vector
 _TILE_N = 8  # tokens per MMA
 _TILES = 4  # MMA token tiles per pass
 _TOK_PASS = _TILE_N * _TILES  # = _WARPS * 32 / ROWS: one thread per (token, row) of a pass
+_SEG = 32  # experts per selection segment: one per lane
 _SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus: x above it is returned as is
 _LOWEST = -(2**31)  # the order key of a retired slot: below every score's key
 _NAN_KEY = 2**31 - 1  # the order key of a NaN score: above +inf's
-_NO_EXPERT = 2**31 - 1  # an index above every expert's
-assert MAX_EXPERTS <= _TOK_PASS * (ROWS + 1)  # the last CTA's scores (16 tokens x E) fit in sAcc's storage
+assert MAX_EXPERTS // ROWS <= 32
+# sAcc's storage holds the merges' winners (expert, score of 16 warps x k) and the one-ticket selection's lists (key,
+# expert, score of each token's E / 32 segments x k)
+assert 2 * _WARPS * MAX_TOPK + 3 * ONE_HOP_TOKENS * (MAX_EXPERTS // _SEG) * MAX_TOPK <= _WARPS * _TOK_PASS * (ROWS + 1)
 
 
 class MoeRoute:
@@ -86,6 +101,7 @@ class MoeRoute:
         self.pdl = pdl
         self.splits = dim // K_PER_CTA
         self.groups = experts // ROWS
+        self.segs = experts // _SEG
 
     @cute.jit
     def __call__(self, mH: cute.Tensor, mW: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor,
@@ -127,8 +143,6 @@ class MoeRoute:
         a_hi = [cute_utils.load_bf16_pairs(gW_hi[None, vecs[c]]) for c in range(_CHUNKS)]
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
-        bias = [mBias[lane + 32 * j] for j in range(self.experts // 32)]  # for the selection, in flight with h
-
         for t0 in cutlass.range(0, n_tok, _TOK_PASS):
             b_tiles = []  # the B operand of every token tile, requested before the first MMA
             for n in cutlass.range_constexpr(_TILES):
@@ -157,30 +171,47 @@ class MoeRoute:
                 mWs[split, tok, group * ROWS + row] = part
             cute.arch.barrier()  # sAcc is rewritten by the next pass
 
-        sScore = cute.make_tensor(sAcc.iterator, cute.make_layout((_WARPS * self.experts,)))  # sAcc, once free
         plane = n_tok * self.experts  # ws[s] holds (token, expert) f = t * E + e at s * plane + f
-        select_args = (n_tok, warp, lane, sScore, bias, mWeights, mExperts, route_scale)
+        lane_masks = self.lane_masks()
+        outs = self.winners_smem(sAcc)
         if n_tok <= ONE_HOP_TOKENS:
             if self.last_to_arrive(mCount, 0, self.groups * self.splits, tidx, s_last) != 0:
-                # every thread: its (at most ceil(ONE_HOP_TOKENS * E / 512)) scores, all partials requested first
-                f = [tidx + _WARPS * 32 * u for u in range(-(-ONE_HOP_TOKENS * self.experts // (_WARPS * 32)))]
-                parts = [self.partials(mWs, plane, cutlass.min(f_u, plane - 1)) for f_u in f]
-                scores = [self.score(p, gate_temp) for p in parts]  # (unconditional: the chains overlap)
-                for u in cutlass.range_constexpr(len(f)):
-                    if f[u] < plane:
-                        sScore[f[u]] = scores[u]
-                self.select_tokens(0, *select_args)
+                # warp w: the (token, segment) units w, w + 16, ... of the T x E / 32; lane l: expert l of each unit's
+                # segment (every unit's partials and bias requested first). Then warp w merges token w's lists.
+                units = [warp + _WARPS * u for u in range(-(-ONE_HOP_TOKENS * self.segs // _WARPS))]
+                tokens = [cutlass.min(u // self.segs, n_tok - 1) for u in units]
+                segs = [u % self.segs for u in units]
+                biases = [mBias[g * _SEG + lane] for g in segs]
+                parts = [self.partials(mWs, plane, t * self.experts + g * _SEG + lane) for t, g in zip(tokens, segs)]
+                lists = self.lists_smem(sAcc)
+                for u in cutlass.range_constexpr(len(units)):
+                    if units[u] < n_tok * self.segs:  # (warp-uniform: only the tokens' units run)
+                        self.select_segment(tokens[u], segs[u], segs[u] * _SEG + lane, lane < _SEG,
+                                            self.score(parts[u], gate_temp), biases[u], *lane_masks, *lists)
+                cute.arch.barrier()  # every token's lists are written
+                if warp < n_tok:
+                    g = cutlass.min(lane, self.segs - 1)
+                    self.merge_lists(warp, warp, lane, lane < self.segs,
+                                     [[lst[warp, g, j] for j in range(self.topk)] for lst in lists], *lane_masks,
+                                     *outs, mWeights, mExperts, route_scale)
         elif self.last_to_arrive(mCount, 1 + group, self.splits, tidx, s_last) != 0:
-            # the row group's finisher: its (token, expert) scores into the score plane ws[S]
-            for i in cutlass.range(tidx, n_tok * ROWS, _WARPS * 32):
-                f = (i // ROWS) * self.experts + group * ROWS + i % ROWS
-                mWs.iterator[self.splits * plane + f] = self.score(self.partials(mWs, plane, f), gate_temp)
+            # the row group's finisher, warp w: tokens w, w + 16, ...; lane r < 16: expert 16 group + r, its score from
+            # the split partials, ranked (lanes 16.. out) into the group's list of the token in ws
+            lists = self.lists_global(mWs, n_tok)
+            expert = group * ROWS + cutlass.min(lane, ROWS - 1)
+            bias = mBias[expert]
+            for t in cutlass.range(warp, n_tok, _WARPS):
+                score = self.score(self.partials(mWs, plane, t * self.experts + expert), gate_temp)
+                self.select_segment(t, group, expert, lane < ROWS, score, bias, *lane_masks, *lists)
             if self.last_to_arrive(mCount, 0, self.groups, tidx, s_last) != 0:
-                for t0 in cutlass.range(0, n_tok, _WARPS):
-                    for i in cutlass.range(tidx, cutlass.min(n_tok - t0, _WARPS) * self.experts, _WARPS * 32):
-                        sScore[i] = cute.arch.load(mWs.iterator + (self.splits * plane + t0 * self.experts + i),
-                                                   Float32, sem="relaxed", scope="gpu")
-                    self.select_tokens(t0, *select_args)
+                # warp w: tokens w, w + 16, ..., each the merge of its E / 16 groups' lists (lane g: group g's)
+                g = cutlass.min(lane, self.groups - 1)
+                for t in cutlass.range(warp, n_tok, _WARPS):
+                    self.merge_lists(warp, t, lane, lane < self.groups,
+                                     [[cute.arch.load(cute_utils.elem_ptr(lst, (t, g, j)), lst.element_type,
+                                                      sem="relaxed", scope="gpu") for j in range(self.topk)]
+                                      for lst in lists], *lane_masks, *outs, mWeights, mExperts, route_scale)
+                    cute.arch.sync_warp()  # the warp's winners are rewritten next
 
     @cute.jit
     def last_to_arrive(self, mCount: cute.Tensor, slot: Int32, arrivals: cutlass.Constexpr[int], tidx: Int32,
@@ -214,49 +245,94 @@ class MoeRoute:
             logit = logit + parts[s]
         return _score(logit / gate_temp)
 
-    @cute.jit
-    def select_tokens(self, t0: Int32, n_tok: Int32, warp: Int32, lane: Int32, sScore: cute.Tensor, bias: list,
-                      mWeights: cute.Tensor, mExperts: cute.Tensor, route_scale: Float32):
-        """Once sScore holds the scores of tokens [t0, t0 + 16) (row w: token t0 + w), warp w selects token t0 + w."""
-        cute.arch.barrier()
-        if t0 + warp < n_tok:
-            self.select(t0 + warp, warp * self.experts, lane, sScore, bias, mWeights, mExperts, route_scale)
-        cute.arch.barrier()  # sScore may be rewritten next
+    def lane_masks(self) -> tuple:
+        """(lanes up to this one, this lane): the lane masks that pick a ballot's lowest lane."""
+        return Int32(cute.arch.lanemask_le()), Int32(cute.arch.lanemask_eq())
+
+    def lists_smem(self, sAcc: cute.Tensor) -> tuple:
+        """The one-ticket selection's lists key / expert / score [ONE_HOP_TOKENS, E / 32 segments, k] in sAcc's
+        storage, after the winners (lane-contiguous per place)."""
+        layout = cute.make_layout((ONE_HOP_TOKENS, self.segs, self.topk), stride=(self.segs * self.topk, 1, self.segs))
+        n = ONE_HOP_TOKENS * self.segs * self.topk
+        base = sAcc.iterator + 2 * _WARPS * self.topk
+        return (cute.make_tensor(cute.recast_ptr(base, dtype=Int32), layout),
+                cute.make_tensor(cute.recast_ptr(base + n, dtype=Int32), layout),
+                cute.make_tensor(base + 2 * n, layout))
+
+    def lists_global(self, mWs: cute.Tensor, n_tok: Int32) -> tuple:
+        """The two-ticket selection's lists key / expert / score [T, E / 16 row groups, k] in the workspace's
+        planes S and S + 1 (3 T E / 16 k <= 2 T E words)."""
+        layout = cute.make_layout((n_tok, self.groups, self.topk), stride=(self.groups * self.topk, 1, self.groups))
+        n = n_tok * self.groups * self.topk
+        base = mWs.iterator + self.splits * n_tok * self.experts
+        return (cute.make_tensor(cute.recast_ptr(base, dtype=Int32), layout),
+                cute.make_tensor(cute.recast_ptr(base + n, dtype=Int32), layout),
+                cute.make_tensor(base + 2 * n, layout))
+
+    def winners_smem(self, sAcc: cute.Tensor) -> tuple:
+        """The merges' winners expert / score [16 warps, k] at the start of sAcc's storage."""
+        layout = cute.make_layout((_WARPS, self.topk), stride=(self.topk, 1))
+        return (cute.make_tensor(cute.recast_ptr(sAcc.iterator, dtype=Int32), layout),
+                cute.make_tensor(sAcc.iterator + _WARPS * self.topk, layout))
 
     @cute.jit
-    def select(self, t: Int32, row: Int32, lane: Int32, sScore: cute.Tensor, bias: list, mWeights: cute.Tensor,
-               mExperts: cute.Tensor, route_scale: Float32):
-        """Token t's experts and weights, by one warp, from its scores sScore[row:row + E] (lane l: experts l, l + 32,
-        ..., whose bias it holds).
+    def select_segment(self, row: Int32, g: Int32, expert: Int32, in_segment, score: Float32, bias: Float32,
+                       lane_le: Int32, lane_bit: Int32, lKey: cute.Tensor, lExpert: cute.Tensor, lScore: cute.Tensor):
+        """Level 1 of the selection, by one warp: the experts of segment g, one per lane (this lane's ``expert``,
+        ``score`` and ``bias``; lanes in expert order; lanes not ``in_segment`` take no part), ranked into their k
+        best, written to the list [row, g, 0:k], best first.
 
-        Each of the k rounds (a rolled loop: code that runs once per launch is fetched cold) takes the warp's largest
-        order key (``redux.sync`` max over the lanes' best), then the lowest expert index holding it (``redux.sync``
-        min), and retires that slot; the result is uniform over the warp, so lane r keeps round r's expert and score,
-        and every lane sums the winners' scores in round order.
+        Round i: the largest order key of score + bias (``redux.sync`` max), then the lowest lane holding it (a
+        ballot: equal biased scores go to the lower index; NaN ranks above every number), which writes place i and
+        retires its key. A segment holds 16 or 32 >= k experts, so no retired key (nor a lane out of it) is taken.
         """
-        slots = self.experts // 32
-        idx = [lane + 32 * j for j in range(slots)]
-        key = [_order_key(sScore[row + idx[j]] + bias[j]) for j in range(slots)]
-        mine = Int32(0)  # lane r < k: the expert of round r
-        mine_score = Float32(0.0)
+        key = cutlass.select_(in_segment, _order_key(score + bias), Int32(_LOWEST))
+        for i in cutlass.range(self.topk, unroll=1):  # rolled: code that runs once per launch is fetched cold
+            top = cute.arch.warp_redux_sync(key, "max")
+            won = (cute.arch.vote_ballot_sync(key == top) & lane_le) == lane_bit
+            if won:
+                lKey[row, g, i] = key
+                lExpert[row, g, i] = expert
+                lScore[row, g, i] = score
+            key = cutlass.select_(won, Int32(_LOWEST), key)
+
+    @cute.jit
+    def merge_lists(self, row: Int32, t: Int32, lane: Int32, has_list, lists: list, lane_le: Int32, lane_bit: Int32,
+                    sOutExpert: cute.Tensor, sOutScore: cute.Tensor, mWeights: cute.Tensor, mExperts: cute.Tensor,
+                    route_scale: Float32):
+        """Level 2, by one warp: token t's segments' lists, lane g holding list g's keys / experts / scores
+        (``lists``, best first; ``has_list`` False past the last segment), merged into the token's k experts, which
+        it writes with their weights (winners staged in row ``row`` of sOut).
+
+        Round i: the largest head key (``redux.sync`` max), then the lowest lane holding it (a ballot: segments are
+        in expert order and each list breaks its own ties by index, so this is the lower expert index of equal
+        biased scores); that lane writes place i's expert and score and drops its head. Every lane then sums
+        the winners' scores in round order, and lane i < k writes place i.
+        """
+        keys = [cutlass.select_(has_list, key, Int32(_LOWEST)) for key in lists[0]]
+        experts = lists[1]
+        scores = lists[2]
+        for i in cutlass.range(self.topk, unroll=1):
+            top = cute.arch.warp_redux_sync(keys[0], "max")
+            won = (cute.arch.vote_ballot_sync(keys[0] == top) & lane_le) == lane_bit
+            if won:
+                sOutExpert[row, i] = experts[0]
+                sOutScore[row, i] = scores[0]
+            # the list with its head taken (each list assigned by name: the loop carries what it assigns)
+            keys_after, experts_after, scores_after = keys[1:] + [Int32(_LOWEST)], experts[1:], scores[1:]
+            for j in cutlass.range_constexpr(self.topk - 1):
+                keys[j] = cutlass.select_(won, keys_after[j], keys[j])
+                experts[j] = cutlass.select_(won, experts_after[j], experts[j])
+                scores[j] = cutlass.select_(won, scores_after[j], scores[j])
+            keys[self.topk - 1] = cutlass.select_(won, keys_after[self.topk - 1], keys[self.topk - 1])
+        cute.arch.sync_warp()
         total = Float32(0.0)
-        for k in cutlass.range(self.topk, unroll=1):
-            top = cute.arch.warp_redux_sync(_tree(key, cutlass.max), "max")
-            first = cute.arch.warp_redux_sync(
-                _tree([cutlass.select_(key[j] == top, idx[j], Int32(_NO_EXPERT)) for j in range(slots)], cutlass.min),
-                "min")
-            for j in cutlass.range_constexpr(slots):
-                key[j] = cutlass.select_(idx[j] == first, Int32(_LOWEST), key[j])
-            score = sScore[row + first]
-            total = total + score
-            if lane == k:
-                mine = first
-                mine_score = score
+        for i in cutlass.range_constexpr(self.topk):
+            total = total + sOutScore[row, i]
         total = total + 1e-20
         if lane < self.topk:
-            mExperts[t, lane] = Int64(mine)
-            mWeights[t, lane] = mine_score / total * route_scale
-
+            mExperts[t, lane] = Int64(sOutExpert[row, lane])
+            mWeights[t, lane] = sOutScore[row, lane] / total * route_scale
 
 @cute.jit
 def _score(x: Float32) -> Float32:
@@ -274,13 +350,6 @@ def _order_key(v: Float32) -> Int32:
     bits = cute_utils.float_bits(v)
     key = cutlass.select_(bits < 0, bits ^ Int32(0x7FFFFFFF), bits)
     return cutlass.select_(v != v, Int32(_NAN_KEY), key)
-
-
-def _tree(vals: list, op):
-    """``op`` folded over ``vals`` as a pairwise tree (depth log2 instead of a chain)."""
-    while len(vals) > 1:
-        vals = [op(vals[i], vals[i + 1]) if i + 1 < len(vals) else vals[i] for i in range(0, len(vals), 2)]
-    return vals[0]
 
 
 def config_reason(dim: int, experts: int, topk: int) -> str | None:
@@ -309,7 +378,7 @@ def supports(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, *, 
     reason = config_reason(d, e, topk)
     if reason is not None:
         return reason
-    if t * d >= 2**31 or (d // K_PER_CTA + 1) * t * e >= 2**31:
+    if t * d >= 2**31 or (d // K_PER_CTA + 2) * t * e >= 2**31:
         return f"T = {t} overflows the kernel's 32-bit indexing"
     return hopper_reason(h=h, gate_weight=gate_weight, bias=bias)
 
@@ -322,7 +391,7 @@ def _compile_moe_route(dim: int, experts: int, topk: int, pdl: bool):
         MoeRoute(dim, experts, topk, pdl),
         fake_tensor(BFloat16, (t, dim)), fake_tensor(BFloat16, (experts, dim)), fake_tensor(Float32, (experts,), 4),
         fake_tensor(Float32, (t, topk), 4), fake_tensor(Int64, (t, topk), 8),
-        fake_tensor(Float32, (splits + 1, t, experts), 4), fake_tensor(Int32, (experts // ROWS + 1,), 4),
+        fake_tensor(Float32, (splits + 2, t, experts), 4), fake_tensor(Int32, (experts // ROWS + 1,), 4),
         Float32(1.0), Float32(1.0), env_stream(),
     )
 
@@ -374,7 +443,7 @@ def moe_route(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, *,
     if t > 0:
         splits, groups = d // K_PER_CTA, e // ROWS
         count = _counters(h.device, groups)
-        ws = h.new_empty((splits + 1, t, e), dtype=torch.float32)
+        ws = h.new_empty((splits + 2, t, e), dtype=torch.float32)
         compile_for(d, e, topk, pdl)(h, gate_weight, bias, weights, experts, ws, count[:groups + 1], route_scale,
                                      gate_temp)
     return weights, experts

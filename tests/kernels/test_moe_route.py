@@ -18,7 +18,8 @@ fp32 accumulation over 128 columns, then fp32 sums over warps and CTAs), so its 
   with rtol 1e-5: a logit error dx moves sqrt(softplus(x)) by at most dx / 2 relatively (and the weight by about
   dx), so 1e-5 is 10x the expected error while a wrong temperature, eps or scale is off by far more.
 - ties (equal biased scores, made exact for both implementations: zero hidden states, quantised bias): the experts
-  must equal the reference's exactly, order included (the lower expert index first).
+  must equal the reference's exactly, order included (the lower expert index first), on both tails (each breaks them
+  in two levels: within a block of 32 or 16 experts, then across the blocks).
 - NaN biased scores rank above every number, in index order, as the reference's sort ranks them.
 - the two tails (one ticket, two tickets) give the same tokens bit-identical routes.
 CUDA graphs: 500 replays alternating two input sets with different routings are bit-identical to direct calls, on
@@ -164,12 +165,15 @@ def test_matches_reference_ties(t, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "D{}-E{}-k{}".format(*s))
-def test_matches_reference_one_expert_set(shape):
+@pytest.mark.parametrize("t", [3, 64], ids=lambda t: f"T{t}")
+def test_matches_reference_one_expert_set(t, shape):
     """A bias that dominates the scores routes every token to the same k experts (the others get no rows); their
-    weights still come from each token's own unbiased scores."""
+    weights still come from each token's own unbiased scores. The k experts lie in one block of 32 (one segment
+    of the one-ticket selection, whose list then supplies every place; one or two of the two-ticket one's)."""
     d, e, k = shape
-    h, w, _ = _inputs(64, d, e, 6)
-    favoured = torch.randperm(e, generator=torch.Generator().manual_seed(7))[:k].cuda()
+    h, w, _ = _inputs(t, d, e, 6)
+    g = torch.Generator().manual_seed(7)
+    favoured = (32 * torch.randint(e // 32, (1,), generator=g) + torch.randperm(32, generator=g)[:k]).cuda()
     bias = torch.zeros(e, device="cuda").index_fill_(0, favoured, 10.0)
     experts = _assert_routes(_route(h, w, bias, k), h, w, bias, k)
     assert (experts.sort(dim=1).values == favoured.sort().values).all()
@@ -194,11 +198,12 @@ def test_tails_agree(shape):
 
 
 @pytest.mark.gpu
-def test_matches_reference_nan_bias():
+@pytest.mark.parametrize("t", [3, K.ONE_HOP_TOKENS + 1], ids=lambda t: f"T{t}")
+def test_matches_reference_nan_bias(t):
     """Experts whose bias is NaN come first, the lower index first, then the ties of the test above as the reference
-    breaks them; the weights (from the unbiased scores) stay finite."""
+    breaks them; the weights (from the unbiased scores) stay finite. On both tails."""
     d, e, k = 5120, 384, 6
-    h, w, _ = _inputs(3, d, e, 13)
+    h, w, _ = _inputs(t, d, e, 13)
     h.zero_()
     levels = torch.randperm(e, generator=torch.Generator().manual_seed(14))
     bias = torch.zeros(e).index_fill_(0, levels[:2], math.nan).index_fill_(0, levels[2:12], 0.25).cuda()
