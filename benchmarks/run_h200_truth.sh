@@ -9,6 +9,8 @@
 #               on the first one's caches (warm start: the pass cache's and FX graph cache's counters). On 2026-12-01
 #               four processes side by side (short and long in one) ran out of the H200's memory: each holds ~30.5 GiB
 #               of model and caches, and the agreement checks at 4096 and 524288 could not allocate their 1.23 GiB.
+#   PART=now:   layers 2,3,20,24: batch 1 and batch 8 at context 4096 and batch 1 at 524288, three processes side by
+#               side (cold starts; 524288 without a profile): the rows the open issues quote before/after a change.
 #   PART=deep:  all 40 layers at context 4096, batch $BATCH (default 1): eager + inductor in one process, dsv41 in
 #               another. Alone on the machine, batch 1 took 474 s and 461 s on 2026-12-01 (cold compile of the step
 #               about 300 s, then the per-layer graphs). If a call is cut short, call it again at once (the machine
@@ -23,7 +25,7 @@
 # short at its limit still brings back what was measured, and the logs' summary is printed.
 source .device/bootstrap.sh >/dev/null 2>&1
 export PYTHONUNBUFFERED=1
-part=${1:?usage: run_h200_truth.sh short|long|deep|deep_inductor}
+part=${1:?usage: run_h200_truth.sh short|long|now|deep|deep_inductor}
 work=/tmp/truth_$part
 start_kind=cold
 warm_dir=$work/all_b${BATCH:-1}_dsv41/inductor && [ "$part" = deep_inductor ] && warm_dir=$work/all_b${BATCH:-1}_inductor/inductor
@@ -65,6 +67,12 @@ elif [ "$part" = long ]; then
   mkdir -p "$work/b1_ctx524288_warm" && cp -r "$work/b1_ctx524288/." "$work/b1_ctx524288_warm/"
   bench b1_ctx524288_warm $((budget - (SECONDS - start) - 10)) --layers $L --batch 1 --context 524288 --variants inductor,dsv41 \
     --start warm --no-profile
+elif [ "$part" = now ]; then
+  L=2,3,20,24 V=eager,inductor,dsv41
+  bench b1_ctx4096 $((budget - 30)) --layers $L --batch 1 --context 4096 --variants $V & others=$!
+  bench b8_ctx4096 $((budget - 30)) --layers $L --batch 8 --context 4096 --variants $V & others+=" $!"
+  bench b1_ctx524288 $((budget - 30)) --layers $L --batch 1 --context 524288 --variants $V --no-profile & others+=" $!"
+  wait $others
 elif [ "$part" = deep ]; then
   b=${BATCH:-1}
   bench all_b${b}_eager-inductor $budget --layers all --batch $b --context 4096 --variants eager,inductor --no-profile \
