@@ -26,6 +26,14 @@ by the four lanes of a quad (amax by two shuffles); s is a power of two, so a / 
 Rows beyond the first 8 of an expert run further passes over the CTA's weight slice (its re-reads hit L2). With
 ``pdl`` each launch is a programmatic dependent: it lets the next kernel launch at once and waits for the preceding
 one before it reads anything.
+
+Tried and dropped (H200, 2026-12-02, ``dsv41 bench kernels --op moe_experts``, Flash sizes): GEMM2 holding its whole
+w2 slice in registers (9 chunks a warp at I = 2304), loaded before its ``griddepcontrol.wait`` so that w2 streams
+during GEMM1's last wave. It needed 128 registers a thread, halving GEMM2's occupancy, and was slower at every T:
+121.35 / 225.17 / 426.74 / 826.79 / 1549.92 / 4698.59 us at T = 1 / 2 / 4 / 8 / 16 / 64 (83.5 / 89.0 / 92.0 / 93.7 /
+93.4 / 86.5% of copy bandwidth on the distinct experts' bytes) against this streamed loop's 119.6 / 222.5 / 419.9 /
+814.2 / 1501.2 / 4278.2 us (session 9); without PDL it was no faster (about 3 us slower at T = 1, equal at T = 64),
+so the loss was the register-resident operand, not the early launch.
 """
 
 from __future__ import annotations
