@@ -9,13 +9,13 @@ x [T, D] bf16, token [M] int64, row_weights [M] fp32, offsets [E] int32 (expert 
                        out[m] = bf16(a[m] @ w2[e]^T)                                                  fp32 accumulation
 
 Only the selected experts' weights are read, each once from HBM. Work split (both launches): CTA (s, j) takes the
-s-th expert that has rows (s < min(M, E); CTAs past the last such expert load and compute nothing) and weight rows
-tile j: in GEMM1 the 8 w1 rows [8j, 8j + 8) and the 8 w3 rows of the same columns of a (I / 8 tiles: 288 CTAs per
-expert at Flash sizes), in GEMM2 the 16 w2 rows [16j, 16j + 16) (D / 16 tiles: 320 per expert). The CTA's warps split
-K (the full D or I) into equal contiguous ranges, and each warp runs ``mma.sync.m16n8k16`` (bf16 in, fp32
-accumulation) with its 16 weight rows as A and 8 expert rows at a time as B, both loaded as 16-byte vectors (the
-column relabelling of ``dsv41.kernels.moe_route``), GROUP 32-column chunks of loads in flight before their MMAs. The
-warps' partial sums are added in shared memory in warp order (deterministic: no atomics, so CUDA-graph replays are
+s-th expert that has rows (s < min(M, E); CTAs past the last such expert exit at once) and weight rows tile j: in
+GEMM1 the 8 w1 rows [8j, 8j + 8) and the 8 w3 rows of the same columns of a (I / 8 tiles: 288 CTAs per expert at
+Flash sizes), in GEMM2 the 16 w2 rows [16j, 16j + 16) (D / 16 tiles: 320 per expert). The CTA's warps split K
+(the full D or I) into equal contiguous ranges, and each warp runs ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulation)
+with its 16 weight rows as A and 8 expert rows at a time as B, both loaded as 16-byte vectors (the column
+relabelling of ``dsv41.kernels.moe_route``), GROUP 32-column chunks of loads in flight before their MMAs. The warps'
+partial sums are added in shared memory in warp order (deterministic: no atomics, so CUDA-graph replays are
 bit-identical), then the epilogue runs one thread per (row, output column). GEMM1's MMA rows r and r + 8 are w1 and
 w3 of the same column, so g and u of a column meet in one lane's accumulators before the shared-memory sum.
 
@@ -23,19 +23,17 @@ The FP8 fake quantisation (per 32 columns of a row: s = 2^ceil(log2(max(amax, 1e
 +-448)) * s) is applied where GEMM2 loads its B operand: a 32-column chunk of a row is one quantisation block, held
 by the four lanes of a quad (amax by two shuffles); s is a power of two, so a / s is a * (1 / s), both exact.
 
-Rows beyond the first 8 of an expert run further passes over the CTA's weight slice. When a warp's K range is at
-most 12 chunks (GEMM2 at Flash sizes: I = 2304, 9 chunks, 72 registers a lane; 128 registers, no spills, per ptxas
-for sm_90a), its whole A operand is loaded into registers once, before the passes (resident); otherwise (GEMM1 at
-Flash sizes: 20 chunks) each pass streams it in groups and the re-reads hit L2. Either way the MMAs run in the same
-chunk order, so the results do not depend on it.
+Rows beyond the first 8 of an expert run further passes over the CTA's weight slice (its re-reads hit L2). With
+``pdl`` each launch is a programmatic dependent: it lets the next kernel launch at once and waits for the preceding
+one before it reads anything.
 
-With ``pdl`` both launches are programmatic dependents, and GEMM2 starts before GEMM1's grid has finished: GEMM1
-waits for the preceding kernel (which wrote the routing), then lets GEMM2 launch; GEMM2's CTAs, as SMs free up in
-GEMM1's last wave, find their expert (offsets by relaxed gpu-scope loads: they were written before GEMM1's wait
-returned) and load their resident w2 slice, and only then wait for GEMM1 before reading a. GEMM2 lets the next
-kernel launch at once. Static evidence (sm_90a SASS, nvdisasm; not yet timed on the GPU): GEMM1 runs ACQBULK (the
-wait) before PREEXIT (the trigger); GEMM2 runs PREEXIT, its offsets loads (LDG.E.STRONG.GPU), its 18 w2 loads
-(LDG.E.128) and only then ACQBULK.
+Tried and dropped (H200, 2026-12-02, ``dsv41 bench kernels --op moe_experts``, Flash sizes): GEMM2 holding its whole
+w2 slice in registers (9 chunks a warp at I = 2304), loaded before its ``griddepcontrol.wait`` so that w2 streams
+during GEMM1's last wave. It needed 128 registers a thread, halving GEMM2's occupancy, and was slower at every T:
+121.35 / 225.17 / 426.74 / 826.79 / 1549.92 / 4698.59 us at T = 1 / 2 / 4 / 8 / 16 / 64 (83.5 / 89.0 / 92.0 / 93.7 /
+93.4 / 86.5% of copy bandwidth on the distinct experts' bytes) against this streamed loop's 119.6 / 222.5 / 419.9 /
+814.2 / 1501.2 / 4278.2 us (session 9); without PDL it was no faster (about 3 us slower at T = 1, equal at T = 64),
+so the loss was the register-resident operand, not the early launch.
 """
 
 from __future__ import annotations
@@ -58,7 +56,6 @@ _CHUNK = 32  # columns per k-chunk: 4 lanes x one 16-byte vector
 _VEC = 8  # bf16 per 16-byte vector
 _MAX_WARPS = 8
 _MAX_GROUP = 4  # chunks of loads in flight per warp
-_MAX_RESIDENT_CHUNKS = 12  # a warp's A operand up to 12 chunks (96 registers a lane) is loaded once, before the passes
 _FP8_MAX = 448.0
 _AMAX_FLOOR = 1e-4
 
@@ -89,7 +86,6 @@ class ExpertGemm:
         self.warps = _warps(k)
         self.chunks = k // (self.warps * _CHUNK)  # per warp
         self.group = _group(self.chunks)
-        self.resident = self.chunks <= _MAX_RESIDENT_CHUNKS  # the warp's A operand fits in registers for all passes
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mToken: cute.Tensor, mRowW: cute.Tensor, mOffsets: cute.Tensor,
@@ -114,11 +110,9 @@ class ExpertGemm:
                                                               stride=(_TILE_N * (ROWS + 1), ROWS + 1, 1)),
                                     byte_alignment=16)
         sExpert = smem.allocate_tensor(Int32, cute.make_layout(3), byte_alignment=4)  # expert, first row, end row
-        if const_expr(self.pdl and self.swiglu):
-            cute.arch.griddepcontrol_wait()  # GEMM1: the routing (offsets, token, row weights) comes from before
-            cute.arch.griddepcontrol_launch_dependents()  # only now: GEMM2 reads offsets before its own wait
-        if const_expr(self.pdl and not self.swiglu):
+        if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()
         if tidx == 0:
             sExpert[0] = Int32(-1)
         cute.arch.barrier()
@@ -126,30 +120,20 @@ class ExpertGemm:
             self.find_expert(slot, lane, mOffsets, sExpert)
         cute.arch.barrier()
         expert = sExpert[0]
-        n0 = tile * self.cols
-        row_lo = n0 + r
-        row_hi = n0 + r + 8
-        if const_expr(self.swiglu):
-            row_hi = self.n_out + n0 + r  # the w3 row of w1 row row_lo
-        vec = (_VEC,)
-        # the expert's [rows, K] slice from a 64-bit offset: E x 2I x D passes 2^31 at Flash sizes
-        rows, k = mW.shape[1], mW.shape[2]
-        mWe = cute.make_tensor(mW.iterator + cute.assume(Int64(cutlass.max(expert, 0)) * Int64(rows * k), divby=_VEC),
-                               cute.make_layout((rows, k), stride=(k, 1)))
-        gW_lo = cute.tiled_divide(mWe[row_lo, None], vec)
-        gW_hi = cute.tiled_divide(mWe[row_hi, None], vec)
-        a_lo, a_hi = [], []
-        if const_expr(self.resident):
-            # the warp's whole A operand, read once for every pass; a weight, so (GEMM2 with pdl) read while GEMM1's
-            # last CTAs still run, before waiting for its activations
-            for c in cutlass.range_constexpr(self.chunks):
-                v = (warp * self.chunks + c) * (_CHUNK // _VEC) + q
-                a_lo.append(cute_utils.load_bf16_pairs(gW_lo[None, v], expert >= 0))
-                a_hi.append(cute_utils.load_bf16_pairs(gW_hi[None, v], expert >= 0))
-        if const_expr(self.pdl and not self.swiglu):
-            cute.arch.griddepcontrol_wait()  # GEMM1 has written a
         if expert >= 0:
             first, end = sExpert[1], sExpert[2]
+            n0 = tile * self.cols
+            row_lo = n0 + r
+            row_hi = n0 + r + 8
+            if const_expr(self.swiglu):
+                row_hi = self.n_out + n0 + r  # the w3 row of w1 row row_lo
+            vec = (_VEC,)
+            # the expert's [rows, K] slice from a 64-bit offset: E x 2I x D passes 2^31 at Flash sizes
+            rows, k = mW.shape[1], mW.shape[2]
+            mWe = cute.make_tensor(mW.iterator + cute.assume(Int64(expert) * Int64(rows * k), divby=_VEC),
+                                   cute.make_layout((rows, k), stride=(k, 1)))
+            gW_lo = cute.tiled_divide(mWe[row_lo, None], vec)
+            gW_hi = cute.tiled_divide(mWe[row_hi, None], vec)
             for t0 in cutlass.range(first, end, _TILE_N):
                 m = t0 + r
                 valid = m < end
@@ -158,13 +142,20 @@ class ExpertGemm:
                     src = Int32(mToken[src])
                 gB = cute.tiled_divide(mX[src, None], vec)
                 acc = [Float32(0.0)] * 4
-                if const_expr(self.resident):
-                    for g in cutlass.range_constexpr(self.chunks // self.group):
-                        chunks = slice(g * self.group, (g + 1) * self.group)
-                        acc = self.mma_group(acc, g, a_lo[chunks], a_hi[chunks], gW_lo, gW_hi, gB, valid, warp, q)
-                else:
-                    for g in cutlass.range(0, self.chunks // self.group):
-                        acc = self.mma_group(acc, g, None, None, gW_lo, gW_hi, gB, valid, warp, q)
+                for g in cutlass.range(0, self.chunks // self.group):
+                    a_lo, a_hi, b = [], [], []
+                    for c in cutlass.range_constexpr(self.group):
+                        v = (warp * self.chunks + g * self.group + c) * (_CHUNK // _VEC) + q
+                        a_lo.append(cute_utils.load_bf16_pairs(gW_lo[None, v]))
+                        a_hi.append(cute_utils.load_bf16_pairs(gW_hi[None, v]))
+                        if const_expr(self.quant):
+                            b.append(_quantised_pairs(gB[None, v], valid))
+                        else:
+                            b.append(cute_utils.load_bf16_pairs(gB[None, v], valid))
+                    for c in cutlass.range_constexpr(self.group):
+                        for j in cutlass.range_constexpr(2):  # the chunk's two k-steps of 16 (relabelled) columns
+                            acc = cute_utils.mma_m16n8k16(acc, [a_lo[c][2 * j], a_hi[c][2 * j], a_lo[c][2 * j + 1],
+                                                      a_hi[c][2 * j + 1]], [b[c][2 * j], b[c][2 * j + 1]])
                 # accumulator fragment: (weight row r, expert rows 2q, 2q + 1) and (weight row r + 8, the same)
                 for i in cutlass.range_constexpr(4):
                     sAcc[warp, 2 * q + i % 2, r + 8 * (i // 2)] = acc[i]
@@ -185,30 +176,6 @@ class ExpertGemm:
                 cute.arch.barrier()  # sAcc is rewritten by the next pass
 
     @cute.jit
-    def mma_group(self, acc: list, g, a_lo, a_hi, gW_lo: cute.Tensor, gW_hi: cute.Tensor, gB: cute.Tensor, valid,
-                  warp: Int32, q: Int32) -> list:
-        """acc after the warp's chunk group ``g`` (GROUP 32-column chunks): the A operand as given (resident) or
-        loaded here (``a_lo`` None), the group's B loads in flight before its MMAs."""
-        load_a = const_expr(a_lo is None)
-        if const_expr(load_a):
-            a_lo, a_hi = [], []
-        b = []
-        for c in cutlass.range_constexpr(self.group):
-            v = (warp * self.chunks + g * self.group + c) * (_CHUNK // _VEC) + q
-            if const_expr(load_a):
-                a_lo.append(cute_utils.load_bf16_pairs(gW_lo[None, v]))
-                a_hi.append(cute_utils.load_bf16_pairs(gW_hi[None, v]))
-            if const_expr(self.quant):
-                b.append(_quantised_pairs(gB[None, v], valid))
-            else:
-                b.append(cute_utils.load_bf16_pairs(gB[None, v], valid))
-        for c in cutlass.range_constexpr(self.group):
-            for j in cutlass.range_constexpr(2):  # the chunk's two k-steps of 16 (relabelled) columns
-                acc = cute_utils.mma_m16n8k16(acc, [a_lo[c][2 * j], a_hi[c][2 * j], a_lo[c][2 * j + 1],
-                                          a_hi[c][2 * j + 1]], [b[c][2 * j], b[c][2 * j + 1]])
-        return acc
-
-    @cute.jit
     def find_expert(self, slot: Int32, lane: Int32, mOffsets: cute.Tensor, sExpert: cute.Tensor):
         """One warp: sExpert = (e, first row, end row) of the slot-th expert that has rows (left at -1 if none)."""
         seen = Int32(0)  # experts with rows before this group of 32
@@ -216,10 +183,10 @@ class ExpertGemm:
         for j in cutlass.range_constexpr((self.experts + 31) // 32):
             e = lane + 32 * j
             inside = e < self.experts
-            end = _load_offset(mOffsets, cutlass.min(e, self.experts - 1))
+            end = mOffsets[cutlass.min(e, self.experts - 1)]
             first = Int32(0)
             if e > 0:
-                first = _load_offset(mOffsets, cutlass.min(e - 1, self.experts - 1))
+                first = mOffsets[cutlass.min(e - 1, self.experts - 1)]
             has_rows = inside & (end > first)
             mask = cute.arch.vote_ballot_sync(has_rows)
             if has_rows & (seen + cute.arch.popc(mask & below_lane) == slot):
@@ -235,13 +202,6 @@ class ExpertGemm:
         for w in cutlass.range_constexpr(1, self.warps):
             total = total + sAcc[w, n, row]
         return total
-
-
-@cute.jit
-def _load_offset(mOffsets: cute.Tensor, e: Int32) -> Int32:
-    """offsets[e] by a relaxed gpu-scope load (from L2, never a stale L1 line): GEMM2 with pdl reads offsets before
-    its griddepcontrol.wait, ordered only by GEMM1's wait for the kernel that wrote them."""
-    return cute.arch.load(cute_utils.elem_ptr(mOffsets, (e,)), Int32, sem="relaxed", scope="gpu")
 
 
 @cute.jit

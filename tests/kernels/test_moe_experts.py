@@ -1,14 +1,14 @@
 """The routed-experts kernel (dsv41.kernels.moe_experts).
 
 CPU: both launches compile for sm_90a (Flash sizes with and without the FP8 fake quantisation and programmatic
-dependent launch, the tiny model's sizes, a GEMM2 whose A operand is streamed rather than resident); `supports` and
-the entry explain what they reject.
+dependent launch, the tiny model's sizes, a GEMM2 of 16 chunks a warp); `supports` and the entry explain what they
+reject.
 GPU (H200), against the op's reference (`dsv41.lowerings.moe_experts.reference`: the model's torch._grouped_mm path)
 on the same inputs, outputs poisoned with NaN before each call, compared by the op's `compare_kernel` (|diff| <= 2^-6
 |want| + 2^-5 rms(want row), but for at most one row in 16 within 2^-4 relative L2: the GEMMs sum in another order,
 so a bf16 rounding of g, u or a and then an FP8 step of a may differ). T in DSV41_TEST_TOKENS (default
-1,2,3,5,8,16,31,64) at three small shapes, each a code path: D=128 I=64 (the tiny model), D=512 I=1536 (GEMM2's A
-resident over two load groups), D=256 I=4096 (GEMM2's A streamed: 16 chunks a warp), with the model's SwiGLU limit
+1,2,3,5,8,16,31,64) at three small shapes: D=128 I=64 (the tiny model), D=512 I=1536 (GEMM2: 6 chunks a warp in two
+load groups of 3), D=256 I=4096 (GEMM2: 16 chunks a warp in four groups of 4), with the model's SwiGLU limit
 and a limit of 0.75 that clamps often; the Flash sizes D=5120 I=2304 (E=16) at T = 1, 8, 64 (one pass of 6 experts,
 48 rows over 8 experts, 384 rows: about 48 an expert, 6 passes); routings with experts that get no rows and with
 every token on one expert; without the quantisation and PDL (bit-identical to the PDL launches); 500 CUDA-graph
@@ -65,6 +65,21 @@ def _inputs(t, d, inter, e, seed, one_expert=False, device="cuda", weights=None)
     row_weights = 0.5 * torch.rand(m, generator=g)
     w13, w2 = weights if weights is not None else _weights(d, inter, e, seed, device)
     return [a.to(device) for a in (x, token, row_weights, offsets)] + [w13, w2]
+
+
+def _run(inputs, limit=LIMIT, quant_block=BLOCK, **kw):
+    """The kernel's output into an out poisoned with NaN."""
+    m, d = inputs[1].shape[0], inputs[0].shape[1]
+    out = torch.full((m, d), float("nan"), dtype=torch.bfloat16, device=inputs[0].device)
+    return K.moe_experts(*inputs, swiglu_limit=limit, quant_block=quant_block, out=out, **kw)
+
+
+def _assert_matches(got, inputs, limit=LIMIT, quant_block=BLOCK):
+    """Every row written, and within the op's compare_kernel of its reference."""
+    assert not got.isnan().any(), "rows left unwritten"
+    want = op_module.reference(*inputs, limit, quant_block)
+    mismatch = op_module.compare_kernel(got, want)
+    assert mismatch is None, mismatch
 
 
 @pytest.mark.parametrize("config", [(5120, 2304, 384, 32, True), (5120, 2304, 384, 0, False), (128, 64, 16, 32, True),
