@@ -3,9 +3,13 @@
 h [T, D] bf16, gate_weight W [E, D] bf16, bias [E] fp32 -> weights [T, k] fp32, experts [T, k] int64:
 
     logits  = h @ W^T                                       fp32 accumulation            [T, E]
-    score   = sqrt(softplus(logits / gate_temp))            torch's softplus (threshold 20)
+    score   = sqrt(softplus(logits * (1 / gate_temp)))      torch's softplus (threshold 20)
     experts = the k largest score + bias, in descending order; equal biased scores: the lower expert index first
     weights = score[experts] / (sum_k score[experts] + 1e-20) * route_scale
+
+The score chain has no branch: 1 / gate_temp is rounded to fp32 once on the host (exact at the model's 1.0, within
+an ulp of the division otherwise) and the square root is ``sqrt.approx`` (MUFU.SQRT, ~1 ulp), where the IEEE
+division and square root each carried a slow-path call that kept chains from interleaving.
 
 Work split: CTA (g, s) owns the 16 weight rows [16g, 16g + 16) and the 1024 columns [1024s, 1024s + 1024), so the
 3.9 MB weight at E = 384, D = 5120 is spread over 24 x 5 = 120 CTAs, 32 KB each, all requested up front. Each of
@@ -31,7 +35,9 @@ The reduction over D is deterministic (no atomics on data, so CUDA-graph replays
    dropping. Either round is ~15-35 SASS, where a warp ranking all E experts in its lanes spent 76 per round.
    One ticket: the last CTA spreads the T x E / 32 (token, segment of 32) units over its 16 warps (only real
    tokens' units run; at T = 1 twelve warps share the token), each lane summing its partials in split order into
-   the score (temperature, softplus, sqrt); lists in shared memory; after a barrier warp t merges token t.
+   the score (temperature, softplus, sqrt); lists in shared memory; after a barrier warp t merges token t. A
+   warp's live units (up to 3 at E = 384 and T = 4) run interleaved, in a variant per count: their score chains
+   and selection rounds are independent, so T = 2..4 cost about one unit's latency, not one per unit in series.
    Two tickets: a row group's finisher ranks its 16 experts (lanes 16.. out) per token into the lists
    ``ws[S:S + 2]`` (key, expert, score [T, E / 16, k]); the last CTA's warp w merges tokens w, w + 16, ... from
    them (E / 16 <= 32 lists).
@@ -61,6 +67,8 @@ The grouped-GEMM metadata of the routing (row order, offsets, row weights) is ``
 
 from __future__ import annotations
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 import torch
@@ -83,6 +91,7 @@ _TILES = 4  # MMA token tiles per pass
 _TOK_PASS = _TILE_N * _TILES  # = _WARPS * 32 / ROWS: one thread per (token, row) of a pass
 _SEG = 32  # experts per selection segment: one per lane
 _SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus: x above it is returned as is
+_MIN_GATE_TEMP = 2.0**-126  # the smallest gate_temp whose reciprocal is a finite fp32 number
 _LOWEST = -(2**31)  # the order key of a retired slot: below every score's key
 _NAN_KEY = 2**31 - 1  # the order key of a NaN score: above +inf's
 assert MAX_EXPERTS // ROWS <= 32
@@ -106,14 +115,14 @@ class MoeRoute:
     @cute.jit
     def __call__(self, mH: cute.Tensor, mW: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor,
                  mExperts: cute.Tensor, mWs: cute.Tensor, mCount: cute.Tensor, route_scale: Float32,
-                 gate_temp: Float32, stream):
-        self.kernel(mH, mW, mBias, mWeights, mExperts, mWs, mCount, route_scale, gate_temp).launch(
+                 inv_temp: Float32, stream):
+        self.kernel(mH, mW, mBias, mWeights, mExperts, mWs, mCount, route_scale, inv_temp).launch(
             grid=[self.groups * self.splits, 1, 1], block=[_WARPS * 32, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor,
                mExperts: cute.Tensor, mWs: cute.Tensor, mCount: cute.Tensor, route_scale: Float32,
-               gate_temp: Float32):
+               inv_temp: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()
@@ -184,10 +193,14 @@ class MoeRoute:
                 biases = [mBias[g * _SEG + lane] for g in segs]
                 parts = [self.partials(mWs, plane, t * self.experts + g * _SEG + lane) for t, g in zip(tokens, segs)]
                 lists = self.lists_smem(sAcc)
-                for u in cutlass.range_constexpr(len(units)):
-                    if units[u] < n_tok * self.segs:  # (warp-uniform: only the tokens' units run)
-                        self.select_segment(tokens[u], segs[u], segs[u] * _SEG + lane, lane < _SEG,
-                                            self.score(parts[u], gate_temp), biases[u], *lane_masks, *lists)
+                # the warp's live units (those of real tokens) are its first n_live: their score chains and rankings
+                # run interleaved, in a variant per count (warp-uniform)
+                n_live = (n_tok * self.segs - warp + _WARPS - 1) // _WARPS
+                for n in cutlass.range_constexpr(1, len(units) + 1):
+                    if n_live == n:
+                        self.select_segments(tokens[:n], segs[:n], [g * _SEG + lane for g in segs[:n]], lane < _SEG,
+                                             [self.score(p, inv_temp) for p in parts[:n]], biases[:n], *lane_masks,
+                                             *lists)
                 cute.arch.barrier()  # every token's lists are written
                 if warp < n_tok:
                     g = cutlass.min(lane, self.segs - 1)
@@ -201,8 +214,8 @@ class MoeRoute:
             expert = group * ROWS + cutlass.min(lane, ROWS - 1)
             bias = mBias[expert]
             for t in cutlass.range(warp, n_tok, _WARPS):
-                score = self.score(self.partials(mWs, plane, t * self.experts + expert), gate_temp)
-                self.select_segment(t, group, expert, lane < ROWS, score, bias, *lane_masks, *lists)
+                score = self.score(self.partials(mWs, plane, t * self.experts + expert), inv_temp)
+                self.select_segments([t], [group], [expert], lane < ROWS, [score], [bias], *lane_masks, *lists)
             if self.last_to_arrive(mCount, 0, self.groups, tidx, s_last) != 0:
                 # warp w: tokens w, w + 16, ..., each the merge of its E / 16 groups' lists (lane g: group g's)
                 g = cutlass.min(lane, self.groups - 1)
@@ -238,12 +251,12 @@ class MoeRoute:
                 for s in range(self.splits)]
 
     @cute.jit
-    def score(self, parts: list, gate_temp: Float32) -> Float32:
-        """The score of a logit's split partials, summed in split order."""
+    def score(self, parts: list, inv_temp: Float32) -> Float32:
+        """The score of a logit's split partials, summed in split order, times 1 / gate_temp."""
         logit = parts[0]
         for s in cutlass.range_constexpr(1, self.splits):
             logit = logit + parts[s]
-        return _score(logit / gate_temp)
+        return _score(logit * inv_temp)
 
     def lane_masks(self) -> tuple:
         """(lanes up to this one, this lane): the lane masks that pick a ballot's lowest lane."""
@@ -276,25 +289,28 @@ class MoeRoute:
                 cute.make_tensor(sAcc.iterator + _WARPS * self.topk, layout))
 
     @cute.jit
-    def select_segment(self, row: Int32, g: Int32, expert: Int32, in_segment, score: Float32, bias: Float32,
-                       lane_le: Int32, lane_bit: Int32, lKey: cute.Tensor, lExpert: cute.Tensor, lScore: cute.Tensor):
-        """Level 1 of the selection, by one warp: the experts of segment g, one per lane (this lane's ``expert``,
-        ``score`` and ``bias``; lanes in expert order; lanes not ``in_segment`` take no part), ranked into their k
-        best, written to the list [row, g, 0:k], best first.
+    def select_segments(self, rows: list, gs: list, experts: list, in_segment, scores: list, biases: list,
+                        lane_le: Int32, lane_bit: Int32, lKey: cute.Tensor, lExpert: cute.Tensor, lScore: cute.Tensor):
+        """Level 1 of the selection, by one warp, for each unit u of the lists (rows, gs, experts, scores, biases):
+        the experts of segment gs[u], one per lane (this lane's experts[u], scores[u] and biases[u]; lanes in expert
+        order; lanes not ``in_segment`` take no part), ranked into their k best, written to the list
+        [rows[u], gs[u], 0:k], best first. The units' rounds are interleaved (independent chains).
 
         Round i: the largest order key of score + bias (``redux.sync`` max), then the lowest lane holding it (a
         ballot: equal biased scores go to the lower index; NaN ranks above every number), which writes place i and
         retires its key. A segment holds 16 or 32 >= k experts, so no retired key (nor a lane out of it) is taken.
         """
-        key = cutlass.select_(in_segment, _order_key(score + bias), Int32(_LOWEST))
+        keys = [cutlass.select_(in_segment, _order_key(score + bias), Int32(_LOWEST))
+                for score, bias in zip(scores, biases)]
         for i in cutlass.range(self.topk, unroll=1):  # rolled: code that runs once per launch is fetched cold
-            top = cute.arch.warp_redux_sync(key, "max")
-            won = (cute.arch.vote_ballot_sync(key == top) & lane_le) == lane_bit
-            if won:
-                lKey[row, g, i] = key
-                lExpert[row, g, i] = expert
-                lScore[row, g, i] = score
-            key = cutlass.select_(won, Int32(_LOWEST), key)
+            tops = [cute.arch.warp_redux_sync(key, "max") for key in keys]
+            won = [(cute.arch.vote_ballot_sync(key == top) & lane_le) == lane_bit for key, top in zip(keys, tops)]
+            for u in cutlass.range_constexpr(len(keys)):
+                if won[u]:
+                    lKey[rows[u], gs[u], i] = keys[u]
+                    lExpert[rows[u], gs[u], i] = experts[u]
+                    lScore[rows[u], gs[u], i] = scores[u]
+                keys[u] = cutlass.select_(won[u], Int32(_LOWEST), keys[u])
 
     @cute.jit
     def merge_lists(self, row: Int32, t: Int32, lane: Int32, has_list, lists: list, lane_le: Int32, lane_bit: Int32,
@@ -340,7 +356,7 @@ def _score(x: Float32) -> Float32:
     soft = cute.math.log1p(cute.math.exp(x))
     if x > _SOFTPLUS_THRESHOLD:
         soft = x
-    return cute.math.sqrt(soft)
+    return cute.math.sqrt(soft, fastmath=True)
 
 
 @cute.jit
@@ -378,6 +394,8 @@ def supports(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, *, 
     reason = config_reason(d, e, topk)
     if reason is not None:
         return reason
+    if not _MIN_GATE_TEMP <= gate_temp < math.inf:
+        return f"gate_temp must be finite and >= 2^-126 (the kernel multiplies by its fp32 reciprocal), got {gate_temp}"
     if t * d >= 2**31 or (d // K_PER_CTA + 2) * t * e >= 2**31:
         return f"T = {t} overflows the kernel's 32-bit indexing"
     return hopper_reason(h=h, gate_weight=gate_weight, bias=bias)
@@ -445,5 +463,5 @@ def moe_route(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, *,
         count = _counters(h.device, groups)
         ws = h.new_empty((splits + 2, t, e), dtype=torch.float32)
         compile_for(d, e, topk, pdl)(h, gate_weight, bias, weights, experts, ws, count[:groups + 1], route_scale,
-                                     gate_temp)
+                                     1.0 / gate_temp)
     return weights, experts

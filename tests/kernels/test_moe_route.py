@@ -108,6 +108,8 @@ def test_supports_explains():
     assert "topk must be in [1, 8], got 0" in K.supports(h, w, bias, **{**kw, "topk": 0})
     assert "topk must be in [1, 8], got 9" in K.supports(h, w, bias, **{**kw, "topk": 9})
     assert "must be 2-D" in K.supports(h[0], w, bias, **kw)
+    for temp in (0.0, 2.0**-127, math.inf, math.nan):
+        assert "gate_temp must be finite and >= 2^-126" in K.supports(h, w, bias, **{**kw, "gate_temp": temp})
     with pytest.raises(ValueError, match="moe_route: bias must have shape"):
         K.moe_route(h, w, bias[:-1], **kw)
     with pytest.raises(ValueError, match="moe_route: topk must be in"):
@@ -139,15 +141,17 @@ def test_matches_reference(t, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "D{}-E{}-k{}".format(*s))
-def test_matches_reference_gate_temp(shape):
+@pytest.mark.parametrize("t", [3, 16], ids=lambda t: f"T{t}")
+def test_matches_reference_gate_temp(t, shape):
+    """The kernel scales the logits by the fp32 reciprocal of gate_temp (on both tails)."""
     d, e, k = shape
-    h, w, bias = _inputs(16, d, e, 3)
+    h, w, bias = _inputs(t, d, e, 3)
     _assert_routes(_route(h, w, bias, k, gate_temp=0.7), h, w, bias, k, gate_temp=0.7)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "D{}-E{}-k{}".format(*s))
-@pytest.mark.parametrize("t", [1, 5, 31], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("t", [1, 3, 5, 31], ids=lambda t: f"T{t}")
 def test_matches_reference_ties(t, shape):
     """Zero hidden states give every expert the score sqrt(log 2); with 3 random experts biased by 0.5 and 20 others
     by 0.25, the k-th place falls among the 20 tied ones, which the tie rule breaks by the lower expert index,
