@@ -49,14 +49,19 @@ The summation order and math are the same on both paths (their results are bit-i
 ticket resets its counter, so every launch (CUDA-graph replays included) finds them zero; launches that share the
 counters (one set per device) must therefore be stream-ordered.
 
-Static evidence (sm_90a, ptxas -v, nvdisasm; not yet timed on the GPU): 64 registers, no spills. From the last
-partial store to the output stores at T <= 4: thread 0's fence and atomic, then one batch of L2 loads. At E = 384,
-k = 6, after the ticket, the critical warp at T = 1 runs ~550 SASS (loads and one score chain 182, level 1 84 = 6
-rounds x 14, level 2 ~270 = 34 + 6 rounds x 33 + ~40), where the one-warp selection before ran ~870 (three score
-chains in series 288, selection 586 = 98 + 6 rounds x 76 + 32) and one more barrier; above 4 tokens the last CTA
-spends ~270 SASS per token (the merge, after one batch of L2 loads of its 24 lists) instead of 586 plus staging the
-scores in shared memory, and a finisher's warp ~230 per token (loads, score, level 1 = 115 + 6 x 19) instead of
-one score chain per thread.
+Measured (H200, 2026-12-02, the commit before the interleaved units; the timings are in the README): T = 2 and 4
+paid a warp's second and third unit in series (a score chain with two slow-path calls, then 6 selection rounds
+each). The weight read is not where the time goes: with PDL it overlaps the predecessor, and without PDL the kernel
+takes 0.86 us more at T = 1 (the read plus the launch PDL hides), under the 0.94 us the read takes at copy
+bandwidth. Every thread's four 16-byte weight loads are issued before its first wait, so the CTA's whole 32 KB slice
+is in flight at once (``cp.async.bulk`` into shared memory would put no more bytes in flight). The rest is a chain
+of latencies: the predecessor's completion, h from HBM, the ticket (fence, atomic, the partials from L2), the tail.
+
+Static evidence (sm_90a, ptxas -v, nvdisasm; the interleaved units not yet timed): 64 registers, no spills. At
+E = 384, k = 6 a one-ticket warp's level 1 is 75 SASS for one unit (a 13-SASS round), 136 for two (28 per round),
+194 for three (40 per round), score chains included (a branch-free chain of ~45 SASS, one MUFU.EX2 and one
+MUFU.SQRT; the three chains' MUFUs issue back to back), where each unit took ~98 SASS with two slow-path branches
+before its 6 rounds, in series. Level 2 (the merge) is ~110 SASS with a rolled 6-round loop.
 
 With ``pdl`` the kernel is a programmatic dependent launch: it lets the next kernel launch at once, loads its slice
 of the weight, and only then waits for the preceding kernel before reading h.
