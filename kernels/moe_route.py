@@ -19,35 +19,38 @@ CTA reads a different column slice of h, so there is nothing to share). The MMA'
 columns that lets each lane load 16-byte vectors of both operands: lane (r, q) = (lane / 4, lane % 4) owns columns
 [8q, 8q + 8) of each 32-column chunk, for rows r and r + 8 of W and token r of the tile.
 
-The reduction over D is deterministic (no atomics on data, so CUDA-graph replays are bit-identical):
+The reduction over D is deterministic (no atomics, so CUDA-graph replays are bit-identical):
 
 1. each CTA sums its 16 warps' accumulators in shared memory, in warp order, and stores its partial logits in the
-   fp32 workspace ``ws[s, t, e]``;
-2. tickets: thread 0 of each CTA adds 1 to a counter (release and acquire at GPU scope; the CTA's barriers carry
-   them to its other threads, as a cooperative grid sync does, so no other thread fences). Up to ONE_HOP_TOKENS
-   tokens there is one ticket for all 120 CTAs and its last CTA sums the partials itself; above, where that CTA's
-   score math (~100 SASS per (token, expert)) would outweigh a second ticket, the last of the 5 CTAs of each row
-   group scores its group's 16 experts and ranks them (level 1 below) into the workspace, and the last of those 24
-   goes on;
+   fp32 workspace ``ws[s, t, e]`` (relaxed stores at GPU scope);
+2. the words are their own flags: between launches every workspace word holds ``_EMPTY``, a NaN pattern that no
+   arithmetic returns, so a consumer requests all its words at once and loads a word again only while it is still
+   ``_EMPTY``, then writes ``_EMPTY`` back. The last partial reaches its consumer one L2 round trip after it is
+   stored, where a ticket took three in series (the fence's wait for the stores, the atomic, then the loads).
+   Consumers are fixed CTAs that wait only on lower-indexed ones (as a decoupled look-back scan does), so the
+   wait ends even if CTAs ran one after another. Up to ONE_HOP_TOKENS tokens the last CTA (index 119) takes every
+   partial itself; above, where its score math would outweigh a second hop, the last CTA of each row group
+   (split 4) takes its group's partials, scores its 16 experts and ranks them (level 1 below) into the
+   workspace, and the last CTA takes those lists;
 3. the selection, in two levels. Level 1 ranks a segment of experts, one per lane in index order, into its k best
    (a list, best first): k rounds of a ``redux.sync`` max of the order keys of score + bias and a ballot for the
    lowest lane holding it. Level 2 merges a token's lists (lane g: list g) the same way, its winners' heads
    dropping. Either round is ~15-35 SASS, where a warp ranking all E experts in its lanes spent 76 per round.
-   One ticket: the last CTA spreads the T x E / 32 (token, segment of 32) units over its 16 warps (only real
+   One hop: the last CTA spreads the T x E / 32 (token, segment of 32) units over its 16 warps (only real
    tokens' units run; at T = 1 twelve warps share the token), each lane summing its partials in split order into
    the score (temperature, softplus, sqrt); lists in shared memory; after a barrier warp t merges token t. A
    warp's live units (up to 3 at E = 384 and T = 4) run interleaved, in a variant per count: their score chains
    and selection rounds are independent, so T = 2..4 cost about one unit's latency, not one per unit in series.
-   Two tickets: a row group's finisher ranks its 16 experts (lanes 16.. out) per token into the lists
-   ``ws[S:S + 2]`` (key, expert, score [T, E / 16, k]); the last CTA's warp w merges tokens w, w + 16, ... from
-   them (E / 16 <= 32 lists).
+   Two hops: a row group's finisher ranks its 16 experts (lanes 16.. out) per token into the lists
+   ``ws[S:S + 2]`` (key, expert, score [T, E / 16, k]; neither a key nor an expert id is ``_EMPTY``); the last
+   CTA's warp w merges tokens w, w + 16, ... from them (E / 16 <= 32 lists).
    Equal biased scores: the lower index first (within a segment the lower lane, across them the lower segment);
    NaN above every number, as torch's sort ranks them. The weights come from the winners' unbiased scores, summed
    in round order.
 
-The summation order and math are the same on both paths (their results are bit-identical). The last CTA of each
-ticket resets its counter, so every launch (CUDA-graph replays included) finds them zero; launches that share the
-counters (one set per device) must therefore be stream-ordered.
+The summation order and math are the same on both paths (their results are bit-identical). Every word a launch
+stores is consumed and reset by it, so every launch (CUDA-graph replays included) finds the workspace empty;
+launches that share it (one per device) must therefore be stream-ordered.
 
 Measured (H200, 2026-12-02, the commit before the interleaved units; the timings are in the README): T = 2 and 4
 paid a warp's second and third unit in series (a score chain with two slow-path calls, then 6 selection rounds
@@ -55,13 +58,17 @@ each). The weight read is not where the time goes: with PDL it overlaps the pred
 takes 0.86 us more at T = 1 (the read plus the launch PDL hides), under the 0.94 us the read takes at copy
 bandwidth. Every thread's four 16-byte weight loads are issued before its first wait, so the CTA's whole 32 KB slice
 is in flight at once (``cp.async.bulk`` into shared memory would put no more bytes in flight). The rest is a chain
-of latencies: the predecessor's completion, h from HBM, the ticket (fence, atomic, the partials from L2), the tail.
+of latencies: the predecessor's completion, h from HBM, the ticket (fence, atomic, the partials from L2; now one
+round trip, item 2), the tail.
 
-Static evidence (sm_90a, ptxas -v, nvdisasm; the interleaved units not yet timed): 64 registers, no spills. At
-E = 384, k = 6 a one-ticket warp's level 1 is 75 SASS for one unit (a 13-SASS round), 136 for two (28 per round),
-194 for three (40 per round), score chains included (a branch-free chain of ~45 SASS, one MUFU.EX2 and one
-MUFU.SQRT; the three chains' MUFUs issue back to back), where each unit took ~98 SASS with two slow-path branches
-before its 6 rounds, in series. Level 2 (the merge) is ~110 SASS with a rolled 6-round loop.
+Static evidence (sm_90a, ptxas -v, nvdisasm; not yet timed): 64 registers, 16 bytes of spills (the warp index,
+stored at entry and reloaded once in a tail, and one address in the three-unit variant). A producer's path ends at
+its partial stores (STG.E.STRONG.GPU; no fence, atomic or barrier after them). A consumer issues all its loads
+(LDG.E.STRONG.GPU) back to back, then per word a compare with 0x7fbadbad and a branch around its reload loop. At
+E = 384, k = 6 a one-hop warp's variants: one unit 136 SASS (take 5 words, the score chain, level 1 in a rolled
+13-SASS round, 5 resets), two units 28 SASS per round, three units 40 per round with the three score chains' MUFUs
+back to back; each unit took ~98 SASS with two slow-path calls before its 6 rounds, in series, before. The score
+chain is ~45 SASS, one MUFU.EX2 and one MUFU.SQRT. Level 2 (the merge) is ~110 SASS with a rolled 6-round loop.
 
 With ``pdl`` the kernel is a programmatic dependent launch: it lets the next kernel launch at once, loads its slice
 of the weight, and only then waits for the preceding kernel before reading h.
@@ -85,9 +92,9 @@ from dsv41.kernels.compile_cache import (cached_kernel, compile_tvm_ffi, env_str
 
 ROWS = 16  # weight rows per CTA: the MMA's M
 K_PER_CTA = 1024  # columns per CTA
-MAX_EXPERTS = 512  # the two-ticket merge: one lane per row group of 16 experts
+MAX_EXPERTS = 512  # the two-hop merge: one lane per row group of 16 experts
 MAX_TOPK = 8
-ONE_HOP_TOKENS = 4  # up to this many tokens the last CTA sums the split partials itself (one ticket), else two
+ONE_HOP_TOKENS = 4  # up to this many tokens the last CTA takes the split partials itself (one hop), else two
 _WARPS = 16
 _CHUNKS = 2  # 32-column chunks per warp: K_PER_CTA = _WARPS * _CHUNKS * 32
 _VEC = 8  # bf16 per 16-byte vector
@@ -97,10 +104,11 @@ _TOK_PASS = _TILE_N * _TILES  # = _WARPS * 32 / ROWS: one thread per (token, row
 _SEG = 32  # experts per selection segment: one per lane
 _SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus: x above it is returned as is
 _MIN_GATE_TEMP = 2.0**-126  # the smallest gate_temp whose reciprocal is a finite fp32 number
+_EMPTY = 0x7FBADBAD  # an fp32 NaN no arithmetic returns (theirs is 0x7FFFFFFF), nor an order key: a workspace word not yet stored
 _LOWEST = -(2**31)  # the order key of a retired slot: below every score's key
 _NAN_KEY = 2**31 - 1  # the order key of a NaN score: above +inf's
 assert MAX_EXPERTS // ROWS <= 32
-# sAcc's storage holds the merges' winners (expert, score of 16 warps x k) and the one-ticket selection's lists (key,
+# sAcc's storage holds the merges' winners (expert, score of 16 warps x k) and the one-hop selection's lists (key,
 # expert, score of each token's E / 32 segments x k)
 assert 2 * _WARPS * MAX_TOPK + 3 * ONE_HOP_TOKENS * (MAX_EXPERTS // _SEG) * MAX_TOPK <= _WARPS * _TOK_PASS * (ROWS + 1)
 
@@ -119,15 +127,13 @@ class MoeRoute:
 
     @cute.jit
     def __call__(self, mH: cute.Tensor, mW: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor,
-                 mExperts: cute.Tensor, mWs: cute.Tensor, mCount: cute.Tensor, route_scale: Float32,
-                 inv_temp: Float32, stream):
-        self.kernel(mH, mW, mBias, mWeights, mExperts, mWs, mCount, route_scale, inv_temp).launch(
+                 mExperts: cute.Tensor, mWs: cute.Tensor, route_scale: Float32, inv_temp: Float32, stream):
+        self.kernel(mH, mW, mBias, mWeights, mExperts, mWs, route_scale, inv_temp).launch(
             grid=[self.groups * self.splits, 1, 1], block=[_WARPS * 32, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor,
-               mExperts: cute.Tensor, mWs: cute.Tensor, mCount: cute.Tensor, route_scale: Float32,
-               inv_temp: Float32):
+               mExperts: cute.Tensor, mWs: cute.Tensor, route_scale: Float32, inv_temp: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()
@@ -143,7 +149,6 @@ class MoeRoute:
         sAcc = smem.allocate_tensor(Float32, cute.make_layout((_WARPS, _TOK_PASS, ROWS),
                                                               stride=(_TOK_PASS * (ROWS + 1), ROWS + 1, 1)),
                                     byte_alignment=16)
-        s_last = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -182,78 +187,83 @@ class MoeRoute:
                 part = sAcc[0, tidx // ROWS, row]
                 for w in cutlass.range_constexpr(1, _WARPS):
                     part = part + sAcc[w, tidx // ROWS, row]
-                mWs[split, tok, group * ROWS + row] = part
+                cute.arch.store(cute_utils.elem_ptr(mWs, (split, tok, group * ROWS + row)), part, sem="relaxed",
+                                scope="gpu")
             cute.arch.barrier()  # sAcc is rewritten by the next pass
 
         plane = n_tok * self.experts  # ws[s] holds (token, expert) f = t * E + e at s * plane + f
         lane_masks = self.lane_masks()
         outs = self.winners_smem(sAcc)
+        last_cta = self.groups * self.splits - 1
         if n_tok <= ONE_HOP_TOKENS:
-            if self.last_to_arrive(mCount, 0, self.groups * self.splits, tidx, s_last) != 0:
+            if cta == last_cta:
                 # warp w: the (token, segment) units w, w + 16, ... of the T x E / 32; lane l: expert l of each unit's
-                # segment (every unit's partials and bias requested first). Then warp w merges token w's lists.
+                # segment. The warp's live units (those of real tokens) are its first n_live: their partials taken
+                # at once, their score chains and rankings interleaved, in a variant per count (warp-uniform). Then
+                # warp w merges token w's lists.
                 units = [warp + _WARPS * u for u in range(-(-ONE_HOP_TOKENS * self.segs // _WARPS))]
                 tokens = [cutlass.min(u // self.segs, n_tok - 1) for u in units]
                 segs = [u % self.segs for u in units]
                 biases = [mBias[g * _SEG + lane] for g in segs]
-                parts = [self.partials(mWs, plane, t * self.experts + g * _SEG + lane) for t, g in zip(tokens, segs)]
                 lists = self.lists_smem(sAcc)
-                # the warp's live units (those of real tokens) are its first n_live: their score chains and rankings
-                # run interleaved, in a variant per count (warp-uniform)
                 n_live = (n_tok * self.segs - warp + _WARPS - 1) // _WARPS
                 for n in cutlass.range_constexpr(1, len(units) + 1):
                     if n_live == n:
+                        parts = self.take(mWs.iterator, [s * plane + t * self.experts + g * _SEG + lane
+                                                         for t, g in zip(tokens[:n], segs[:n])
+                                                         for s in range(self.splits)], True)
+                        scores = [self.score(parts[u * self.splits:(u + 1) * self.splits], inv_temp)
+                                  for u in range(n)]
                         self.select_segments(tokens[:n], segs[:n], [g * _SEG + lane for g in segs[:n]], lane < _SEG,
-                                             [self.score(p, inv_temp) for p in parts[:n]], biases[:n], *lane_masks,
-                                             *lists)
+                                             scores, biases[:n], *lane_masks, *lists)
                 cute.arch.barrier()  # every token's lists are written
                 if warp < n_tok:
                     g = cutlass.min(lane, self.segs - 1)
                     self.merge_lists(warp, warp, lane, lane < self.segs,
                                      [[lst[warp, g, j] for j in range(self.topk)] for lst in lists], *lane_masks,
                                      *outs, mWeights, mExperts, route_scale)
-        elif self.last_to_arrive(mCount, 1 + group, self.splits, tidx, s_last) != 0:
+        elif split == self.splits - 1:
             # the row group's finisher, warp w: tokens w, w + 16, ...; lane r < 16: expert 16 group + r, its score from
             # the split partials, ranked (lanes 16.. out) into the group's list of the token in ws
             lists = self.lists_global(mWs, n_tok)
             expert = group * ROWS + cutlass.min(lane, ROWS - 1)
             bias = mBias[expert]
             for t in cutlass.range(warp, n_tok, _WARPS):
-                score = self.score(self.partials(mWs, plane, t * self.experts + expert), inv_temp)
-                self.select_segments([t], [group], [expert], lane < ROWS, [score], [bias], *lane_masks, *lists)
-            if self.last_to_arrive(mCount, 0, self.groups, tidx, s_last) != 0:
+                parts = self.take(mWs.iterator, [s * plane + t * self.experts + expert for s in range(self.splits)],
+                                  lane < ROWS)
+                self.select_segments([t], [group], [expert], lane < ROWS, [self.score(parts, inv_temp)], [bias],
+                                     *lane_masks, *lists)
+            if cta == last_cta:
                 # warp w: tokens w, w + 16, ..., each the merge of its E / 16 groups' lists (lane g: group g's)
                 g = cutlass.min(lane, self.groups - 1)
+                layout, firsts = self.lists_global_words(n_tok)
                 for t in cutlass.range(warp, n_tok, _WARPS):
+                    taken = self.take(mWs.iterator, [first + cute.crd2idx((t, g, j), layout) for first in firsts
+                                                     for j in range(self.topk)], lane < self.groups)
+                    fields = [taken[f * self.topk:(f + 1) * self.topk] for f in range(3)]
                     self.merge_lists(warp, t, lane, lane < self.groups,
-                                     [[cute.arch.load(cute_utils.elem_ptr(lst, (t, g, j)), lst.element_type,
-                                                      sem="relaxed", scope="gpu") for j in range(self.topk)]
-                                      for lst in lists], *lane_masks, *outs, mWeights, mExperts, route_scale)
+                                     [[cute_utils.float_bits(v) for v in fields[0]],
+                                      [cute_utils.float_bits(v) for v in fields[1]], fields[2]], *lane_masks, *outs,
+                                     mWeights, mExperts, route_scale)
                     cute.arch.sync_warp()  # the warp's winners are rewritten next
 
     @cute.jit
-    def last_to_arrive(self, mCount: cute.Tensor, slot: Int32, arrivals: cutlass.Constexpr[int], tidx: Int32,
-                       s_last: cute.Tensor) -> Int32:
-        """Nonzero in every thread of the CTA that is the last of ``arrivals`` to reach counter ``slot``; that CTA
-        resets the counter and sees every store the others made before arriving.
-
-        Thread 0 alone adds 1 (release and acquire at GPU scope); the barriers around it carry both to the CTA's
-        other threads, as a cooperative grid sync does, so no thread but it fences.
-        """
-        cute.arch.barrier()
-        if tidx == 0:
-            ticket = cute.arch.atomic_add(cute_utils.elem_ptr(mCount, (slot,)), Int32(1), sem="acq_rel", scope="gpu")
-            s_last[0] = Int32(ticket == arrivals - 1)
-            if ticket == arrivals - 1:
-                mCount[slot] = Int32(0)
-        cute.arch.barrier()
-        return s_last[0]
-
-    @cute.jit
-    def partials(self, mWs: cute.Tensor, plane: Int32, f: Int32) -> list:
-        """The split partial logits of flat (token, expert) ``f``, loaded from L2."""
-        return [cute.arch.load(mWs.iterator + (s * plane + f), Float32, sem="relaxed", scope="gpu")
-                for s in range(self.splits)]
+    def take(self, base: cute.Pointer, offsets: list, active) -> list:
+        """The 32-bit words at ``base + offsets`` (the workspace, read as fp32) once their producers, other CTAs,
+        have stored them, each then reset to ``_EMPTY`` for the next launch. All are requested at once (relaxed
+        GPU-scope loads); a word still ``_EMPTY`` is loaded again until it is not. Lanes not ``active`` read nothing
+        and get zeros. A word is consumed by one lane only, and producers never wait, so this ends."""
+        vals = [Float32(0.0) for _ in offsets]
+        if active:
+            vals = [cute.arch.load(base + off, Float32, sem="relaxed", scope="gpu") for off in offsets]
+            for i in cutlass.range_constexpr(len(offsets)):
+                val = vals[i]
+                while cute_utils.float_bits(val) == _EMPTY:
+                    val = cute.arch.load(base + offsets[i], Float32, sem="relaxed", scope="gpu")
+                vals[i] = val
+            for off in offsets:
+                cute.arch.store(cute.recast_ptr(base + off, dtype=Int32), Int32(_EMPTY), sem="relaxed", scope="gpu")
+        return vals
 
     @cute.jit
     def score(self, parts: list, inv_temp: Float32) -> Float32:
@@ -268,7 +278,7 @@ class MoeRoute:
         return Int32(cute.arch.lanemask_le()), Int32(cute.arch.lanemask_eq())
 
     def lists_smem(self, sAcc: cute.Tensor) -> tuple:
-        """The one-ticket selection's lists key / expert / score [ONE_HOP_TOKENS, E / 32 segments, k] in sAcc's
+        """The one-hop selection's lists key / expert / score [ONE_HOP_TOKENS, E / 32 segments, k] in sAcc's
         storage, after the winners (lane-contiguous per place)."""
         layout = cute.make_layout((ONE_HOP_TOKENS, self.segs, self.topk), stride=(self.segs * self.topk, 1, self.segs))
         n = ONE_HOP_TOKENS * self.segs * self.topk
@@ -277,15 +287,20 @@ class MoeRoute:
                 cute.make_tensor(cute.recast_ptr(base + n, dtype=Int32), layout),
                 cute.make_tensor(base + 2 * n, layout))
 
-    def lists_global(self, mWs: cute.Tensor, n_tok: Int32) -> tuple:
-        """The two-ticket selection's lists key / expert / score [T, E / 16 row groups, k] in the workspace's
-        planes S and S + 1 (3 T E / 16 k <= 2 T E words)."""
+    def lists_global_words(self, n_tok: Int32) -> tuple:
+        """The two-hop selection's lists key / expert / score [T, E / 16 row groups, k] in the workspace's
+        planes S and S + 1 (3 T E / 16 k <= 2 T E words): (their layout, each list's first word)."""
         layout = cute.make_layout((n_tok, self.groups, self.topk), stride=(self.groups * self.topk, 1, self.groups))
         n = n_tok * self.groups * self.topk
-        base = mWs.iterator + self.splits * n_tok * self.experts
-        return (cute.make_tensor(cute.recast_ptr(base, dtype=Int32), layout),
-                cute.make_tensor(cute.recast_ptr(base + n, dtype=Int32), layout),
-                cute.make_tensor(base + 2 * n, layout))
+        first = self.splits * n_tok * self.experts
+        return layout, [first, first + n, first + 2 * n]
+
+    def lists_global(self, mWs: cute.Tensor, n_tok: Int32) -> tuple:
+        """The two-hop selection's lists (``lists_global_words``) as tensors."""
+        layout, firsts = self.lists_global_words(n_tok)
+        return (cute.make_tensor(cute.recast_ptr(mWs.iterator + firsts[0], dtype=Int32), layout),
+                cute.make_tensor(cute.recast_ptr(mWs.iterator + firsts[1], dtype=Int32), layout),
+                cute.make_tensor(mWs.iterator + firsts[2], layout))
 
     def winners_smem(self, sAcc: cute.Tensor) -> tuple:
         """The merges' winners expert / score [16 warps, k] at the start of sAcc's storage."""
@@ -312,9 +327,12 @@ class MoeRoute:
             won = [(cute.arch.vote_ballot_sync(key == top) & lane_le) == lane_bit for key, top in zip(keys, tops)]
             for u in cutlass.range_constexpr(len(keys)):
                 if won[u]:
-                    lKey[rows[u], gs[u], i] = keys[u]
-                    lExpert[rows[u], gs[u], i] = experts[u]
-                    lScore[rows[u], gs[u], i] = scores[u]
+                    for lst, val in zip((lKey, lExpert, lScore), (keys[u], experts[u], scores[u])):
+                        if const_expr(lst.memspace == cute.AddressSpace.gmem):  # read by other CTAs (take)
+                            cute.arch.store(cute_utils.elem_ptr(lst, (rows[u], gs[u], i)), val, sem="relaxed",
+                                            scope="gpu")
+                        else:
+                            lst[rows[u], gs[u], i] = val
                 keys[u] = cutlass.select_(won[u], Int32(_LOWEST), keys[u])
 
     @cute.jit
@@ -414,8 +432,7 @@ def _compile_moe_route(dim: int, experts: int, topk: int, pdl: bool):
         MoeRoute(dim, experts, topk, pdl),
         fake_tensor(BFloat16, (t, dim)), fake_tensor(BFloat16, (experts, dim)), fake_tensor(Float32, (experts,), 4),
         fake_tensor(Float32, (t, topk), 4), fake_tensor(Int64, (t, topk), 8),
-        fake_tensor(Float32, (splits + 2, t, experts), 4), fake_tensor(Int32, (experts // ROWS + 1,), 4),
-        Float32(1.0), Float32(1.0), env_stream(),
+        fake_tensor(Float32, (splits + 2, t, experts), 4), Float32(1.0), Float32(1.0), env_stream(),
     )
 
 
@@ -425,20 +442,22 @@ def compile_for(dim: int, experts: int, topk: int, pdl: bool = True):
     return _compile_moe_route(dim, experts, topk, pdl)
 
 
-_COUNTERS: dict[int, torch.Tensor] = {}  # device index -> the zeroed ticket counters (row groups + 1)
+_WORKSPACES: dict[int, torch.Tensor] = {}  # device index -> the workspace, every word _EMPTY between launches
+_MIN_WORKSPACE_WORDS = 7 * 256 * 512  # (splits + 2) T E at D = 5120, T = 256, E = 512: decode sizes never regrow it
 
 
-def _counters(device: torch.device, groups: int) -> torch.Tensor:
-    """The device's ticket counters, at least ``groups + 1``; kernels leave them zeroed. Grown (never freed:
-    captured graphs keep the old address) outside CUDA-graph capture only."""
+def _workspace(device: torch.device, words: int) -> torch.Tensor:
+    """The device's fp32 workspace of at least ``words`` words, each holding ``_EMPTY``; kernels leave it so.
+    Grown (never freed: captured graphs keep the old address) outside CUDA-graph capture only."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    count = _COUNTERS.get(idx)
-    if count is None or count.numel() < groups + 1:
+    ws = _WORKSPACES.get(idx)
+    if ws is None or ws.numel() < words:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("moe_route: the ticket counters must be allocated before CUDA-graph capture; "
-                               "call moe_route once first")
-        count = _COUNTERS[idx] = torch.zeros(max(64, groups + 1), dtype=torch.int32, device=device)
-    return count
+            raise RuntimeError("moe_route: the workspace must be allocated before CUDA-graph capture; call "
+                               "moe_route once first with at least as many tokens")
+        ws = _WORKSPACES[idx] = torch.full((max(words, _MIN_WORKSPACE_WORDS),), _EMPTY, dtype=torch.int32,
+                                           device=device).view(torch.float32)
+    return ws
 
 
 def moe_route(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, *, topk: int, route_scale: float,
@@ -464,9 +483,7 @@ def moe_route(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, *,
             if reason is not None:
                 raise ValueError(f"moe_route: {reason}")
     if t > 0:
-        splits, groups = d // K_PER_CTA, e // ROWS
-        count = _counters(h.device, groups)
-        ws = h.new_empty((splits + 2, t, e), dtype=torch.float32)
-        compile_for(d, e, topk, pdl)(h, gate_weight, bias, weights, experts, ws, count[:groups + 1], route_scale,
-                                     1.0 / gate_temp)
+        shape = (d // K_PER_CTA + 2, t, e)
+        ws = _workspace(h.device, math.prod(shape))[:math.prod(shape)].view(shape)
+        compile_for(d, e, topk, pdl)(h, gate_weight, bias, weights, experts, ws, route_scale, 1.0 / gate_temp)
     return weights, experts

@@ -4,7 +4,7 @@ CPU: it compiles for sm_90a (Flash dimensions with and without programmatic depe
 smallest and largest k); `supports` and the entry explain what they reject; the op's reference honours the tie rule.
 GPU (H200), against the op's reference (`dsv41.lowerings.moe_route.reference`, fp32), outputs poisoned with NaN
 before each call: T in DSV41_TEST_TOKENS (default 1,2,3,4,5,8,16,31,64) at D=5120 E=384 k=6 and D=2048 E=64 k=4; the
-default covers both of the kernel's tails and the step between them (one ticket up to K.ONE_HOP_TOKENS = 4 tokens,
+default covers both of the kernel's tails and the step between them (one hop up to K.ONE_HOP_TOKENS = 4 tokens,
 two above).
 
 How results are compared. The kernel sums the logits in another order than cuBLAS (bf16 tensor-core products with
@@ -21,7 +21,7 @@ fp32 accumulation over 128 columns, then fp32 sums over warps and CTAs), so its 
   must equal the reference's exactly, order included (the lower expert index first), on both tails (each breaks them
   in two levels: within a block of 32 or 16 experts, then across the blocks).
 - NaN biased scores rank above every number, in index order, as the reference's sort ranks them.
-- the two tails (one ticket, two tickets) give the same tokens bit-identical routes.
+- the two tails (one hop, two hops) give the same tokens bit-identical routes.
 CUDA graphs: 500 replays alternating two input sets with different routings are bit-identical to direct calls, on
 each tail.
 When CUDA is present these tests fail (never skip) if the kernel cannot run.
@@ -132,11 +132,11 @@ def test_reference_tie_rule():
 @pytest.mark.parametrize("t", TOKENS, ids=lambda t: f"T{t}")
 def test_matches_reference(t, shape):
     d, e, k = shape
-    for seed in range(2):  # twice: the second launch relies on the first having reset the ticket counters
+    for seed in range(2):  # twice: the second launch relies on the first having emptied the workspace
         h, w, bias = _inputs(t, d, e, seed)
         _assert_routes(_route(h, w, bias, k), h, w, bias, k)
     torch.cuda.synchronize()
-    assert not K._COUNTERS[h.device.index].any(), "ticket counters not reset"
+    assert (K._WORKSPACES[h.device.index].view(torch.int32) == K._EMPTY).all(), "workspace not left empty"
 
 
 @pytest.mark.gpu
@@ -173,7 +173,7 @@ def test_matches_reference_ties(t, shape):
 def test_matches_reference_one_expert_set(t, shape):
     """A bias that dominates the scores routes every token to the same k experts (the others get no rows); their
     weights still come from each token's own unbiased scores. The k experts lie in one block of 32 (one segment
-    of the one-ticket selection, whose list then supplies every place; one or two of the two-ticket one's)."""
+    of the one-hop selection, whose list then supplies every place; one or two of the two-hop one's)."""
     d, e, k = shape
     h, w, _ = _inputs(t, d, e, 6)
     g = torch.Generator().manual_seed(7)
@@ -193,7 +193,7 @@ def test_without_pdl():
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "D{}-E{}-k{}".format(*s))
 def test_tails_agree(shape):
     """A token's route does not depend on the others' nor on the tail: the first K.ONE_HOP_TOKENS tokens routed alone
-    (one ticket) are bit-identical to the same tokens routed with more (two tickets)."""
+    (one hop) are bit-identical to the same tokens routed with more (two hops)."""
     d, e, k = shape
     n = K.ONE_HOP_TOKENS
     h, w, bias = _inputs(n + 3, d, e, 15)
