@@ -27,11 +27,12 @@ The reduction over D is deterministic (no atomics, so CUDA-graph replays are bit
    arithmetic returns, so a consumer requests all its words at once and loads a word again only while it is still
    ``_EMPTY``, then writes ``_EMPTY`` back. The last partial reaches its consumer one L2 round trip after it is
    stored, where a ticket took three in series (the fence's wait for the stores, the atomic, then the loads).
-   Consumers are fixed CTAs that wait only on lower-indexed ones (as a decoupled look-back scan does), so the
-   wait ends even if CTAs ran one after another. Up to ONE_HOP_TOKENS tokens the last CTA (index 119) takes every
-   partial itself; above, where its score math would outweigh a second hop, the last CTA of each row group
-   (split 4) takes its group's partials, scores its 16 experts and ranks them (level 1 below) into the
-   workspace, and the last CTA takes those lists;
+   Consumers are fixed CTAs that wait only on lower-indexed ones (CTAs are dispatched in index order, which a
+   decoupled look-back scan relies on too), so the wait ends even if CTAs ran one after another. Up to
+   ONE_HOP_TOKENS tokens the last CTA (index 119 at E = 384, D = 5120) takes every partial itself; above, where
+   its score math would outweigh a second hop, the last CTA of each row group (split S - 1) takes its group's
+   partials, scores its 16 experts and ranks them (level 1 below) into the workspace, and the last CTA takes
+   those lists;
 3. the selection, in two levels. Level 1 ranks a segment of experts, one per lane in index order, into its k best
    (a list, best first): k rounds of a ``redux.sync`` max of the order keys of score + bias and a ballot for the
    lowest lane holding it. Level 2 merges a token's lists (lane g: list g) the same way, its winners' heads
