@@ -11,8 +11,8 @@ The score chain has no branch: 1 / gate_temp is rounded to fp32 once on the host
 an ulp of the division otherwise) and the square root is ``sqrt.approx`` (MUFU.SQRT, ~1 ulp), where the IEEE
 division and square root each carried a slow-path call that kept chains from interleaving.
 
-Work split: CTA (g, s) owns the 16 weight rows [16g, 16g + 16) and the 1024 columns [1024s, 1024s + 1024), so the
-3.9 MB weight at E = 384, D = 5120 is spread over 24 x 5 = 120 CTAs, 32 KB each, all requested up front. Each of
+Work split: producer CTA (g, s) owns the 16 weight rows [16g, 16g + 16) and the columns [1024s, 1024s + 1024), so the
+3.9 MB weight at E = 384, D = 5120 is spread over 24 x 5 = 120 producers, 32 KB each, all requested up front. Each of
 the CTA's 16 warps holds 64 columns of those rows in registers as the A operand of ``mma.sync.m16n8k16`` (bf16 in,
 fp32 accumulation); tokens are the N operand, 8 per MMA and 32 per pass, read straight from global memory (every
 CTA reads a different column slice of h, so there is nothing to share). The MMA's k order is a relabelling of the
@@ -29,22 +29,24 @@ The reduction over D is deterministic (no atomics, so CUDA-graph replays are bit
    stored, where a ticket took three in series (the fence's wait for the stores, the atomic, then the loads).
    Consumers are fixed CTAs that wait only on lower-indexed ones (CTAs are dispatched in index order, which a
    decoupled look-back scan relies on too), so the wait ends even if CTAs ran one after another. Up to
-   ONE_HOP_TOKENS tokens the last CTA (index 119 at E = 384, D = 5120) takes every partial itself; above, where
-   its score math would outweigh a second hop, the last CTA of each row group (split S - 1) takes its group's
-   partials, scores its 16 experts and ranks them (level 1 below) into the workspace, and the last CTA takes
-   those lists;
+   ONE_HOP_TOKENS tokens the last producer (CTA 119 at E = 384, D = 5120) takes every partial itself; above,
+   where its score math would outweigh a second hop, the last producer of each row group (split S - 1) takes its
+   group's partials, scores its 16 experts and ranks them (level 1 below) into the workspace, and MERGERS = 8
+   more CTAs (after the producers, on SMs they leave idle; they read no weight) take those lists;
 3. the selection, in two levels. Level 1 ranks a segment of experts, one per lane in index order, into its k best
    (a list, best first): k rounds of a ``redux.sync`` max of the order keys of score + bias and a ballot for the
    lowest lane holding it. Level 2 merges a token's lists (lane g: list g) the same way, its winners' heads
    dropping. Either round is ~15-35 SASS, where a warp ranking all E experts in its lanes spent 76 per round.
-   One hop: the last CTA spreads the T x E / 32 (token, segment of 32) units over its 16 warps (only real
+   One hop: the last producer spreads the T x E / 32 (token, segment of 32) units over its 16 warps (only real
    tokens' units run; at T = 1 twelve warps share the token), each lane summing its partials in split order into
    the score (temperature, softplus, sqrt); lists in shared memory; after a barrier warp t merges token t. A
    warp's live units (up to 3 at E = 384 and T = 4) run interleaved, in a variant per count: their score chains
    and selection rounds are independent, so T = 2..4 cost about one unit's latency, not one per unit in series.
    Two hops: a row group's finisher ranks its 16 experts (lanes 16.. out) per token into the lists
-   ``ws[S:S + 2]`` (key, expert, score [T, E / 16, k]; neither a key nor an expert id is ``_EMPTY``); the last
-   CTA's warp w merges tokens w, w + 16, ... from them (E / 16 <= 32 lists).
+   ``ws[S:S + 2]`` (key, expert, score [T, E / 16, k]; neither a key nor an expert id is ``_EMPTY``); merger
+   m's warp w merges tokens m + MERGERS w, m + MERGERS (w + 16), ... from them (E / 16 <= 32 lists): up to 128
+   tokens a warp merges one at most, and a merger's scheduler runs one warp at T = 16 (the last producer's 16
+   warps merging all 16 tokens ran four: ~1080 issue cycles, not ~270).
    Equal biased scores: the lower index first (within a segment the lower lane, across them the lower segment);
    NaN above every number, as torch's sort ranks them. The weights come from the winners' unbiased scores, summed
    in round order.
@@ -62,8 +64,8 @@ is in flight at once (``cp.async.bulk`` into shared memory would put no more byt
 of latencies: the predecessor's completion, h from HBM, the ticket (fence, atomic, the partials from L2; now one
 round trip, item 2), the tail.
 
-Static evidence (sm_90a, ptxas -v, nvdisasm; not yet timed): 64 registers, 16 bytes of spills (the warp index,
-stored at entry and reloaded once in a tail, and one address in the three-unit variant). A producer's path ends at
+Static evidence (sm_90a, ptxas -v, nvdisasm; not yet timed): 64 registers, 8 bytes of spills (one address around
+the three-unit variant's reload loops). A producer's path ends at
 its partial stores (STG.E.STRONG.GPU; no fence, atomic or barrier after them). A consumer issues all its loads
 (LDG.E.STRONG.GPU) back to back, then per word a compare with 0x7fbadbad and a branch around its reload loop. At
 E = 384, k = 6 a one-hop warp's variants: one unit 136 SASS (take 5 words, the score chain, level 1 in a rolled
@@ -95,7 +97,8 @@ ROWS = 16  # weight rows per CTA: the MMA's M
 K_PER_CTA = 1024  # columns per CTA
 MAX_EXPERTS = 512  # the two-hop merge: one lane per row group of 16 experts
 MAX_TOPK = 8
-ONE_HOP_TOKENS = 4  # up to this many tokens the last CTA takes the split partials itself (one hop), else two
+MERGERS = 8  # CTAs after the producers that merge the two-hop lists (on SMs the producers leave idle)
+ONE_HOP_TOKENS = 4  # up to this many tokens the last producer takes the split partials itself (one hop), else two
 _WARPS = 16
 _CHUNKS = 2  # 32-column chunks per warp: K_PER_CTA = _WARPS * _CHUNKS * 32
 _VEC = 8  # bf16 per 16-byte vector
@@ -105,7 +108,8 @@ _TOK_PASS = _TILE_N * _TILES  # = _WARPS * 32 / ROWS: one thread per (token, row
 _SEG = 32  # experts per selection segment: one per lane
 _SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus: x above it is returned as is
 _MIN_GATE_TEMP = 2.0**-126  # the smallest gate_temp whose reciprocal is a finite fp32 number
-_EMPTY = 0x7FBADBAD  # an fp32 NaN no arithmetic returns (theirs is 0x7FFFFFFF), nor an order key: a workspace word not yet stored
+# a workspace word not yet stored: an fp32 NaN that no arithmetic returns (theirs is 0x7FFFFFFF), nor an order key
+_EMPTY = 0x7FBADBAD
 _LOWEST = -(2**31)  # the order key of a retired slot: below every score's key
 _NAN_KEY = 2**31 - 1  # the order key of a NaN score: above +inf's
 assert MAX_EXPERTS // ROWS <= 32
@@ -125,34 +129,53 @@ class MoeRoute:
         self.splits = dim // K_PER_CTA
         self.groups = experts // ROWS
         self.segs = experts // _SEG
+        self.producers = self.groups * self.splits
 
     @cute.jit
     def __call__(self, mH: cute.Tensor, mW: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor,
                  mExperts: cute.Tensor, mWs: cute.Tensor, route_scale: Float32, inv_temp: Float32, stream):
         self.kernel(mH, mW, mBias, mWeights, mExperts, mWs, route_scale, inv_temp).launch(
-            grid=[self.groups * self.splits, 1, 1], block=[_WARPS * 32, 1, 1], stream=stream, use_pdl=self.pdl)
+            grid=[self.producers + MERGERS, 1, 1], block=[_WARPS * 32, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor,
                mExperts: cute.Tensor, mWs: cute.Tensor, route_scale: Float32, inv_temp: Float32):
-        tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
-        group = cta // self.splits
-        split = cta % self.splits
-        r = lane // 4  # row (and row + 8) of the A operand, token of the B operand
-        q = lane % 4  # which 8 columns of each 32-column chunk
         n_tok = mH.shape[0]
-        vec = (_VEC,)
-
         smem = cutlass.memory.SmemAllocator()
         sAcc = smem.allocate_tensor(Float32, cute.make_layout((_WARPS, _TOK_PASS, ROWS),
                                                               stride=(_TOK_PASS * (ROWS + 1), ROWS + 1, 1)),
                                     byte_alignment=16)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
+        lane_masks = self.lane_masks()
+        outs = self.winners_smem(sAcc)
+        if cta < self.producers:
+            self.partial_logits(mH, mW, mWs, sAcc, cta // self.splits, cta % self.splits, warp, lane)
+            if n_tok <= ONE_HOP_TOKENS:
+                if cta == self.producers - 1:
+                    self.one_hop(mBias, mWeights, mExperts, mWs, sAcc, warp, lane, lane_masks, outs, route_scale,
+                                 inv_temp)
+            elif cta % self.splits == self.splits - 1:
+                self.rank_group(mBias, mWs, cta // self.splits, warp, lane, lane_masks, inv_temp)
+        else:
+            if const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()  # the preceding launch may still be consuming the workspace
+            if n_tok > ONE_HOP_TOKENS:
+                self.merge_groups(mWeights, mExperts, mWs, cta - self.producers, warp, lane, lane_masks, outs,
+                                  route_scale)
 
+    @cute.jit
+    def partial_logits(self, mH: cute.Tensor, mW: cute.Tensor, mWs: cute.Tensor, sAcc: cute.Tensor, group: Int32,
+                       split: Int32, warp: Int32, lane: Int32):
+        """CTA (group, split)'s partial logits ws[split, t, 16 group + row] of every token (the work split above)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        r = lane // 4  # row (and row + 8) of the A operand, token of the B operand
+        q = lane % 4  # which 8 columns of each 32-column chunk
+        n_tok = mH.shape[0]
+        vec = (_VEC,)
         # The A operand for the whole pass: a_lo[c] / a_hi[c] = the 4 bf16 pairs of rows r / r + 8 in chunk c.
         # A weight, so it is read before waiting for the preceding kernel.
         vecs = [split * (K_PER_CTA // _VEC) + warp * (_CHUNKS * 32 // _VEC) + c * (32 // _VEC) + q
@@ -192,61 +215,71 @@ class MoeRoute:
                                 scope="gpu")
             cute.arch.barrier()  # sAcc is rewritten by the next pass
 
+    @cute.jit
+    def one_hop(self, mBias: cute.Tensor, mWeights: cute.Tensor, mExperts: cute.Tensor, mWs: cute.Tensor,
+                sAcc: cute.Tensor, warp: Int32, lane: Int32, lane_masks: tuple, outs: tuple, route_scale: Float32,
+                inv_temp: Float32):
+        """The last producer, up to ONE_HOP_TOKENS tokens: warp w takes the (token, segment) units w, w + 16, ... of
+        the T x E / 32; lane l: expert l of each unit's segment. The warp's live units (those of real tokens) are its
+        first n_live: their partials taken at once, their score chains and rankings interleaved, in a variant per
+        count (warp-uniform). Then warp w merges token w's lists."""
+        n_tok = mWeights.shape[0]
         plane = n_tok * self.experts  # ws[s] holds (token, expert) f = t * E + e at s * plane + f
-        lane_masks = self.lane_masks()
-        outs = self.winners_smem(sAcc)
-        last_cta = self.groups * self.splits - 1
-        if n_tok <= ONE_HOP_TOKENS:
-            if cta == last_cta:
-                # warp w: the (token, segment) units w, w + 16, ... of the T x E / 32; lane l: expert l of each unit's
-                # segment. The warp's live units (those of real tokens) are its first n_live: their partials taken
-                # at once, their score chains and rankings interleaved, in a variant per count (warp-uniform). Then
-                # warp w merges token w's lists.
-                units = [warp + _WARPS * u for u in range(-(-ONE_HOP_TOKENS * self.segs // _WARPS))]
-                tokens = [cutlass.min(u // self.segs, n_tok - 1) for u in units]
-                segs = [u % self.segs for u in units]
-                biases = [mBias[g * _SEG + lane] for g in segs]
-                lists = self.lists_smem(sAcc)
-                n_live = (n_tok * self.segs - warp + _WARPS - 1) // _WARPS
-                for n in cutlass.range_constexpr(1, len(units) + 1):
-                    if n_live == n:
-                        parts = self.take(mWs.iterator, [s * plane + t * self.experts + g * _SEG + lane
-                                                         for t, g in zip(tokens[:n], segs[:n])
-                                                         for s in range(self.splits)], True)
-                        scores = [self.score(parts[u * self.splits:(u + 1) * self.splits], inv_temp)
-                                  for u in range(n)]
-                        self.select_segments(tokens[:n], segs[:n], [g * _SEG + lane for g in segs[:n]], lane < _SEG,
-                                             scores, biases[:n], *lane_masks, *lists)
-                cute.arch.barrier()  # every token's lists are written
-                if warp < n_tok:
-                    g = cutlass.min(lane, self.segs - 1)
-                    self.merge_lists(warp, warp, lane, lane < self.segs,
-                                     [[lst[warp, g, j] for j in range(self.topk)] for lst in lists], *lane_masks,
-                                     *outs, mWeights, mExperts, route_scale)
-        elif split == self.splits - 1:
-            # the row group's finisher, warp w: tokens w, w + 16, ...; lane r < 16: expert 16 group + r, its score from
-            # the split partials, ranked (lanes 16.. out) into the group's list of the token in ws
-            lists = self.lists_global(mWs, n_tok)
-            expert = group * ROWS + cutlass.min(lane, ROWS - 1)
-            bias = mBias[expert]
-            for t in cutlass.range(warp, n_tok, _WARPS):
-                parts = self.take(mWs.iterator, [s * plane + t * self.experts + expert for s in range(self.splits)],
-                                  lane < ROWS)
-                self.select_segments([t], [group], [expert], lane < ROWS, [self.score(parts, inv_temp)], [bias],
-                                     *lane_masks, *lists)
-            if cta == last_cta:
-                # warp w: tokens w, w + 16, ..., each the merge of its E / 16 groups' lists (lane g: group g's)
-                g = cutlass.min(lane, self.groups - 1)
-                layout, firsts = self.lists_global_words(n_tok)
-                for t in cutlass.range(warp, n_tok, _WARPS):
-                    taken = self.take(mWs.iterator, [first + cute.crd2idx((t, g, j), layout) for first in firsts
-                                                     for j in range(self.topk)], lane < self.groups)
-                    fields = [taken[f * self.topk:(f + 1) * self.topk] for f in range(3)]
-                    self.merge_lists(warp, t, lane, lane < self.groups,
-                                     [[cute_utils.float_bits(v) for v in fields[0]],
-                                      [cute_utils.float_bits(v) for v in fields[1]], fields[2]], *lane_masks, *outs,
-                                     mWeights, mExperts, route_scale)
-                    cute.arch.sync_warp()  # the warp's winners are rewritten next
+        units = [warp + _WARPS * u for u in range(-(-ONE_HOP_TOKENS * self.segs // _WARPS))]
+        tokens = [cutlass.min(u // self.segs, n_tok - 1) for u in units]
+        segs = [u % self.segs for u in units]
+        biases = [mBias[g * _SEG + lane] for g in segs]
+        lists = self.lists_smem(sAcc)
+        n_live = (n_tok * self.segs - warp + _WARPS - 1) // _WARPS
+        for n in cutlass.range_constexpr(1, len(units) + 1):
+            if n_live == n:
+                parts = self.take(mWs.iterator, [s * plane + t * self.experts + g * _SEG + lane
+                                                 for t, g in zip(tokens[:n], segs[:n]) for s in range(self.splits)],
+                                  True)
+                scores = [self.score(parts[u * self.splits:(u + 1) * self.splits], inv_temp) for u in range(n)]
+                self.select_segments(tokens[:n], segs[:n], [g * _SEG + lane for g in segs[:n]], lane < _SEG, scores,
+                                     biases[:n], *lane_masks, *lists)
+        cute.arch.barrier()  # every token's lists are written
+        if warp < n_tok:
+            g = cutlass.min(lane, self.segs - 1)
+            self.merge_lists(warp, warp, lane, lane < self.segs,
+                             [[lst[warp, g, j] for j in range(self.topk)] for lst in lists], *lane_masks, *outs,
+                             mWeights, mExperts, route_scale)
+
+    @cute.jit
+    def rank_group(self, mBias: cute.Tensor, mWs: cute.Tensor, group: Int32, warp: Int32, lane: Int32,
+                   lane_masks: tuple, inv_temp: Float32):
+        """The row group's last producer, above ONE_HOP_TOKENS tokens: warp w takes tokens w, w + 16, ...; lane r < 16
+        expert 16 group + r, its score from the split partials, ranked (lanes 16.. out) into the group's list of the
+        token in ws."""
+        n_tok = mWs.shape[1]
+        plane = n_tok * self.experts
+        lists = self.lists_global(mWs, n_tok)
+        expert = group * ROWS + cutlass.min(lane, ROWS - 1)
+        bias = mBias[expert]
+        for t in cutlass.range(warp, n_tok, _WARPS):
+            parts = self.take(mWs.iterator, [s * plane + t * self.experts + expert for s in range(self.splits)],
+                              lane < ROWS)
+            self.select_segments([t], [group], [expert], lane < ROWS, [self.score(parts, inv_temp)], [bias],
+                                 *lane_masks, *lists)
+
+    @cute.jit
+    def merge_groups(self, mWeights: cute.Tensor, mExperts: cute.Tensor, mWs: cute.Tensor, m: Int32, warp: Int32,
+                     lane: Int32, lane_masks: tuple, outs: tuple, route_scale: Float32):
+        """Merger m (CTA producers + m), above ONE_HOP_TOKENS tokens: warp w takes tokens m + MERGERS w,
+        m + MERGERS (w + 16), ..., each the merge of its E / 16 groups' lists (lane g: group g's)."""
+        n_tok = mWeights.shape[0]
+        g = cutlass.min(lane, self.groups - 1)
+        layout, firsts = self.lists_global_words(n_tok)
+        for t in cutlass.range(m + MERGERS * warp, n_tok, MERGERS * _WARPS):
+            taken = self.take(mWs.iterator, [first + cute.crd2idx((t, g, j), layout) for first in firsts
+                                             for j in range(self.topk)], lane < self.groups)
+            fields = [taken[f * self.topk:(f + 1) * self.topk] for f in range(3)]
+            self.merge_lists(warp, t, lane, lane < self.groups,
+                             [[cute_utils.float_bits(v) for v in fields[0]],
+                              [cute_utils.float_bits(v) for v in fields[1]], fields[2]], *lane_masks, *outs,
+                             mWeights, mExperts, route_scale)
+            cute.arch.sync_warp()  # the warp's winners are rewritten next
 
     @cute.jit
     def take(self, base: cute.Pointer, offsets: list, active) -> list:
