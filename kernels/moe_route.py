@@ -64,17 +64,18 @@ is in flight at once (``cp.async.bulk`` into shared memory would put no more byt
 of latencies: the predecessor's completion, h from HBM, the ticket (fence, atomic, the partials from L2; now one
 round trip, item 2), the tail.
 
-Static evidence (sm_90a, ptxas -v, nvdisasm; not yet timed): 64 registers, 8 bytes of spills (one address around
-the three-unit variant's reload loops). A producer's path ends at
-its partial stores (STG.E.STRONG.GPU; no fence, atomic or barrier after them). A consumer issues all its loads
-(LDG.E.STRONG.GPU) back to back, then per word a compare with 0x7fbadbad and a branch around its reload loop. At
-E = 384, k = 6 a one-hop warp's variants: one unit 136 SASS (take 5 words, the score chain, level 1 in a rolled
-13-SASS round, 5 resets), two units 28 SASS per round, three units 40 per round with the three score chains' MUFUs
-back to back; each unit took ~98 SASS with two slow-path calls before its 6 rounds, in series, before. The score
-chain is ~45 SASS, one MUFU.EX2 and one MUFU.SQRT. Level 2 (the merge) is ~110 SASS with a rolled 6-round loop.
+Static evidence (sm_90a, ptxas -v, nvdisasm; not yet timed): 64 registers, 8 bytes of spills (one address around the
+three-unit variant's reload loops). A producer's path ends at its partial stores (STG.E.STRONG.GPU; no fence, atomic
+or barrier after them). A consumer issues all its loads (LDG.E.STRONG.GPU) back to back, then per word a compare
+with 0x7fbadbad and a branch around its reload loop. At E = 384, k = 6 a one-hop warp's variants: one unit 136 SASS
+(take 5 words, the score chain, level 1 in a rolled 13-SASS round, 5 resets), two units 28 SASS per round, three
+units 40 per round with the three score chains' MUFUs back to back; each unit took ~98 SASS with two slow-path calls
+before its 6 rounds, in series, before. The score chain is ~45 SASS, one MUFU.EX2 and one MUFU.SQRT. Level 2 (the
+merge) is ~110 SASS with a rolled 6-round loop.
 
 With ``pdl`` the kernel is a programmatic dependent launch: it lets the next kernel launch at once, loads its slice
-of the weight, and only then waits for the preceding kernel before reading h.
+of the weight, and only then waits for the preceding kernel before reading h; a merger waits before touching the
+workspace (the preceding launch may still be consuming it).
 
 The grouped-GEMM metadata of the routing (row order, offsets, row weights) is ``dsv41::moe_metadata``'s kernel
 (``dsv41.kernels.moe_metadata``).
