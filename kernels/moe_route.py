@@ -3,87 +3,71 @@
 h [T, D] bf16, gate_weight W [E, D] bf16, bias [E] fp32 -> weights [T, k] fp32, experts [T, k] int64:
 
     logits  = h @ W^T                                       fp32 accumulation            [T, E]
-    score   = sqrt(softplus(logits * (1 / gate_temp)))      torch's softplus (threshold 20)
+    score   = sqrt(softplus(logits / gate_temp))            torch's softplus (threshold 20)
     experts = the k largest score + bias, in descending order; equal biased scores: the lower expert index first
     weights = score[experts] / (sum_k score[experts] + 1e-20) * route_scale
 
-The score chain has no branch: 1 / gate_temp is rounded to fp32 once on the host (exact at the model's 1.0, within
-an ulp of the division otherwise) and the square root is ``sqrt.approx`` (MUFU.SQRT, ~1 ulp), where the IEEE
-division and square root each carried a slow-path call that kept chains from interleaving.
-
-Work split: producer CTA (g, s) owns the 16 weight rows [16g, 16g + 16) and the columns [1024s, 1024s + 1024), so the
-3.9 MB weight at E = 384, D = 5120 is spread over 24 x 5 = 120 producers, 32 KB each, all requested up front. Each of
+Work split: CTA (g, s) owns the 16 weight rows [16g, 16g + 16) and the 1024 columns [1024s, 1024s + 1024), so the
+3.9 MB weight at E = 384, D = 5120 is spread over 24 x 5 = 120 CTAs, 32 KB each, all requested up front. Each of
 the CTA's 16 warps holds 64 columns of those rows in registers as the A operand of ``mma.sync.m16n8k16`` (bf16 in,
 fp32 accumulation); tokens are the N operand, 8 per MMA and 32 per pass, read straight from global memory (every
 CTA reads a different column slice of h, so there is nothing to share). The MMA's k order is a relabelling of the
 columns that lets each lane load 16-byte vectors of both operands: lane (r, q) = (lane / 4, lane % 4) owns columns
 [8q, 8q + 8) of each 32-column chunk, for rows r and r + 8 of W and token r of the tile.
 
-The reduction over D is deterministic (no atomics, so CUDA-graph replays are bit-identical):
+The reduction over D is deterministic (no atomics on data, so CUDA-graph replays are bit-identical):
 
 1. each CTA sums its 16 warps' accumulators in shared memory, in warp order, and stores its partial logits in the
-   fp32 workspace ``ws[s, t, e]`` (relaxed stores at GPU scope);
-2. the words are their own flags: between launches every workspace word holds ``_EMPTY``, a NaN pattern that no
-   arithmetic returns, so a consumer requests all its words at once and loads a word again only while it is still
-   ``_EMPTY``, then writes ``_EMPTY`` back. The last partial reaches its consumer one L2 round trip after it is
-   stored, where a ticket took three in series (the fence's wait for the stores, the atomic, then the loads).
-   Consumers are fixed CTAs that wait only on lower-indexed ones (CTAs are dispatched in index order, which a
-   decoupled look-back scan relies on too), so the wait ends even if CTAs ran one after another. Up to
-   ONE_HOP_TOKENS tokens the last producer (CTA 119 at E = 384, D = 5120) takes every partial itself; above,
-   where its score math would outweigh a second hop, the last producer of each row group (split S - 1) takes its
-   group's partials, scores its 16 experts and ranks them (level 1 below) into the workspace, and MERGERS = 8
-   more CTAs (after the producers, on SMs they leave idle; they read no weight) take those lists;
+   fp32 workspace ``ws[s, t, e]``;
+2. tickets: thread 0 of each CTA adds 1 to a counter (release and acquire at GPU scope; the CTA's barriers carry
+   them to its other threads, as a cooperative grid sync does, so no other thread fences). Up to ONE_HOP_TOKENS
+   tokens there is one ticket for all 120 CTAs and its last CTA sums the partials itself; above, where that CTA's
+   score math (~100 SASS per (token, expert)) would outweigh a second ticket, the last of the 5 CTAs of each row
+   group scores its group's 16 experts and ranks them (level 1 below) into the workspace, and the last of those 24
+   goes on;
 3. the selection, in two levels. Level 1 ranks a segment of experts, one per lane in index order, into its k best
    (a list, best first): k rounds of a ``redux.sync`` max of the order keys of score + bias and a ballot for the
    lowest lane holding it. Level 2 merges a token's lists (lane g: list g) the same way, its winners' heads
    dropping. Either round is ~15-35 SASS, where a warp ranking all E experts in its lanes spent 76 per round.
-   One hop: the last producer spreads the T x E / 32 (token, segment of 32) units over its 16 warps (only real
+   One ticket: the last CTA spreads the T x E / 32 (token, segment of 32) units over its 16 warps (only real
    tokens' units run; at T = 1 twelve warps share the token), each lane summing its partials in split order into
-   the score (temperature, softplus, sqrt); lists in shared memory; after a barrier warp t merges token t. A
-   warp's live units (up to 3 at E = 384 and T = 4) run interleaved, in a variant per count: their score chains
-   and selection rounds are independent, so T = 2..4 cost about one unit's latency, not one per unit in series.
-   Two hops: a row group's finisher ranks its 16 experts (lanes 16.. out) per token into the lists
-   ``ws[S:S + 2]`` (key, expert, score [T, E / 16, k]; neither a key nor an expert id is ``_EMPTY``); merger
-   m's warp w merges tokens m + MERGERS w, m + MERGERS (w + 16), ... from them (E / 16 <= 32 lists): up to 128
-   tokens a warp merges one at most, and a merger's scheduler runs one warp at T = 16 (the last producer's 16
-   warps merging all 16 tokens ran four: ~1080 issue cycles, not ~270).
+   the score (temperature, softplus, sqrt); lists in shared memory; after a barrier warp t merges token t.
+   Two tickets: a row group's finisher ranks its 16 experts (lanes 16.. out) per token into the lists
+   ``ws[S:S + 2]`` (key, expert, score [T, E / 16, k]); the last CTA's warp w merges tokens w, w + 16, ... from
+   them (E / 16 <= 32 lists).
    Equal biased scores: the lower index first (within a segment the lower lane, across them the lower segment);
    NaN above every number, as torch's sort ranks them. The weights come from the winners' unbiased scores, summed
    in round order.
 
-The summation order and math are the same on both paths (their results are bit-identical). Every word a launch
-stores is consumed and reset by it, so every launch (CUDA-graph replays included) finds the workspace empty;
-launches that share it (one per device) must therefore be stream-ordered.
+The summation order and math are the same on both paths (their results are bit-identical). The last CTA of each
+ticket resets its counter, so every launch (CUDA-graph replays included) finds them zero; launches that share the
+counters (one set per device) must therefore be stream-ordered.
 
-Measured (H200, 2026-12-02, the commit before the interleaved units; the timings are in the README): T = 2 and 4
-paid a warp's second and third unit in series (a score chain with two slow-path calls, then 6 selection rounds
-each). The weight read is not where the time goes: with PDL it overlaps the predecessor, and without PDL the kernel
-takes 0.86 us more at T = 1 (the read plus the launch PDL hides), under the 0.94 us the read takes at copy
-bandwidth. Every thread's four 16-byte weight loads are issued before its first wait, so the CTA's whole 32 KB slice
-is in flight at once (``cp.async.bulk`` into shared memory would put no more bytes in flight). The rest is a chain
-of latencies: the predecessor's completion, h from HBM, the ticket (fence, atomic, the partials from L2; now one
-round trip, item 2), the tail.
-
-Static evidence (sm_90a, ptxas -v, nvdisasm; not yet timed): 64 registers, 8 bytes of spills (one address around the
-three-unit variant's reload loops). A producer's path ends at its partial stores (STG.E.STRONG.GPU; no fence, atomic
-or barrier after them). A consumer issues all its loads (LDG.E.STRONG.GPU) back to back, then per word a compare
-with 0x7fbadbad and a branch around its reload loop. At E = 384, k = 6 a one-hop warp's variants: one unit 136 SASS
-(take 5 words, the score chain, level 1 in a rolled 13-SASS round, 5 resets), two units 28 SASS per round, three
-units 40 per round with the three score chains' MUFUs back to back; each unit took ~98 SASS with two slow-path calls
-before its 6 rounds, in series, before. The score chain is ~45 SASS, one MUFU.EX2 and one MUFU.SQRT. Level 2 (the
-merge) is ~110 SASS with a rolled 6-round loop.
+Measured on the H200 (2026-12-02, `benchmarks/results/kernels_s10.json`, us under CUDA graphs at T = 1 / 2 / 4 / 8 /
+16 / 32 / 64): 4.99 / 5.63 / 6.37 / 6.37 / 7.54 / 10.86 / 18.21, against the one-warp selection's 5.18 / 5.48 / 5.64 /
+7.10 / 8.74 / 12.85 / 22.10 (session 9): faster at T = 1 and from T = 8, slower at T = 2 and 4, where a warp runs its
+2-3 (token, block) units one after another. Two later variants were measured and dropped (branch `route`, 2026-12-02):
+the units interleaved with a branch-free score chain, plus the tickets replaced by polling on marker words and 8
+merger CTAs above 4 tokens: 4.28 / 5.53 / 6.81 / 15.72 / 17.64 / 21.99 / 29.22 (T = 1 best, T >= 8 two to three
+times slower, and slower with PDL than without). ncu (base clocks, T = 1 / 8): 8.58 / 9.31 us, the average SM active
+4.5K / 5.5K of 12.3K / 13.4K cycles, DRAM 9.6% of peak, 38% of stalls on shared-memory scoreboards.
+Static evidence (sm_90a, ptxas -v, nvdisasm): 64 registers, no spills. From the last
+partial store to the output stores at T <= 4: thread 0's fence and atomic, then one batch of L2 loads. At E = 384,
+k = 6, after the ticket, the critical warp at T = 1 runs ~550 SASS (loads and one score chain 182, level 1 84 = 6
+rounds x 14, level 2 ~270 = 34 + 6 rounds x 33 + ~40), where the one-warp selection before ran ~870 (three score
+chains in series 288, selection 586 = 98 + 6 rounds x 76 + 32) and one more barrier; above 4 tokens the last CTA
+spends ~270 SASS per token (the merge, after one batch of L2 loads of its 24 lists) instead of 586 plus staging the
+scores in shared memory, and a finisher's warp ~230 per token (loads, score, level 1 = 115 + 6 x 19) instead of
+one score chain per thread.
 
 With ``pdl`` the kernel is a programmatic dependent launch: it lets the next kernel launch at once, loads its slice
-of the weight, and only then waits for the preceding kernel before reading h; a merger waits before touching the
-workspace (the preceding launch may still be consuming it).
+of the weight, and only then waits for the preceding kernel before reading h.
 
 The grouped-GEMM metadata of the routing (row order, offsets, row weights) is ``dsv41::moe_metadata``'s kernel
 (``dsv41.kernels.moe_metadata``).
 """
 
 from __future__ import annotations
-
-import math
 
 import cutlass
 import cutlass.cute as cute
@@ -96,10 +80,9 @@ from dsv41.kernels.compile_cache import (cached_kernel, compile_tvm_ffi, env_str
 
 ROWS = 16  # weight rows per CTA: the MMA's M
 K_PER_CTA = 1024  # columns per CTA
-MAX_EXPERTS = 512  # the two-hop merge: one lane per row group of 16 experts
+MAX_EXPERTS = 512  # the two-ticket merge: one lane per row group of 16 experts
 MAX_TOPK = 8
-MERGERS = 8  # CTAs after the producers that merge the two-hop lists (on SMs the producers leave idle)
-ONE_HOP_TOKENS = 4  # up to this many tokens the last producer takes the split partials itself (one hop), else two
+ONE_HOP_TOKENS = 4  # up to this many tokens the last CTA sums the split partials itself (one ticket), else two
 _WARPS = 16
 _CHUNKS = 2  # 32-column chunks per warp: K_PER_CTA = _WARPS * _CHUNKS * 32
 _VEC = 8  # bf16 per 16-byte vector
@@ -108,13 +91,10 @@ _TILES = 4  # MMA token tiles per pass
 _TOK_PASS = _TILE_N * _TILES  # = _WARPS * 32 / ROWS: one thread per (token, row) of a pass
 _SEG = 32  # experts per selection segment: one per lane
 _SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus: x above it is returned as is
-_MIN_GATE_TEMP = 2.0**-126  # the smallest gate_temp whose reciprocal is a finite fp32 number
-# a workspace word not yet stored: an fp32 NaN that no arithmetic returns (theirs is 0x7FFFFFFF), nor an order key
-_EMPTY = 0x7FBADBAD
 _LOWEST = -(2**31)  # the order key of a retired slot: below every score's key
 _NAN_KEY = 2**31 - 1  # the order key of a NaN score: above +inf's
 assert MAX_EXPERTS // ROWS <= 32
-# sAcc's storage holds the merges' winners (expert, score of 16 warps x k) and the one-hop selection's lists (key,
+# sAcc's storage holds the merges' winners (expert, score of 16 warps x k) and the one-ticket selection's lists (key,
 # expert, score of each token's E / 32 segments x k)
 assert 2 * _WARPS * MAX_TOPK + 3 * ONE_HOP_TOKENS * (MAX_EXPERTS // _SEG) * MAX_TOPK <= _WARPS * _TOK_PASS * (ROWS + 1)
 
@@ -130,53 +110,37 @@ class MoeRoute:
         self.splits = dim // K_PER_CTA
         self.groups = experts // ROWS
         self.segs = experts // _SEG
-        self.producers = self.groups * self.splits
 
     @cute.jit
     def __call__(self, mH: cute.Tensor, mW: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor,
-                 mExperts: cute.Tensor, mWs: cute.Tensor, route_scale: Float32, inv_temp: Float32, stream):
-        self.kernel(mH, mW, mBias, mWeights, mExperts, mWs, route_scale, inv_temp).launch(
-            grid=[self.producers + MERGERS, 1, 1], block=[_WARPS * 32, 1, 1], stream=stream, use_pdl=self.pdl)
+                 mExperts: cute.Tensor, mWs: cute.Tensor, mCount: cute.Tensor, route_scale: Float32,
+                 gate_temp: Float32, stream):
+        self.kernel(mH, mW, mBias, mWeights, mExperts, mWs, mCount, route_scale, gate_temp).launch(
+            grid=[self.groups * self.splits, 1, 1], block=[_WARPS * 32, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor,
-               mExperts: cute.Tensor, mWs: cute.Tensor, route_scale: Float32, inv_temp: Float32):
+               mExperts: cute.Tensor, mWs: cute.Tensor, mCount: cute.Tensor, route_scale: Float32,
+               gate_temp: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
-        n_tok = mH.shape[0]
-        smem = cutlass.memory.SmemAllocator()
-        sAcc = smem.allocate_tensor(Float32, cute.make_layout((_WARPS, _TOK_PASS, ROWS),
-                                                              stride=(_TOK_PASS * (ROWS + 1), ROWS + 1, 1)),
-                                    byte_alignment=16)
-        if const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
-        lane_masks = self.lane_masks()
-        outs = self.winners_smem(sAcc)
-        if cta < self.producers:
-            self.partial_logits(mH, mW, mWs, sAcc, cta // self.splits, cta % self.splits, warp, lane)
-            if n_tok <= ONE_HOP_TOKENS:
-                if cta == self.producers - 1:
-                    self.one_hop(mBias, mWeights, mExperts, mWs, sAcc, warp, lane, lane_masks, outs, route_scale,
-                                 inv_temp)
-            elif cta % self.splits == self.splits - 1:
-                self.rank_group(mBias, mWs, cta // self.splits, warp, lane, lane_masks, inv_temp)
-        else:
-            if const_expr(self.pdl):
-                cute.arch.griddepcontrol_wait()  # the preceding launch may still be consuming the workspace
-            if n_tok > ONE_HOP_TOKENS:
-                self.merge_groups(mWeights, mExperts, mWs, cta - self.producers, warp, lane, lane_masks, outs,
-                                  route_scale)
-
-    @cute.jit
-    def partial_logits(self, mH: cute.Tensor, mW: cute.Tensor, mWs: cute.Tensor, sAcc: cute.Tensor, group: Int32,
-                       split: Int32, warp: Int32, lane: Int32):
-        """CTA (group, split)'s partial logits ws[split, t, 16 group + row] of every token (the work split above)."""
-        tidx, _, _ = cute.arch.thread_idx()
+        group = cta // self.splits
+        split = cta % self.splits
         r = lane // 4  # row (and row + 8) of the A operand, token of the B operand
         q = lane % 4  # which 8 columns of each 32-column chunk
         n_tok = mH.shape[0]
         vec = (_VEC,)
+
+        smem = cutlass.memory.SmemAllocator()
+        sAcc = smem.allocate_tensor(Float32, cute.make_layout((_WARPS, _TOK_PASS, ROWS),
+                                                              stride=(_TOK_PASS * (ROWS + 1), ROWS + 1, 1)),
+                                    byte_alignment=16)
+        s_last = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
         # The A operand for the whole pass: a_lo[c] / a_hi[c] = the 4 bf16 pairs of rows r / r + 8 in chunk c.
         # A weight, so it is read before waiting for the preceding kernel.
         vecs = [split * (K_PER_CTA // _VEC) + warp * (_CHUNKS * 32 // _VEC) + c * (32 // _VEC) + q
@@ -212,108 +176,89 @@ class MoeRoute:
                 part = sAcc[0, tidx // ROWS, row]
                 for w in cutlass.range_constexpr(1, _WARPS):
                     part = part + sAcc[w, tidx // ROWS, row]
-                cute.arch.store(cute_utils.elem_ptr(mWs, (split, tok, group * ROWS + row)), part, sem="relaxed",
-                                scope="gpu")
+                mWs[split, tok, group * ROWS + row] = part
             cute.arch.barrier()  # sAcc is rewritten by the next pass
 
-    @cute.jit
-    def one_hop(self, mBias: cute.Tensor, mWeights: cute.Tensor, mExperts: cute.Tensor, mWs: cute.Tensor,
-                sAcc: cute.Tensor, warp: Int32, lane: Int32, lane_masks: tuple, outs: tuple, route_scale: Float32,
-                inv_temp: Float32):
-        """The last producer, up to ONE_HOP_TOKENS tokens: warp w takes the (token, segment) units w, w + 16, ... of
-        the T x E / 32; lane l: expert l of each unit's segment. The warp's live units (those of real tokens) are its
-        first n_live: their partials taken at once, their score chains and rankings interleaved, in a variant per
-        count (warp-uniform). Then warp w merges token w's lists."""
-        n_tok = mWeights.shape[0]
         plane = n_tok * self.experts  # ws[s] holds (token, expert) f = t * E + e at s * plane + f
-        units = [warp + _WARPS * u for u in range(-(-ONE_HOP_TOKENS * self.segs // _WARPS))]
-        tokens = [cutlass.min(u // self.segs, n_tok - 1) for u in units]
-        segs = [u % self.segs for u in units]
-        biases = [mBias[g * _SEG + lane] for g in segs]
-        lists = self.lists_smem(sAcc)
-        n_live = (n_tok * self.segs - warp + _WARPS - 1) // _WARPS
-        for n in cutlass.range_constexpr(1, len(units) + 1):
-            if n_live == n:
-                parts = self.take(mWs.iterator, [s * plane + t * self.experts + g * _SEG + lane
-                                                 for t, g in zip(tokens[:n], segs[:n]) for s in range(self.splits)],
-                                  True)
-                scores = [self.score(parts[u * self.splits:(u + 1) * self.splits], inv_temp) for u in range(n)]
-                self.select_segments(tokens[:n], segs[:n], [g * _SEG + lane for g in segs[:n]], lane < _SEG, scores,
-                                     biases[:n], *lane_masks, *lists)
-        cute.arch.barrier()  # every token's lists are written
-        if warp < n_tok:
-            g = cutlass.min(lane, self.segs - 1)
-            self.merge_lists(warp, warp, lane, lane < self.segs,
-                             [[lst[warp, g, j] for j in range(self.topk)] for lst in lists], *lane_masks, *outs,
-                             mWeights, mExperts, route_scale)
+        lane_masks = self.lane_masks()
+        outs = self.winners_smem(sAcc)
+        if n_tok <= ONE_HOP_TOKENS:
+            if self.last_to_arrive(mCount, 0, self.groups * self.splits, tidx, s_last) != 0:
+                # warp w: the (token, segment) units w, w + 16, ... of the T x E / 32; lane l: expert l of each unit's
+                # segment (every unit's partials and bias requested first). Then warp w merges token w's lists.
+                units = [warp + _WARPS * u for u in range(-(-ONE_HOP_TOKENS * self.segs // _WARPS))]
+                tokens = [cutlass.min(u // self.segs, n_tok - 1) for u in units]
+                segs = [u % self.segs for u in units]
+                biases = [mBias[g * _SEG + lane] for g in segs]
+                parts = [self.partials(mWs, plane, t * self.experts + g * _SEG + lane) for t, g in zip(tokens, segs)]
+                lists = self.lists_smem(sAcc)
+                for u in cutlass.range_constexpr(len(units)):
+                    if units[u] < n_tok * self.segs:  # (warp-uniform: only the tokens' units run)
+                        self.select_segment(tokens[u], segs[u], segs[u] * _SEG + lane, lane < _SEG,
+                                            self.score(parts[u], gate_temp), biases[u], *lane_masks, *lists)
+                cute.arch.barrier()  # every token's lists are written
+                if warp < n_tok:
+                    g = cutlass.min(lane, self.segs - 1)
+                    self.merge_lists(warp, warp, lane, lane < self.segs,
+                                     [[lst[warp, g, j] for j in range(self.topk)] for lst in lists], *lane_masks,
+                                     *outs, mWeights, mExperts, route_scale)
+        elif self.last_to_arrive(mCount, 1 + group, self.splits, tidx, s_last) != 0:
+            # the row group's finisher, warp w: tokens w, w + 16, ...; lane r < 16: expert 16 group + r, its score from
+            # the split partials, ranked (lanes 16.. out) into the group's list of the token in ws
+            lists = self.lists_global(mWs, n_tok)
+            expert = group * ROWS + cutlass.min(lane, ROWS - 1)
+            bias = mBias[expert]
+            for t in cutlass.range(warp, n_tok, _WARPS):
+                score = self.score(self.partials(mWs, plane, t * self.experts + expert), gate_temp)
+                self.select_segment(t, group, expert, lane < ROWS, score, bias, *lane_masks, *lists)
+            if self.last_to_arrive(mCount, 0, self.groups, tidx, s_last) != 0:
+                # warp w: tokens w, w + 16, ..., each the merge of its E / 16 groups' lists (lane g: group g's)
+                g = cutlass.min(lane, self.groups - 1)
+                for t in cutlass.range(warp, n_tok, _WARPS):
+                    self.merge_lists(warp, t, lane, lane < self.groups,
+                                     [[cute.arch.load(cute_utils.elem_ptr(lst, (t, g, j)), lst.element_type,
+                                                      sem="relaxed", scope="gpu") for j in range(self.topk)]
+                                      for lst in lists], *lane_masks, *outs, mWeights, mExperts, route_scale)
+                    cute.arch.sync_warp()  # the warp's winners are rewritten next
 
     @cute.jit
-    def rank_group(self, mBias: cute.Tensor, mWs: cute.Tensor, group: Int32, warp: Int32, lane: Int32,
-                   lane_masks: tuple, inv_temp: Float32):
-        """The row group's last producer, above ONE_HOP_TOKENS tokens: warp w takes tokens w, w + 16, ...; lane r < 16
-        expert 16 group + r, its score from the split partials, ranked (lanes 16.. out) into the group's list of the
-        token in ws."""
-        n_tok = mWs.shape[1]
-        plane = n_tok * self.experts
-        lists = self.lists_global(mWs, n_tok)
-        expert = group * ROWS + cutlass.min(lane, ROWS - 1)
-        bias = mBias[expert]
-        for t in cutlass.range(warp, n_tok, _WARPS):
-            parts = self.take(mWs.iterator, [s * plane + t * self.experts + expert for s in range(self.splits)],
-                              lane < ROWS)
-            self.select_segments([t], [group], [expert], lane < ROWS, [self.score(parts, inv_temp)], [bias],
-                                 *lane_masks, *lists)
+    def last_to_arrive(self, mCount: cute.Tensor, slot: Int32, arrivals: cutlass.Constexpr[int], tidx: Int32,
+                       s_last: cute.Tensor) -> Int32:
+        """Nonzero in every thread of the CTA that is the last of ``arrivals`` to reach counter ``slot``; that CTA
+        resets the counter and sees every store the others made before arriving.
+
+        Thread 0 alone adds 1 (release and acquire at GPU scope); the barriers around it carry both to the CTA's
+        other threads, as a cooperative grid sync does, so no thread but it fences.
+        """
+        cute.arch.barrier()
+        if tidx == 0:
+            ticket = cute.arch.atomic_add(cute_utils.elem_ptr(mCount, (slot,)), Int32(1), sem="acq_rel", scope="gpu")
+            s_last[0] = Int32(ticket == arrivals - 1)
+            if ticket == arrivals - 1:
+                mCount[slot] = Int32(0)
+        cute.arch.barrier()
+        return s_last[0]
 
     @cute.jit
-    def merge_groups(self, mWeights: cute.Tensor, mExperts: cute.Tensor, mWs: cute.Tensor, m: Int32, warp: Int32,
-                     lane: Int32, lane_masks: tuple, outs: tuple, route_scale: Float32):
-        """Merger m (CTA producers + m), above ONE_HOP_TOKENS tokens: warp w takes tokens m + MERGERS w,
-        m + MERGERS (w + 16), ..., each the merge of its E / 16 groups' lists (lane g: group g's)."""
-        n_tok = mWeights.shape[0]
-        g = cutlass.min(lane, self.groups - 1)
-        layout, firsts = self.lists_global_words(n_tok)
-        for t in cutlass.range(m + MERGERS * warp, n_tok, MERGERS * _WARPS):
-            taken = self.take(mWs.iterator, [first + cute.crd2idx((t, g, j), layout) for first in firsts
-                                             for j in range(self.topk)], lane < self.groups)
-            fields = [taken[f * self.topk:(f + 1) * self.topk] for f in range(3)]
-            self.merge_lists(warp, t, lane, lane < self.groups,
-                             [[cute_utils.float_bits(v) for v in fields[0]],
-                              [cute_utils.float_bits(v) for v in fields[1]], fields[2]], *lane_masks, *outs,
-                             mWeights, mExperts, route_scale)
-            cute.arch.sync_warp()  # the warp's winners are rewritten next
+    def partials(self, mWs: cute.Tensor, plane: Int32, f: Int32) -> list:
+        """The split partial logits of flat (token, expert) ``f``, loaded from L2."""
+        return [cute.arch.load(mWs.iterator + (s * plane + f), Float32, sem="relaxed", scope="gpu")
+                for s in range(self.splits)]
 
     @cute.jit
-    def take(self, base: cute.Pointer, offsets: list, active) -> list:
-        """The 32-bit words at ``base + offsets`` (the workspace, read as fp32) once their producers, other CTAs,
-        have stored them, each then reset to ``_EMPTY`` for the next launch. All are requested at once (relaxed
-        GPU-scope loads); a word still ``_EMPTY`` is loaded again until it is not. Lanes not ``active`` read nothing
-        and get zeros. A word is consumed by one lane only, and producers never wait, so this ends."""
-        vals = [Float32(0.0) for _ in offsets]
-        if active:
-            vals = [cute.arch.load(base + off, Float32, sem="relaxed", scope="gpu") for off in offsets]
-            for i in cutlass.range_constexpr(len(offsets)):
-                val = vals[i]
-                while cute_utils.float_bits(val) == _EMPTY:
-                    val = cute.arch.load(base + offsets[i], Float32, sem="relaxed", scope="gpu")
-                vals[i] = val
-            for off in offsets:
-                cute.arch.store(cute.recast_ptr(base + off, dtype=Int32), Int32(_EMPTY), sem="relaxed", scope="gpu")
-        return vals
-
-    @cute.jit
-    def score(self, parts: list, inv_temp: Float32) -> Float32:
-        """The score of a logit's split partials, summed in split order, times 1 / gate_temp."""
+    def score(self, parts: list, gate_temp: Float32) -> Float32:
+        """The score of a logit's split partials, summed in split order."""
         logit = parts[0]
         for s in cutlass.range_constexpr(1, self.splits):
             logit = logit + parts[s]
-        return _score(logit * inv_temp)
+        return _score(logit / gate_temp)
 
     def lane_masks(self) -> tuple:
         """(lanes up to this one, this lane): the lane masks that pick a ballot's lowest lane."""
         return Int32(cute.arch.lanemask_le()), Int32(cute.arch.lanemask_eq())
 
     def lists_smem(self, sAcc: cute.Tensor) -> tuple:
-        """The one-hop selection's lists key / expert / score [ONE_HOP_TOKENS, E / 32 segments, k] in sAcc's
+        """The one-ticket selection's lists key / expert / score [ONE_HOP_TOKENS, E / 32 segments, k] in sAcc's
         storage, after the winners (lane-contiguous per place)."""
         layout = cute.make_layout((ONE_HOP_TOKENS, self.segs, self.topk), stride=(self.segs * self.topk, 1, self.segs))
         n = ONE_HOP_TOKENS * self.segs * self.topk
@@ -322,20 +267,15 @@ class MoeRoute:
                 cute.make_tensor(cute.recast_ptr(base + n, dtype=Int32), layout),
                 cute.make_tensor(base + 2 * n, layout))
 
-    def lists_global_words(self, n_tok: Int32) -> tuple:
-        """The two-hop selection's lists key / expert / score [T, E / 16 row groups, k] in the workspace's
-        planes S and S + 1 (3 T E / 16 k <= 2 T E words): (their layout, each list's first word)."""
+    def lists_global(self, mWs: cute.Tensor, n_tok: Int32) -> tuple:
+        """The two-ticket selection's lists key / expert / score [T, E / 16 row groups, k] in the workspace's
+        planes S and S + 1 (3 T E / 16 k <= 2 T E words)."""
         layout = cute.make_layout((n_tok, self.groups, self.topk), stride=(self.groups * self.topk, 1, self.groups))
         n = n_tok * self.groups * self.topk
-        first = self.splits * n_tok * self.experts
-        return layout, [first, first + n, first + 2 * n]
-
-    def lists_global(self, mWs: cute.Tensor, n_tok: Int32) -> tuple:
-        """The two-hop selection's lists (``lists_global_words``) as tensors."""
-        layout, firsts = self.lists_global_words(n_tok)
-        return (cute.make_tensor(cute.recast_ptr(mWs.iterator + firsts[0], dtype=Int32), layout),
-                cute.make_tensor(cute.recast_ptr(mWs.iterator + firsts[1], dtype=Int32), layout),
-                cute.make_tensor(mWs.iterator + firsts[2], layout))
+        base = mWs.iterator + self.splits * n_tok * self.experts
+        return (cute.make_tensor(cute.recast_ptr(base, dtype=Int32), layout),
+                cute.make_tensor(cute.recast_ptr(base + n, dtype=Int32), layout),
+                cute.make_tensor(base + 2 * n, layout))
 
     def winners_smem(self, sAcc: cute.Tensor) -> tuple:
         """The merges' winners expert / score [16 warps, k] at the start of sAcc's storage."""
@@ -344,31 +284,25 @@ class MoeRoute:
                 cute.make_tensor(sAcc.iterator + _WARPS * self.topk, layout))
 
     @cute.jit
-    def select_segments(self, rows: list, gs: list, experts: list, in_segment, scores: list, biases: list,
-                        lane_le: Int32, lane_bit: Int32, lKey: cute.Tensor, lExpert: cute.Tensor, lScore: cute.Tensor):
-        """Level 1 of the selection, by one warp, for each unit u of the lists (rows, gs, experts, scores, biases):
-        the experts of segment gs[u], one per lane (this lane's experts[u], scores[u] and biases[u]; lanes in expert
-        order; lanes not ``in_segment`` take no part), ranked into their k best, written to the list
-        [rows[u], gs[u], 0:k], best first. The units' rounds are interleaved (independent chains).
+    def select_segment(self, row: Int32, g: Int32, expert: Int32, in_segment, score: Float32, bias: Float32,
+                       lane_le: Int32, lane_bit: Int32, lKey: cute.Tensor, lExpert: cute.Tensor, lScore: cute.Tensor):
+        """Level 1 of the selection, by one warp: the experts of segment g, one per lane (this lane's ``expert``,
+        ``score`` and ``bias``; lanes in expert order; lanes not ``in_segment`` take no part), ranked into their k
+        best, written to the list [row, g, 0:k], best first.
 
         Round i: the largest order key of score + bias (``redux.sync`` max), then the lowest lane holding it (a
         ballot: equal biased scores go to the lower index; NaN ranks above every number), which writes place i and
         retires its key. A segment holds 16 or 32 >= k experts, so no retired key (nor a lane out of it) is taken.
         """
-        keys = [cutlass.select_(in_segment, _order_key(score + bias), Int32(_LOWEST))
-                for score, bias in zip(scores, biases)]
+        key = cutlass.select_(in_segment, _order_key(score + bias), Int32(_LOWEST))
         for i in cutlass.range(self.topk, unroll=1):  # rolled: code that runs once per launch is fetched cold
-            tops = [cute.arch.warp_redux_sync(key, "max") for key in keys]
-            won = [(cute.arch.vote_ballot_sync(key == top) & lane_le) == lane_bit for key, top in zip(keys, tops)]
-            for u in cutlass.range_constexpr(len(keys)):
-                if won[u]:
-                    for lst, val in zip((lKey, lExpert, lScore), (keys[u], experts[u], scores[u])):
-                        if const_expr(lst.memspace == cute.AddressSpace.gmem):  # read by other CTAs (take)
-                            cute.arch.store(cute_utils.elem_ptr(lst, (rows[u], gs[u], i)), val, sem="relaxed",
-                                            scope="gpu")
-                        else:
-                            lst[rows[u], gs[u], i] = val
-                keys[u] = cutlass.select_(won[u], Int32(_LOWEST), keys[u])
+            top = cute.arch.warp_redux_sync(key, "max")
+            won = (cute.arch.vote_ballot_sync(key == top) & lane_le) == lane_bit
+            if won:
+                lKey[row, g, i] = key
+                lExpert[row, g, i] = expert
+                lScore[row, g, i] = score
+            key = cutlass.select_(won, Int32(_LOWEST), key)
 
     @cute.jit
     def merge_lists(self, row: Int32, t: Int32, lane: Int32, has_list, lists: list, lane_le: Int32, lane_bit: Int32,
@@ -414,7 +348,7 @@ def _score(x: Float32) -> Float32:
     soft = cute.math.log1p(cute.math.exp(x))
     if x > _SOFTPLUS_THRESHOLD:
         soft = x
-    return cute.math.sqrt(soft, fastmath=True)
+    return cute.math.sqrt(soft)
 
 
 @cute.jit
@@ -452,8 +386,6 @@ def supports(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, *, 
     reason = config_reason(d, e, topk)
     if reason is not None:
         return reason
-    if not _MIN_GATE_TEMP <= gate_temp < math.inf:
-        return f"gate_temp must be finite and >= 2^-126 (the kernel multiplies by its fp32 reciprocal), got {gate_temp}"
     if t * d >= 2**31 or (d // K_PER_CTA + 2) * t * e >= 2**31:
         return f"T = {t} overflows the kernel's 32-bit indexing"
     return hopper_reason(h=h, gate_weight=gate_weight, bias=bias)
@@ -467,7 +399,8 @@ def _compile_moe_route(dim: int, experts: int, topk: int, pdl: bool):
         MoeRoute(dim, experts, topk, pdl),
         fake_tensor(BFloat16, (t, dim)), fake_tensor(BFloat16, (experts, dim)), fake_tensor(Float32, (experts,), 4),
         fake_tensor(Float32, (t, topk), 4), fake_tensor(Int64, (t, topk), 8),
-        fake_tensor(Float32, (splits + 2, t, experts), 4), Float32(1.0), Float32(1.0), env_stream(),
+        fake_tensor(Float32, (splits + 2, t, experts), 4), fake_tensor(Int32, (experts // ROWS + 1,), 4),
+        Float32(1.0), Float32(1.0), env_stream(),
     )
 
 
@@ -477,22 +410,20 @@ def compile_for(dim: int, experts: int, topk: int, pdl: bool = True):
     return _compile_moe_route(dim, experts, topk, pdl)
 
 
-_WORKSPACES: dict[int, torch.Tensor] = {}  # device index -> the workspace, every word _EMPTY between launches
-_MIN_WORKSPACE_WORDS = 7 * 256 * 512  # (splits + 2) T E at D = 5120, T = 256, E = 512: decode sizes never regrow it
+_COUNTERS: dict[int, torch.Tensor] = {}  # device index -> the zeroed ticket counters (row groups + 1)
 
 
-def _workspace(device: torch.device, words: int) -> torch.Tensor:
-    """The device's fp32 workspace of at least ``words`` words, each holding ``_EMPTY``; kernels leave it so.
-    Grown (never freed: captured graphs keep the old address) outside CUDA-graph capture only."""
+def _counters(device: torch.device, groups: int) -> torch.Tensor:
+    """The device's ticket counters, at least ``groups + 1``; kernels leave them zeroed. Grown (never freed:
+    captured graphs keep the old address) outside CUDA-graph capture only."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    ws = _WORKSPACES.get(idx)
-    if ws is None or ws.numel() < words:
+    count = _COUNTERS.get(idx)
+    if count is None or count.numel() < groups + 1:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("moe_route: the workspace must be allocated before CUDA-graph capture; call "
-                               "moe_route once first with at least as many tokens")
-        ws = _WORKSPACES[idx] = torch.full((max(words, _MIN_WORKSPACE_WORDS),), _EMPTY, dtype=torch.int32,
-                                           device=device).view(torch.float32)
-    return ws
+            raise RuntimeError("moe_route: the ticket counters must be allocated before CUDA-graph capture; "
+                               "call moe_route once first")
+        count = _COUNTERS[idx] = torch.zeros(max(64, groups + 1), dtype=torch.int32, device=device)
+    return count
 
 
 def moe_route(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, *, topk: int, route_scale: float,
@@ -518,7 +449,9 @@ def moe_route(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, *,
             if reason is not None:
                 raise ValueError(f"moe_route: {reason}")
     if t > 0:
-        shape = (d // K_PER_CTA + 2, t, e)
-        ws = _workspace(h.device, math.prod(shape))[:math.prod(shape)].view(shape)
-        compile_for(d, e, topk, pdl)(h, gate_weight, bias, weights, experts, ws, route_scale, 1.0 / gate_temp)
+        splits, groups = d // K_PER_CTA, e // ROWS
+        count = _counters(h.device, groups)
+        ws = h.new_empty((splits + 2, t, e), dtype=torch.float32)
+        compile_for(d, e, topk, pdl)(h, gate_weight, bias, weights, experts, ws, count[:groups + 1], route_scale,
+                                     gate_temp)
     return weights, experts
