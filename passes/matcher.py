@@ -150,12 +150,25 @@ class MatchFailure:
     kind: str  # wrong op | argument | dtype | scalar | extra user | inconsistent input | check | semantic | graph break
     reason: str
     blocking: str | None = None
+    # the first differing op: the pattern's op and the graph's there (an op name, "placeholder", a constant's repr,
+    # or None: nothing, e.g. no node downstream), where the failure is a comparison of the two
+    expected: str | None = None
+    found: str | None = None
+    module: str | None = None  # the anchor's module path (`layers.3.attn`), where the graph records it
+
+
+def _failure(pattern: str, anchor: fx.Node, progress: int, total: int, e: "_Fail") -> MatchFailure:
+    """The MatchFailure of pattern at anchor that the matcher's failure `e` ends."""
+    return MatchFailure(pattern, anchor.name, progress, total, e.kind, e.reason, e.blocking and e.blocking.name,
+                        e.expected, e.found)
 
 
 class _Fail(Exception):
-    def __init__(self, kind: str, reason: str, blocking: fx.Node | None = None, progress: int = 0):
+    def __init__(self, kind: str, reason: str, blocking: fx.Node | None = None, progress: int = 0,
+                 expected: str | None = None, found: str | None = None):
         super().__init__(reason)
         self.kind, self.reason, self.blocking, self.progress = kind, reason, blocking, progress
+        self.expected, self.found = expected, found  # set by the innermost node comparison that failed (`_match_node`)
 
 
 @dataclass
@@ -185,6 +198,14 @@ def _fmt(n) -> str:
 
 def _op_name(target) -> str:
     return str(target) if not hasattr(target, "name") else target.name()
+
+
+def _what(n) -> str:
+    """What a pattern or graph value is, for a failure's first differing op: an op's name, a graph input
+    ("placeholder"), a constant's repr."""
+    if isinstance(n, fx.Node):
+        return _op_name(n.target) if n.op == "call_function" else n.op
+    return repr(n)
 
 
 def _is_input(n) -> bool:
@@ -259,6 +280,16 @@ class _Matcher:
             raise _Fail("scalar", f"{where}: expected {p!r}, found {t!r}")
 
     def _match_node(self, p: fx.Node, t, st: _State):
+        """Match pattern node p at graph value t (and p's inputs at t's), binding them in st; a failure names the
+        innermost pair of nodes compared (`_Fail.expected` / `.found`)."""
+        try:
+            self._compare_node(p, t, st)
+        except _Fail as e:
+            if e.expected is None and e.kind != "budget":
+                e.expected, e.found = _what(p), _what(t)
+            raise
+
+    def _compare_node(self, p: fx.Node, t, st: _State):
         self.steps += 1
         if self.steps > _STEPS:
             raise _Fail("budget", f"gave up after {_STEPS} comparisons")
@@ -512,7 +543,7 @@ class _Matcher:
         if best is not None:
             return best
         return deepest or _Fail("wrong op", f"no {_op_name(out.target)} downstream of the match for output {out.name}",
-                                None, self.progress(st))
+                                None, self.progress(st), expected=_op_name(out.target))
 
     def _close_islands(self, st: _State):
         """Each island's graph ancestors down to bound values become part of the region; a pattern input reached
@@ -536,14 +567,14 @@ class _Matcher:
                 chosen = next(fits(), None)
                 if chosen is None:
                     raise _Fail(why.kind, f"{why.reason}; the graph's part there reaches inputs the pattern does not bind",
-                                why.blocking, self.progress(st))
+                                why.blocking, self.progress(st), why.expected, why.found)
                 for ph, n in zip(unbound, chosen):
                     st.p2t[ph], st.t2p[n] = n, ph
                 st.rebindings.append((unbound, t, frozenset(bound), near))
                 bound.update(chosen)
             if not _closed(t, bound):
                 raise _Fail(why.kind, f"{why.reason}; the graph's part there reaches values outside the pattern",
-                            why.blocking, self.progress(st))
+                            why.blocking, self.progress(st), why.expected, why.found)
 
     def fitting(self, st: _State, unbound: list, t: fx.Node, bound, choices, tries: int = _TRIES, skip=frozenset()):
         """The bindings of `unbound` (one graph node each from `choices`, in product order, the first `tries`
@@ -854,7 +885,7 @@ class PatternSet:
     def _structural_match(self, pat: Pattern, anchor: fx.Node, islands: bool):
         """(structural matcher, state, output index, graph output node) of the first structural match whose region
         holds the anchor, or the deepest failure."""
-        failure, best = None, None
+        failure, best, wanted, elsewhere, total = None, None, [], None, 1
         for gm in self._structural[pat.name]:
             structural = _Matcher(gm, exact=False, islands=islands, traces=lambda bound: self._traces(pat, bound),
                                   optional=pat.optional_outputs, closure_cache=self.closure_cache)
@@ -863,6 +894,7 @@ class PatternSet:
             if not anchor_ps:
                 continue
             first = self._first_output(gm, structural, anchor.target)
+            wanted.append(_op_name(structural.outputs[first].target))
             for cand in _cone([anchor], structural.outputs[first].target, _OUTPUTS):
                 st = _State()
                 try:
@@ -870,10 +902,10 @@ class PatternSet:
                 except _Fail as e:
                     progress = max(structural.progress(st), e.progress)
                     if failure is None or progress / total > failure.progress / failure.total:
-                        failure = MatchFailure(pat.name, anchor.name, progress, total, e.kind, e.reason,
-                                               e.blocking and e.blocking.name)
+                        failure = _failure(pat.name, anchor, progress, total, e)
                     continue
                 if anchor not in st.t2p and anchor not in structural.island_nodes(st):
+                    elsewhere = elsewhere or cand
                     continue
                 if not st.islands:
                     return structural, st, first, cand
@@ -881,8 +913,14 @@ class PatternSet:
                     best = (structural, st, first, cand)
         if best is not None:
             return best
-        return failure or MatchFailure(pat.name, anchor.name, 0, 1, "wrong op",
-                                       f"no {_op_name(anchor.target)} output path of the pattern matches here")
+        if failure is not None:
+            return failure
+        wanted = " or ".join(dict.fromkeys(wanted)) or "output"
+        if elsewhere is not None:
+            return MatchFailure(pat.name, anchor.name, 0, total, "wrong op", f"the pattern matches at {_fmt(elsewhere)} "
+                                "without this anchor", elsewhere.name, _op_name(anchor.target), None)
+        return MatchFailure(pat.name, anchor.name, 0, total, "wrong op", f"no {wanted} (the pattern's output) downstream "
+                            "of the anchor", None, wanted, None)
 
     def _match_one(self, pat: Pattern, anchor: fx.Node, islands: bool) -> MatchResult | MatchFailure:
         found = self._structural_match(pat, anchor, islands)
@@ -949,7 +987,7 @@ class PatternSet:
         try:
             st2 = exact.run(first, out_node, st2)
         except _Fail as e:
-            return MatchFailure(pat.name, anchor.name, exact.progress(st2), total, e.kind, e.reason, e.blocking and e.blocking.name)
+            return _failure(pat.name, anchor, exact.progress(st2), total, e)
         inputs_bound = {t for p, t in st2.p2t.items() if p.op == "placeholder"}  # never inside (`_input_in_layout`)
         inside = {t for p, t in st2.p2t.items() if p.op == "call_function" and t not in inputs_bound} | exact.island_nodes(st2)
         required = len(exact.outputs) - pat.optional_outputs

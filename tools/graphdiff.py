@@ -173,7 +173,8 @@ def _write(path: Path, text: str) -> None:
 def _failure(f, snap: Snapshot) -> dict:
     """A MatchFailure as JSON, with the provenance of its anchor and blocking node."""
     rec = {"pattern": f.pattern, "anchor": f.anchor, "progress": f.progress, "total": f.total, "kind": f.kind,
-           "reason": f.reason, "blocking": f.blocking}
+           "reason": f.reason, "blocking": f.blocking, "expected": getattr(f, "expected", None),
+           "found": getattr(f, "found", None)}
     a = snap.node(f.anchor)
     rec.update({"module": a["module"], "layer": a["layer"], "source": a["source"]})
     if f.blocking:
@@ -404,6 +405,9 @@ def build_pass_record(graph_seq: int, index: int, name: str, before: Snapshot, a
         "modified": [after.node(n) for n in modified if n not in claimed],
         "declined_candidates": [_failure(f, before) for f in getattr(result, "declined", []) or []],
         "attempt_candidates": [_failure(f, before) for f in getattr(result, "attempts", []) or []],
+        # anchors that are another computation, and sites fused by a narrower formulation (the wider one's failure)
+        "unrelated_candidates": [_failure(f, before) for f in getattr(result, "unrelated", []) or []],
+        "narrowed_sites": [dict(_failure(f, before), fused=narrow) for narrow, f in getattr(result, "narrowed", []) or []],
     }
 
 
