@@ -57,7 +57,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dsv41.passes.normalize import normalize_graph, position as _position, view_root
+from dsv41.passes.normalize import _LAYOUT_OPS, normalize_graph, position as _position, view_root
 
 ANY_STR = "__dsv41_any__"  # a string argument of a search function that matches any string (a group name)
 
@@ -67,6 +67,8 @@ aten = torch.ops.aten
 COMMUTATIVE = frozenset({aten.add.Tensor, aten.mul.Tensor, aten.maximum.default, aten.minimum.default, aten.eq.Tensor,
                          aten.ne.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.logical_and.default,
                          aten.logical_or.default})
+# Layout ops that only reshape (normalize's layout ops but the permute): one the graph or the pattern lacks is skipped
+_RESHAPES = frozenset(_LAYOUT_OPS) - {aten.permute.default}
 _CONE = 2000         # graph nodes searched downstream of an anchor for the pattern's output
 _ISLAND_NODES = 160  # graph nodes one island may hold
 _STEPS = 20_000      # node comparisons one match attempt may make
@@ -208,6 +210,12 @@ def _what(n) -> str:
     return repr(n)
 
 
+def _dtype(n: fx.Node):
+    """The dtype of n's value (None when it is not a tensor)."""
+    v = n.meta.get("val")
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
 def _is_input(n) -> bool:
     return isinstance(n, fx.Node) and n.op in ("placeholder", "get_attr")
 
@@ -293,8 +301,8 @@ class _Matcher:
         self.steps += 1
         if self.steps > _STEPS:
             raise _Fail("budget", f"gave up after {_STEPS} comparisons")
-        if p in st.p2t:
-            if st.p2t[p] is not t and not (not isinstance(t, fx.Node) and st.p2t[p] == t):
+        if p in st.p2t:  # matched before: at t, or at an op below t that t's island stands for p with
+            if st.p2t[p] is not t and not (not isinstance(t, fx.Node) and st.p2t[p] == t) and st.t2p.get(t) is not p:
                 raise _Fail("inconsistent input", f"pattern input {p.name} would bind both {_fmt(st.p2t[p])} and {_fmt(t)}",
                             t if isinstance(t, fx.Node) else None)
             return
@@ -418,33 +426,48 @@ class _Matcher:
 
     def _skip_match(self, p: fx.Node, t: fx.Node, st: _State) -> _State | None:
         """The state after matching, op for op, one of p's operands at t (the graph lacks p's op) or p at one of
-        t's operands down to three levels (the graph has extra ops); None when neither fits."""
+        t's operands down to three levels (the graph has extra ops), else `_skip_around`; None when none fits."""
         saved, self.islands_on = self.islands_on, False
         try:
-            for pc in p.all_input_nodes:
-                if pc.op != "call_function" or pc in st.p2t:
-                    continue
-                trial = st.copy()
-                try:
-                    self._match_node(pc, t, trial)
-                    return trial
-                except _Fail:
-                    pass
+            found = self._first_fit([(pc, t) for pc in p.all_input_nodes if pc.op == "call_function" and pc not in st.p2t], st)
             frontier = [t]
             for _ in range(3):
+                if found is not None:
+                    break
                 frontier = [a for n in frontier for a in n.all_input_nodes if a.op == "call_function" and a not in st.t2p]
-                for tc in frontier:
-                    if tc.target != p.target:
-                        continue
-                    trial = st.copy()
-                    try:
-                        self._match_node(p, tc, trial)
-                    except _Fail:
-                        continue
-                    return trial  # p is tc; the ops between t and tc are the island
-            return None
+                # p at tc: the ops between t and tc are the island
+                found = self._first_fit([(p, tc) for tc in frontier if tc.target == p.target], st)
         finally:
             self.islands_on = saved
+        return self._skip_around(p, t, st) if found is None and saved else found
+
+    def _skip_around(self, p: fx.Node, t: fx.Node, st: _State) -> _State | None:
+        """Where the graph differs from the pattern by one op, the state after matching the ops around it, with
+        parts computed another way allowed below: p's operand at t where p is a reshape (a view, unsqueeze or
+        squeeze) the graph lacks; p at t's operand where t is a reshape the pattern lacks; p's one tensor operand at
+        t's where both have one and the same result dtype (`clamp(x, lo)` for `clamp_min(x, lo)`); None when none
+        fits. The island is then that one op, and the walk goes on through the region above it, rather than one
+        island around all of it that binds the pattern inputs it meets by dtype and rank (cos and sin inside a
+        RoPE, either way round)."""
+        pairs = [(p.args[0], t)] if p.target in _RESHAPES else []
+        pairs += [(p, t.args[0])] if t.target in _RESHAPES else []
+        p_in, t_in = ([a for a in n.args if isinstance(a, fx.Node)] for n in (p, t))
+        if len(p_in) == len(t_in) == 1 and _dtype(p) == _dtype(t) is not None:
+            pairs.append((p_in[0], t_in[0]))
+        return self._first_fit([(pc, tc) for pc, tc in pairs
+                                if isinstance(pc, fx.Node) and (pc.op == "placeholder" or pc not in st.p2t)
+                                and isinstance(tc, fx.Node) and tc not in st.t2p], st)
+
+    def _first_fit(self, pairs: list, st: _State) -> _State | None:
+        """The state after matching the first (pattern node, graph value) of `pairs` that matches, or None."""
+        for pc, tc in pairs:
+            trial = st.copy()
+            try:
+                self._match_node(pc, tc, trial)
+            except _Fail:
+                continue
+            return trial
+        return None
 
     def _match_unordered(self, p: fx.Node, t: fx.Node, st: _State):
         """The two operands of a commutative op in either order: an order that matches without islands if there is
@@ -522,7 +545,7 @@ class _Matcher:
 
     def best_candidate(self, out: fx.Node, candidates, st: _State):
         """The state after matching `out` at the best of `candidates` (islands closed): the first one matched
-        without islands, else the one with the fewest islands and the most matched nodes; or the deepest _Fail."""
+        without islands, else the one of least `cost`; or the deepest _Fail."""
         deepest, best = None, None
         for cand in candidates:
             if cand in st.t2p:
@@ -538,7 +561,7 @@ class _Matcher:
                 continue
             if not trial.islands:
                 return trial
-            if best is None or (len(trial.islands), -self.progress(trial)) < (len(best.islands), -self.progress(best)):
+            if best is None or self.cost(trial) < self.cost(best):
                 best = trial
         if best is not None:
             return best
@@ -628,6 +651,14 @@ class _Matcher:
         for _, t, _ in st.islands:
             inside |= set(_ancestors(t, stop=lambda n: n is not t and n in bound))
         return inside
+
+    def cost(self, st: _State) -> tuple:
+        """How much of a match with closed islands is computed another way, to choose among candidates (least
+        first): the share of the pattern's ops not matched op for op (those an island stands for), then the graph
+        nodes inside its islands. An island that stands for most of the pattern (opened next to an output, binding
+        the pattern inputs it meets inside: cos and sin in the RoPE) loses to a match of the same output that has
+        only a scale computed another way."""
+        return -self.progress(st) / max(len(self.call_nodes), 1), len(self.island_nodes(st))
 
     def progress(self, st: _State) -> int:
         """Pattern ops matched op for op (island roots not counted)."""
@@ -909,7 +940,7 @@ class PatternSet:
                     continue
                 if not st.islands:
                     return structural, st, first, cand
-                if best is None or (len(st.islands), -structural.progress(st)) < (len(best[1].islands), -structural.progress(best[1])):
+                if best is None or structural.cost(st) < structural.cost(best[1]):
                     best = (structural, st, first, cand)
         if best is not None:
             return best

@@ -82,9 +82,9 @@ def test_report_names_each_near_miss_with_its_first_differing_op():
     assert not any(report.declined.values()) and not any(report.matches.values())
 
 
-def route_exp(h, gate_w, bias, k=route_case.K, scale=route_case.ROUTE_SCALE):
-    """moe_route's `route` formulation with one op changed: the scores' sqrt is an exp (other math)."""
-    scores = torch.nn.functional.softplus(torch.mm(h.float(), gate_w.float().t())).exp()
+def route_exp(h, gate_w, bias, k=route_case.K, scale=route_case.ROUTE_SCALE, temp=1.0):
+    """moe_route's `route` formulation (route_with_temperature) with one op changed: the scores' sqrt is an exp."""
+    scores = torch.nn.functional.softplus(torch.mm(h.float(), gate_w.float().t()) / temp).exp()
     experts = (scores + bias).topk(k, dim=-1).indices
     w = scores.gather(1, experts)
     return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scale, experts
