@@ -221,7 +221,7 @@ class FusionPass(GraphPass):
                     if isinstance(m, MatchResult):
                         wide, why = (None, None) if islands else self._wider_accepted(index, anchor, m)
                         narrow = m.pattern.name
-                        m = wide or self._accept(m, anchor)
+                        m = wide or (self._closest_accepted(index, anchor, m) if islands else self._accept(m, anchor))
                         if why is not None and not isinstance(m, MatchFailure):  # fused without the wider part
                             result.narrowed.append((narrow, _at_site(why, anchor)))
                     if isinstance(m, MatchFailure):
@@ -283,6 +283,25 @@ class FusionPass(GraphPass):
                 return accepted, None
             why = accepted
         return None, why
+
+    def _closest_accepted(self, index: int, anchor: fx.Node, m: MatchResult):
+        """`_accept` of the formulation closest to the graph among `m` (pattern `index` at `anchor`, with parts
+        computed another way) and the later patterns that match there too: the one whose region holds m's and has
+        the fewest graph nodes computed another way (`MatchResult.another_way`), the first in order among equals;
+        m when that one is not accepted. Without it, list order picks: another formulation of the same math may
+        pass the semantic check on its draws by treating what the graph writes as a part computed another way (a
+        sorted top-k where the pattern's is unsorted; a score scale, exactly a power of two, as an extra op of an
+        unscaled formulation), and such a check cannot tell a scale that rounds from one that does not."""
+        closest = m
+        for j in range(index + 1, len(self._patterns.patterns)):
+            if anchor.target not in self._patterns.anchor_ops(j):
+                continue
+            other = self._patterns.match_one(j, anchor, True)
+            if (isinstance(other, MatchResult) and set(closest.nodes) <= set(other.nodes)
+                    and len(other.another_way) < len(closest.another_way)):
+                closest = other
+        accepted = self._accept(closest, anchor)
+        return self._accept(m, anchor) if isinstance(accepted, MatchFailure) and closest is not m else accepted
 
     def _split_by_graph_break(self, graph: fx.Graph, result: PassResult, failures: dict, erased: set) -> str | None:
         """When Dynamo has recorded graph breaks: the sites of this fusion whose region ends at this graph's

@@ -139,6 +139,8 @@ class MatchResult:
     alternatives: Callable | None = None
     # per optional output of the pattern: whether the graph reads it outside the region (then it is in `outputs`)
     exposed: tuple = ()
+    # the region's graph nodes inside islands (computed another way than the pattern writes them)
+    another_way: frozenset = frozenset()
 
 
 @dataclass
@@ -1020,7 +1022,8 @@ class PatternSet:
         except _Fail as e:
             return _failure(pat.name, anchor, exact.progress(st2), total, e)
         inputs_bound = {t for p, t in st2.p2t.items() if p.op == "placeholder"}  # never inside (`_input_in_layout`)
-        inside = {t for p, t in st2.p2t.items() if p.op == "call_function" and t not in inputs_bound} | exact.island_nodes(st2)
+        another_way = frozenset(exact.island_nodes(st2))
+        inside = {t for p, t in st2.p2t.items() if p.op == "call_function" and t not in inputs_bound} | another_way
         required = len(exact.outputs) - pat.optional_outputs
         outputs = [st2.p2t[o] for o in exact.outputs[:required]]
         optional = [st2.p2t.get(o) for o in exact.outputs[required:]]
@@ -1040,7 +1043,7 @@ class PatternSet:
                                 f"input {_fmt(cyclic)} depends on the matched region", cyclic.name)
         nodes = [n for n in anchor.graph.nodes if n in inside]
         found_islands = [(_op_name(p.target), t, why) for p, t, why in st2.islands]
-        return MatchResult(pat, inputs, outputs, nodes, free, found_islands, exposed=exposed)
+        return MatchResult(pat, inputs, outputs, nodes, free, found_islands, exposed=exposed, another_way=another_way)
 
 
 def _views_of_one_root(x, y) -> bool:
