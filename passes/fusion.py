@@ -34,8 +34,9 @@ log = logging.getLogger("dsv41")
 # Every anchor that a pass does not fuse leaves one record, its deepest failure over the patterns: a decline
 # (`declined`) when it matched the whole structure and failed on a scalar, an extra user, the semantic check, the
 # op's check or the token limit, or failed on a dtype after four ops; else a near miss (`attempts`) when it matched
-# at least _NEAR pattern ops before the first differing op; else another computation (`unrelated`: it differs
-# within the pattern's first ops, e.g. the top-k of another fusion).
+# at least _NEAR pattern ops before the first differing op, or reached an input of the graph (a graph break may
+# split it); else another computation (`unrelated`: it differs within the pattern's first ops, e.g. the top-k of
+# another fusion).
 _REPORTED_KINDS = ("scalar", "extra user", "check", "token limit", "symbolic shape", "semantic")
 _NEAR = 2
 _SEMANTIC_DRAWS = 2
@@ -246,7 +247,7 @@ class FusionPass(GraphPass):
             f = _at_site(self.explain(f, graph) if f.blocking in names else f, anchor)
             if f.kind in _REPORTED_KINDS or f.kind == "dtype" and f.progress >= 4:
                 result.declined.append(f)
-            elif f.progress >= _NEAR:
+            elif f.progress >= _NEAR or f.kind == "graph break":  # a site that reaches the graph's edge: near
                 result.attempts.append(f)
             else:
                 result.unrelated.append(f)

@@ -36,8 +36,8 @@ class CompileReport:
     """One compiled graph: `matches[fusion]` = replacements made. Every site found by a fusion's distinctive op
     (its anchor) that was not fused has one entry, which names the anchor node (and its module path where known):
     `declined[fusion]` = the candidate subgraphs that matched but were not replaced (a check, the token limit, the
-    semantic check, ...) and why; `near_misses[fusion]` = the sites that stopped matching past the first pattern ops,
-    each with the first differing op; `unrelated[fusion]` = the anchors that are another computation (they differ
+    semantic check, ...) and why; `near_misses[fusion]` = the sites that stopped matching past the first pattern ops
+    (or at an input of the graph), each with the first differing op; `unrelated[fusion]` = the anchors that are another computation (they differ
     within the pattern's first ops), grouped by the pattern op and graph op that differ. `narrowed[fusion]` = the
     sites fused by a narrower formulation, each with why the wider one was not accepted there; `notes[fusion]` =
     "no candidate: ..." when the graph holds none of the fusion's distinctive ops or only other computations (or a
@@ -154,7 +154,7 @@ def _unrelated(failures: list[MatchFailure]) -> list[str]:
     lines = []
     for (pattern, kind, expected, found), fs in differing_op_groups(failures).items():
         differs = (f"pattern op {expected}, graph op {found or 'none'}" if expected is not None
-                   else f"{fs[0].reason}" + (f" (and {len(fs) - 1} more)" if len(fs) > 1 else ""))
+                   else fs[0].reason + (f" (and {len(fs) - 1} more)" if len(fs) > 1 else ""))
         lines.append(f"another computation at {', '.join(map(_site, fs))}: {pattern} differs after at most "
                      f"{max(f.progress for f in fs)} of {fs[0].total} pattern ops ({kind}): {differs}")
     return lines

@@ -125,6 +125,25 @@ def test_every_anchor_is_fused_or_recorded_once_in_debug_mode():
         check_records([anchor], dataclasses.replace(fused, unrelated=result.declined))
 
 
+def test_every_anchor_of_the_model_is_fused_or_recorded_once():
+    """The model's layers 2 and 4 (compressed attention of both ratios, the indexer, the MoE) compiled in debug mode,
+    where the pass manager checks after each fusion that every anchor is replaced or has one record (a breach is an
+    error, so the backend would fall back): no fallback, and the records name each anchor's module."""
+    from dsv41.models import TINY, DSV41Model
+
+    torch.manual_seed(0)
+    compiled, backend = compile_fx(DSV41Model(TINY, [2, 4], max_batch=4, max_context=128))
+    assert backend.config.debug
+    with torch.no_grad():
+        compiled(torch.tensor([1, 2, 3]), torch.tensor([5, 9, 17]))
+    torch._dynamo.reset()
+    (report,) = backend.reports
+    assert report.fallback is None and report.matches["indexer_topk"] == 2 and report.matches["qkv_norm"] == 2
+    records = [f for p in report.passes for f in (*p.attempts, *p.unrelated)]
+    assert records and all(f.module and f.module.startswith(("layers.2", "layers.4")) for f in records), records
+    assert any(report.unrelated.values()) and not any(report.declined.values())
+
+
 def test_anchors_of_another_computation_are_unrelated_and_grouped():
     """Two routes fused, beside a topk of other math (no softplus/sqrt before it): its anchor is recorded as another
     computation, compactly (one line per pattern op and graph op that differ), and not as a near miss."""
