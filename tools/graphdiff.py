@@ -14,9 +14,11 @@ Layout of a recording (every file deterministic: identical runs give byte-identi
     gd/summary.json                        per graph and pass: changed?, counts, matches per layer, files
     gd/graph_000/input.txt                 normalised graph code (passes.printing.graph_code) the passes got
     gd/graph_000/NN_<pass>.json            the pass: matches grouped with erased/created nodes and their
-                                           provenance (module path, layer, file:line), declined candidates
-                                           and near misses (kind, reason, blocking node), op-count delta,
-                                           nodes per stream, and which code files hold the graph before/after
+                                           provenance (module path, layer, file:line), declined candidates,
+                                           near misses and anchors of another computation (kind, reason,
+                                           blocking node, the pattern op and graph op that differ), sites
+                                           fused by a narrower formulation, op-count delta, nodes per
+                                           stream, and which code files hold the graph before/after
     gd/graph_000/NN_<pass>.after.txt       the graph after the pass      } only when the pass changed the
     gd/graph_000/NN_<pass>.diff            unified diff before -> after  } graph ("unchanged" otherwise)
     gd/graph_000/NN_<pass>.streams.txt     the side-stream lanes, when the graph carries a stream schedule

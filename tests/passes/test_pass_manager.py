@@ -80,6 +80,8 @@ def test_report_names_each_near_miss_with_its_first_differing_op():
     assert re.fullmatch(r"q_kv_norm\w*_bf16_then_weight at %rsqrt: wrong op after \d+ of \d+ pattern ops: no "
                         r"aten::mul\.Tensor downstream of the match for output \w+", misses["qkv_norm"][0]), misses
     assert not any(report.declined.values()) and not any(report.matches.values())
+    (miss,) = next(p for p in report.passes if p.name == "mhc_post_pre").attempts  # the op pair, as data too
+    assert (miss.anchor, miss.expected, miss.found) == ("rsqrt", "prims::convert_element_type", "placeholder"), miss
 
 
 def route_exp(h, gate_w, bias, k=route_case.K, scale=route_case.ROUTE_SCALE, temp=1.0):
