@@ -7,7 +7,7 @@ key   = sha256 of the pass manager's fingerprint (`PassManager.fingerprint`: dsv
         version) and the ATen graph the AOT step hands the passes: its Python code and every placeholder's and
         get_attr's value metadata (shape, stride, dtype, device).
 entry = the rewritten graph as plain data, one record per node (op, name, target by qualified name, args and kwargs
-        with nodes by name, the side-stream annotation), and the report's matches, declined, near misses and notes.
+        with nodes by name, the side-stream annotation), and the report's matches, declined, near misses, unrelated anchors, narrowed sites and notes.
 
 On a hit the graph is rebuilt in place of the original's nodes, its fake values propagated from the original
 placeholders' (`FakeTensorProp` under their fake mode), and the report restored with `cache = "hit"`. A graph with a
@@ -37,7 +37,7 @@ from dsv41.passes.streams import STREAM
 log = logging.getLogger("dsv41")
 
 FORMAT = 1  # bump to invalidate every entry
-_REPORT_FIELDS = ("matches", "declined", "near_misses", "notes")
+_REPORT_FIELDS = ("matches", "declined", "near_misses", "unrelated", "narrowed", "notes")
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 

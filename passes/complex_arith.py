@@ -32,8 +32,8 @@ from the real form by at most eps * (|first product| + |second|) per part (test_
 Complex values computed by any other op (`polar` or `exp` building the table inside the graph, a complex matmul,
 division, a product with a real value, a complex constant) are left as they are, with the graph unchanged there:
 `real_pairs` returns the reason per `view_as_real` it left and records it on that node, and a fusion whose site
-holds such a node declines naming it (`restate_failure` for a site that stopped there, `left_after` for a site
-fused without its RoPE).
+holds such a node declines naming it (`restate_failure` for a site that stopped there; `left_after` names it for a
+site fused without its RoPE, which the fusion records as narrowed).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ check and the value domain it covered are recorded with the replacement.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -30,11 +31,14 @@ from dsv41.passes.printing import module_path
 
 log = logging.getLogger("dsv41")
 
-# A failed candidate is a decline (`declined`) when it matched the whole structure and failed on a scalar, an extra
-# user, the semantic check, the op's check or the token limit, reached a graph input (a graph break), or failed on a
-# dtype after four ops; a structural miss past the anchor's first ops is an attempt (`attempts`, the first
-# differing op named).
+# Every anchor that a pass does not fuse leaves one record, its deepest failure over the patterns: a decline
+# (`declined`) when it matched the whole structure and failed on a scalar, an extra user, the semantic check, the
+# op's check or the token limit, or failed on a dtype after four ops; else a near miss (`attempts`) when it matched
+# at least _NEAR pattern ops before the first differing op, or reached an input of the graph (a graph break may
+# split it); else another computation (`unrelated`: it differs within the pattern's first ops, e.g. the top-k of
+# another fusion).
 _REPORTED_KINDS = ("scalar", "extra user", "check", "token limit", "symbolic shape", "semantic")
+_NEAR = 2
 _SEMANTIC_DRAWS = 2
 # Traced patterns per (fusion pass class, config constants), shared by every backend of the process: a pass's
 # patterns depend on nothing else, and tracing them is most of a small graph's pass time.
@@ -55,10 +59,17 @@ class Replacement:
 
 @dataclass
 class PassResult:
+    """A pass's outcome. For a fusion, every anchor (a node with a distinctive op of its patterns) present when the
+    pass starts is either inside a replaced region or has exactly one record in `declined`, `attempts` or
+    `unrelated` (see `_REPORTED_KINDS`); `narrowed` holds, per site fused by a narrower formulation, the name of
+    that formulation and why the wider one was not accepted there (a fused site, not a decline)."""
+
     name: str
     matches: int = 0
     declined: list[MatchFailure] = field(default_factory=list)
     attempts: list[MatchFailure] = field(default_factory=list)
+    unrelated: list[MatchFailure] = field(default_factory=list)
+    narrowed: list[tuple[str, MatchFailure]] = field(default_factory=list)
     replaced: list[dict] = field(default_factory=list)  # per match: erased and created node names, provenance
     note: str | None = None  # e.g. "no candidate: ..." when the graph holds none of the fusion's distinctive ops
 
@@ -173,14 +184,26 @@ class FusionPass(GraphPass):
                   f"{'within ' + str(tol) if tol else 'bit-exact'}")
         return None, f"{where}; checked on {domain}"
 
-    def __call__(self, graph: fx.Graph) -> PassResult:
+    def pattern_set(self) -> PatternSet:
+        """The pass's traced patterns (shared by the passes of the process with the same model constants)."""
         if self._patterns is None:
             key = (type(self), tuple(sorted(self.config.constants().items())))
             if key not in _PATTERN_SETS:
                 _PATTERN_SETS[key] = PatternSet(self.patterns())
             self._patterns = _PATTERN_SETS[key]
+        return self._patterns
+
+    def anchors(self, graph: fx.Graph) -> list[fx.Node]:
+        """The graph's nodes with a distinctive op of any of the pass's patterns, in graph order."""
+        patterns = self.pattern_set()
+        found = {n for i in range(len(patterns.patterns)) for n in patterns.anchors(graph, i)}
+        return [n for n in graph.nodes if n in found]
+
+    def __call__(self, graph: fx.Graph) -> PassResult:
+        self.pattern_set()
         result = PassResult(self.name)
         self._patterns.forget_graph()
+        candidates = self.anchors(graph)
         erased: set[fx.Node] = set()
         failures: dict[fx.Node, MatchFailure] = {}  # per anchor: the deepest op-for-op failure
         island_failures: dict[fx.Node, MatchFailure] = {}  # per anchor: a semantic disagreement or graph break
@@ -198,9 +221,10 @@ class FusionPass(GraphPass):
                     m = self._patterns.match_one(index, anchor, islands)
                     if isinstance(m, MatchResult):
                         wide, why = (None, None) if islands else self._wider_accepted(index, anchor, m)
-                        m = wide or self._accept(m, anchor)
-                        if why is not None and not isinstance(m, MatchFailure):
-                            result.declined.append(why)  # fused without the wider part: the reason is recorded
+                        narrow = m.pattern.name
+                        m = wide or (self._closest_accepted(index, anchor, m) if islands else self._accept(m, anchor))
+                        if why is not None and not isinstance(m, MatchFailure):  # fused without the wider part
+                            result.narrowed.append((narrow, _at_site(why, anchor)))
                     if isinstance(m, MatchFailure):
                         if islands:  # only a semantic disagreement is worth reporting here
                             if m.kind == "semantic" and island_failures.get(anchor) is None:
@@ -216,17 +240,22 @@ class FusionPass(GraphPass):
                     result.matches += 1
         names = {n.name: n for n in graph.nodes}
         failures.update(island_failures)
-        for anchor, f in failures.items():
+        for anchor in candidates:  # each anchor left: one record
             if anchor in erased:
                 continue
-            f = self.explain(f, graph) if f.blocking in names else f
-            if f.progress >= 2:
-                result.attempts.append(f)
+            f = failures[anchor]
+            f = _at_site(self.explain(f, graph) if f.blocking in names else f, anchor)
             if f.kind in _REPORTED_KINDS or f.kind == "dtype" and f.progress >= 4:
                 result.declined.append(f)
-        if not any(self._patterns.anchors(graph, i) for i in range(len(self._patterns.patterns))) and not result.matches:
+            elif f.progress >= _NEAR or f.kind == "graph break":  # a site that reaches the graph's edge: near
+                result.attempts.append(f)
+            else:
+                result.unrelated.append(f)
+        if not result.matches and not result.declined and not result.attempts:
             ops = sorted({_op(t) for i in range(len(self._patterns.patterns)) for t in self._patterns.anchor_ops(i)})
-            result.note = f"no candidate: the graph has no {' or '.join(ops)}"
+            result.note = (f"no candidate: the graph has no {' or '.join(ops)}" if not candidates else
+                           f"no candidate: the graph's {len(candidates)} {' or '.join(ops)} "
+                           f"{'is' if len(candidates) == 1 else 'are'} another computation (unrelated)")
         split = self._split_by_graph_break(graph, result, failures, erased)
         if split:
             result.note = f"{result.note}; {split}" if result.note else split
@@ -255,6 +284,25 @@ class FusionPass(GraphPass):
                 return accepted, None
             why = accepted
         return None, why
+
+    def _closest_accepted(self, index: int, anchor: fx.Node, m: MatchResult):
+        """`_accept` of the formulation closest to the graph among `m` (pattern `index` at `anchor`, with parts
+        computed another way) and the later patterns that match there too: the one whose region holds m's and has
+        the fewest graph nodes computed another way (`MatchResult.another_way`), the first in order among equals;
+        m when that one is not accepted. Without it, list order picks: another formulation of the same math may
+        pass the semantic check on its draws by treating what the graph writes as a part computed another way (a
+        sorted top-k where the pattern's is unsorted; a score scale, exactly a power of two, as an extra op of an
+        unscaled formulation), and such a check cannot tell a scale that rounds from one that does not."""
+        closest = m
+        for j in range(index + 1, len(self._patterns.patterns)):
+            if anchor.target not in self._patterns.anchor_ops(j):
+                continue
+            other = self._patterns.match_one(j, anchor, True)
+            if (isinstance(other, MatchResult) and set(closest.nodes) <= set(other.nodes)
+                    and len(other.another_way) < len(closest.another_way)):
+                closest = other
+        accepted = self._accept(closest, anchor)
+        return self._accept(m, anchor) if isinstance(accepted, MatchFailure) and closest is not m else accepted
 
     def _split_by_graph_break(self, graph: fx.Graph, result: PassResult, failures: dict, erased: set) -> str | None:
         """When Dynamo has recorded graph breaks: the sites of this fusion whose region ends at this graph's
@@ -307,10 +355,11 @@ class FusionPass(GraphPass):
         if reason is None and m.islands:
             kind = "semantic"
             reason, verified = self.semantic_check(m, rep)
-        if reason is not None:
-            blocking = m.islands[0][2].blocking if m.islands and m.islands[0][2].blocking is not None else None
+        if reason is not None:  # the first island, where there is one, is the first differing op
+            island = m.islands[0][2] if m.islands else None
+            blocking = island.blocking if island is not None else None
             return MatchFailure(m.pattern.name, anchor.name, len(m.nodes), len(m.nodes), kind, reason,
-                                blocking and blocking.name)
+                                blocking and blocking.name, island and island.expected, island and island.found)
         return m, rep, value, verified
 
     def _replace(self, graph: fx.Graph, m: MatchResult, rep: Replacement, value) -> dict:
@@ -460,10 +509,7 @@ def _rank(f: MatchFailure) -> tuple:
     return (f.kind in _REPORTED_KINDS, f.progress / max(f.total, 1))
 
 
-def _module_path(node: fx.Node) -> str | None:
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    path = list(stack.values())[-1][0]
-    return path.replace("L['self'].", "").replace("L['self']", "") or None
+def _at_site(f: MatchFailure, anchor: fx.Node) -> MatchFailure:
+    """f with its anchor's module path (where the graph records one)."""
+    return dataclasses.replace(f, module=module_path(anchor.meta.get("nn_module_stack")))
 

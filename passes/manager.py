@@ -10,6 +10,7 @@ followed by invariant checks. Either turns the cache off, since both exist to wa
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -22,7 +23,8 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from dsv41.passes.complex_arith import real_pairs
-from dsv41.passes.fusion import GraphPass, PassResult
+from dsv41.passes.fusion import FusionPass, GraphPass, PassResult
+from dsv41.passes.matcher import MatchFailure
 from dsv41.passes.normalize import normalize_graph
 
 # Recorders of `dsv41.tools.graphdiff.record(...)`: while one is active, every PassManager reports to it too.
@@ -31,18 +33,23 @@ ACTIVE_RECORDERS: list = []
 
 @dataclass
 class CompileReport:
-    """One compiled graph: `matches[fusion]` = replacements made, `declined[fusion]` = reasons for the candidate
-    subgraphs that matched but were not replaced (a check, the token limit, the semantic check, ...),
-    `near_misses[fusion]` = the sites found by the fusion's distinctive op that stopped matching past the first
-    pattern ops, each with the first differing op, `notes[fusion]` = "no candidate: ..." when the graph holds none
-    of the fusion's distinctive ops (or a graph-break note), `passes` = per-pass results in order, `fallback` = why
-    the backend handed the graph to plain Inductor (None when it did not), `cache` = what the pass cache did (on a
-    hit `passes` stays empty: no pass ran)."""
+    """One compiled graph: `matches[fusion]` = replacements made. Every site found by a fusion's distinctive op
+    (its anchor) that was not fused has one entry, which names the anchor node (and its module path where known):
+    `declined[fusion]` = the candidate subgraphs that matched but were not replaced (a check, the token limit, the
+    semantic check, ...) and why; `near_misses[fusion]` = the sites that stopped matching past the first pattern ops
+    (or at an input of the graph), each with the first differing op; `unrelated[fusion]` = the anchors that are another computation (they differ
+    within the pattern's first ops), grouped by the pattern op and graph op that differ. `narrowed[fusion]` = the
+    sites fused by a narrower formulation, each with why the wider one was not accepted there; `notes[fusion]` =
+    "no candidate: ..." when the graph holds none of the fusion's distinctive ops or only other computations (or a
+    graph-break note), `passes` = per-pass results in order, `fallback` = why the backend handed the graph to plain
+    Inductor (None when it did not), `cache` = what the pass cache did (on a hit `passes` stays empty: no pass ran)."""
 
     graph_id: int
     matches: dict[str, int] = field(default_factory=dict)
     declined: dict[str, list[str]] = field(default_factory=dict)
     near_misses: dict[str, list[str]] = field(default_factory=dict)
+    unrelated: dict[str, list[str]] = field(default_factory=dict)
+    narrowed: dict[str, list[str]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
     passes: list[PassResult] = field(default_factory=list)
     fallback: str | None = None
@@ -103,21 +110,54 @@ class PassManager:
             r.begin_graph(report.graph_id, self.passes)
         for index, p in enumerate(self.passes):
             befores = [r.capture(graph) for r in recorders]
+            anchors = [n.name for n in p.anchors(graph)] if self.config.debug and isinstance(p, FusionPass) else None
             result = p(graph)
             report.passes.append(result)
             if p.name in self.config.fusions:
                 report.matches[p.name] = result.matches
-                report.declined[p.name] = [f"{d.pattern} at %{d.anchor}: {d.kind}: {d.reason}" for d in result.declined]
-                report.near_misses[p.name] = [
-                    f"{a.pattern} at %{a.anchor}: {a.kind} after {a.progress} of {a.total} pattern ops: {a.reason}"
-                    for a in result.attempts if not any(a is d for d in result.declined)]
+                report.declined[p.name] = [f"{d.pattern} at {_site(d)}: {d.kind}: {d.reason}" for d in result.declined]
+                report.near_misses[p.name] = [f"{a.pattern} at {_site(a)}: {_stopped(a)}" for a in result.attempts]
+                report.unrelated[p.name] = _unrelated(result.unrelated)
+                report.narrowed[p.name] = [f"fused as {narrow} at {_site(w)}; the wider {w.pattern} was not accepted: "
+                                           f"{_stopped(w)}" for narrow, w in result.narrowed]
                 if result.note:
                     report.notes[p.name] = result.note
             for r, before in zip(recorders, befores):
                 r.snapshot(report.graph_id, index, p, before, r.capture(graph), result)
             if self.config.debug:
                 check_invariants(graph, p.name)
+                if anchors is not None:
+                    check_records(anchors, result)
         return report
+
+
+def _site(f: MatchFailure) -> str:
+    """A failure's site: its anchor node, and its module path where known."""
+    return f"%{f.anchor}" + (f" ({f.module})" if f.module else "")
+
+
+def _stopped(f: MatchFailure) -> str:
+    return f"{f.kind} after {f.progress} of {f.total} pattern ops: {f.reason}"
+
+
+def differing_op_groups(records: list, field=getattr) -> dict[tuple, list]:
+    """Failure records (MatchFailures; or their JSON records with `field=dict.get`) by (pattern, kind, pattern op,
+    graph op): the anchors that are another computation in one way, in first-seen order."""
+    groups: dict[tuple, list] = {}
+    for r in records:
+        groups.setdefault(tuple(field(r, k) for k in ("pattern", "kind", "expected", "found")), []).append(r)
+    return groups
+
+
+def _unrelated(failures: list[MatchFailure]) -> list[str]:
+    """One line per formulation and first differing op: the anchors that are another computation there."""
+    lines = []
+    for (pattern, kind, expected, found), fs in differing_op_groups(failures).items():
+        differs = (f"pattern op {expected}, graph op {found or 'none'}" if expected is not None
+                   else fs[0].reason + (f" (and {len(fs) - 1} more)" if len(fs) > 1 else ""))
+        lines.append(f"another computation at {', '.join(map(_site, fs))}: {pattern} differs after at most "
+                     f"{max(f.progress for f in fs)} of {fs[0].total} pattern ops ({kind}): {differs}")
+    return lines
 
 
 @functools.lru_cache(maxsize=1)
@@ -140,6 +180,19 @@ def check_invariants(graph: fx.Graph, after: str) -> None:
     missing = [n.name for n in graph.nodes if n.op == "call_function" and "val" not in n.meta and _returns_value(n)]
     if missing:
         raise RuntimeError(f"after pass {after!r}: nodes without meta['val']: {missing[:10]}")
+
+
+def check_records(anchors: list[str], result: PassResult) -> None:
+    """The report's promise for one fusion pass: each of its `anchors` (node names, read before the pass ran) is
+    either erased by one of its replacements or has exactly one record in `declined`, `attempts` or `unrelated`,
+    and no other node has one."""
+    erased = {name for r in result.replaced for name in r["erased"]}
+    records = collections.Counter(f.anchor for f in (*result.declined, *result.attempts, *result.unrelated))
+    wrong = [f"%{a} ({'replaced' if a in erased else 'not fused'}): {records[a]} records" for a in anchors
+             if records[a] != (0 if a in erased else 1)]
+    wrong += [f"%{a}: a record, not an anchor" for a in set(records) - set(anchors)]
+    if wrong:
+        raise RuntimeError(f"after pass {result.name!r}: anchors not fused and not recorded once: {'; '.join(wrong)}")
 
 
 def _returns_value(node: fx.Node) -> bool:

@@ -57,7 +57,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dsv41.passes.normalize import normalize_graph, position as _position, view_root
+from dsv41.passes.normalize import _LAYOUT_OPS, normalize_graph, position as _position, view_root
 
 ANY_STR = "__dsv41_any__"  # a string argument of a search function that matches any string (a group name)
 
@@ -67,6 +67,8 @@ aten = torch.ops.aten
 COMMUTATIVE = frozenset({aten.add.Tensor, aten.mul.Tensor, aten.maximum.default, aten.minimum.default, aten.eq.Tensor,
                          aten.ne.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.logical_and.default,
                          aten.logical_or.default})
+# Layout ops that only reshape (normalize's layout ops but the permute): one the graph or the pattern lacks is skipped
+_RESHAPES = frozenset(_LAYOUT_OPS) - {aten.permute.default}
 _CONE = 2000         # graph nodes searched downstream of an anchor for the pattern's output
 _ISLAND_NODES = 160  # graph nodes one island may hold
 _STEPS = 20_000      # node comparisons one match attempt may make
@@ -137,6 +139,8 @@ class MatchResult:
     alternatives: Callable | None = None
     # per optional output of the pattern: whether the graph reads it outside the region (then it is in `outputs`)
     exposed: tuple = ()
+    # the region's graph nodes inside islands (computed another way than the pattern writes them)
+    another_way: frozenset = frozenset()
 
 
 @dataclass
@@ -150,12 +154,25 @@ class MatchFailure:
     kind: str  # wrong op | argument | dtype | scalar | extra user | inconsistent input | check | semantic | graph break
     reason: str
     blocking: str | None = None
+    # the first differing op: the pattern's op and the graph's there (an op name, "placeholder", a constant's repr,
+    # or None: nothing, e.g. no node downstream), where the failure is a comparison of the two
+    expected: str | None = None
+    found: str | None = None
+    module: str | None = None  # the anchor's module path (`layers.3.attn`), where the graph records it
+
+
+def _failure(pattern: str, anchor: fx.Node, progress: int, total: int, e: "_Fail") -> MatchFailure:
+    """The MatchFailure of pattern at anchor that the matcher's failure `e` ends."""
+    return MatchFailure(pattern, anchor.name, progress, total, e.kind, e.reason, e.blocking and e.blocking.name,
+                        e.expected, e.found)
 
 
 class _Fail(Exception):
-    def __init__(self, kind: str, reason: str, blocking: fx.Node | None = None, progress: int = 0):
+    def __init__(self, kind: str, reason: str, blocking: fx.Node | None = None, progress: int = 0,
+                 expected: str | None = None, found: str | None = None):
         super().__init__(reason)
         self.kind, self.reason, self.blocking, self.progress = kind, reason, blocking, progress
+        self.expected, self.found = expected, found  # set by the innermost node comparison that failed (`_match_node`)
 
 
 @dataclass
@@ -185,6 +202,20 @@ def _fmt(n) -> str:
 
 def _op_name(target) -> str:
     return str(target) if not hasattr(target, "name") else target.name()
+
+
+def _what(n) -> str:
+    """What a pattern or graph value is, for a failure's first differing op: an op's name, a graph input
+    ("placeholder"), a constant's repr."""
+    if isinstance(n, fx.Node):
+        return _op_name(n.target) if n.op == "call_function" else n.op
+    return repr(n)
+
+
+def _dtype(n: fx.Node):
+    """The dtype of n's value (None when it is not a tensor)."""
+    v = n.meta.get("val")
+    return v.dtype if isinstance(v, torch.Tensor) else None
 
 
 def _is_input(n) -> bool:
@@ -259,11 +290,21 @@ class _Matcher:
             raise _Fail("scalar", f"{where}: expected {p!r}, found {t!r}")
 
     def _match_node(self, p: fx.Node, t, st: _State):
+        """Match pattern node p at graph value t (and p's inputs at t's), binding them in st; a failure names the
+        innermost pair of nodes compared (`_Fail.expected` / `.found`)."""
+        try:
+            self._compare_node(p, t, st)
+        except _Fail as e:
+            if e.expected is None and e.kind != "budget":
+                e.expected, e.found = _what(p), _what(t)
+            raise
+
+    def _compare_node(self, p: fx.Node, t, st: _State):
         self.steps += 1
         if self.steps > _STEPS:
             raise _Fail("budget", f"gave up after {_STEPS} comparisons")
-        if p in st.p2t:
-            if st.p2t[p] is not t and not (not isinstance(t, fx.Node) and st.p2t[p] == t):
+        if p in st.p2t:  # matched before: at t, or at an op below t that t's island stands for p with
+            if st.p2t[p] is not t and not (not isinstance(t, fx.Node) and st.p2t[p] == t) and st.t2p.get(t) is not p:
                 raise _Fail("inconsistent input", f"pattern input {p.name} would bind both {_fmt(st.p2t[p])} and {_fmt(t)}",
                             t if isinstance(t, fx.Node) else None)
             return
@@ -387,33 +428,48 @@ class _Matcher:
 
     def _skip_match(self, p: fx.Node, t: fx.Node, st: _State) -> _State | None:
         """The state after matching, op for op, one of p's operands at t (the graph lacks p's op) or p at one of
-        t's operands down to three levels (the graph has extra ops); None when neither fits."""
+        t's operands down to three levels (the graph has extra ops), else `_skip_around`; None when none fits."""
         saved, self.islands_on = self.islands_on, False
         try:
-            for pc in p.all_input_nodes:
-                if pc.op != "call_function" or pc in st.p2t:
-                    continue
-                trial = st.copy()
-                try:
-                    self._match_node(pc, t, trial)
-                    return trial
-                except _Fail:
-                    pass
+            found = self._first_fit([(pc, t) for pc in p.all_input_nodes if pc.op == "call_function" and pc not in st.p2t], st)
             frontier = [t]
             for _ in range(3):
+                if found is not None:
+                    break
                 frontier = [a for n in frontier for a in n.all_input_nodes if a.op == "call_function" and a not in st.t2p]
-                for tc in frontier:
-                    if tc.target != p.target:
-                        continue
-                    trial = st.copy()
-                    try:
-                        self._match_node(p, tc, trial)
-                    except _Fail:
-                        continue
-                    return trial  # p is tc; the ops between t and tc are the island
-            return None
+                # p at tc: the ops between t and tc are the island
+                found = self._first_fit([(p, tc) for tc in frontier if tc.target == p.target], st)
         finally:
             self.islands_on = saved
+        return self._skip_around(p, t, st) if found is None and saved else found
+
+    def _skip_around(self, p: fx.Node, t: fx.Node, st: _State) -> _State | None:
+        """Where the graph differs from the pattern by one op, the state after matching the ops around it, with
+        parts computed another way allowed below: p's operand at t where p is a reshape (a view, unsqueeze or
+        squeeze) the graph lacks; p at t's operand where t is a reshape the pattern lacks; p's one tensor operand at
+        t's where both have one and the same result dtype (`clamp(x, lo)` for `clamp_min(x, lo)`); None when none
+        fits. The island is then that one op, and the walk goes on through the region above it, rather than one
+        island around all of it that binds the pattern inputs it meets by dtype and rank (cos and sin inside a
+        RoPE, either way round)."""
+        pairs = [(p.args[0], t)] if p.target in _RESHAPES else []
+        pairs += [(p, t.args[0])] if t.target in _RESHAPES else []
+        p_in, t_in = ([a for a in n.args if isinstance(a, fx.Node)] for n in (p, t))
+        if len(p_in) == len(t_in) == 1 and _dtype(p) == _dtype(t) is not None:
+            pairs.append((p_in[0], t_in[0]))
+        return self._first_fit([(pc, tc) for pc, tc in pairs
+                                if isinstance(pc, fx.Node) and (pc.op == "placeholder" or pc not in st.p2t)
+                                and isinstance(tc, fx.Node) and tc not in st.t2p], st)
+
+    def _first_fit(self, pairs: list, st: _State) -> _State | None:
+        """The state after matching the first (pattern node, graph value) of `pairs` that matches, or None."""
+        for pc, tc in pairs:
+            trial = st.copy()
+            try:
+                self._match_node(pc, tc, trial)
+            except _Fail:
+                continue
+            return trial
+        return None
 
     def _match_unordered(self, p: fx.Node, t: fx.Node, st: _State):
         """The two operands of a commutative op in either order: an order that matches without islands if there is
@@ -491,7 +547,7 @@ class _Matcher:
 
     def best_candidate(self, out: fx.Node, candidates, st: _State):
         """The state after matching `out` at the best of `candidates` (islands closed): the first one matched
-        without islands, else the one with the fewest islands and the most matched nodes; or the deepest _Fail."""
+        without islands, else the one of least `cost`; or the deepest _Fail."""
         deepest, best = None, None
         for cand in candidates:
             if cand in st.t2p:
@@ -507,12 +563,12 @@ class _Matcher:
                 continue
             if not trial.islands:
                 return trial
-            if best is None or (len(trial.islands), -self.progress(trial)) < (len(best.islands), -self.progress(best)):
+            if best is None or self.cost(trial) < self.cost(best):
                 best = trial
         if best is not None:
             return best
         return deepest or _Fail("wrong op", f"no {_op_name(out.target)} downstream of the match for output {out.name}",
-                                None, self.progress(st))
+                                None, self.progress(st), expected=_op_name(out.target))
 
     def _close_islands(self, st: _State):
         """Each island's graph ancestors down to bound values become part of the region; a pattern input reached
@@ -536,14 +592,14 @@ class _Matcher:
                 chosen = next(fits(), None)
                 if chosen is None:
                     raise _Fail(why.kind, f"{why.reason}; the graph's part there reaches inputs the pattern does not bind",
-                                why.blocking, self.progress(st))
+                                why.blocking, self.progress(st), why.expected, why.found)
                 for ph, n in zip(unbound, chosen):
                     st.p2t[ph], st.t2p[n] = n, ph
                 st.rebindings.append((unbound, t, frozenset(bound), near))
                 bound.update(chosen)
             if not _closed(t, bound):
                 raise _Fail(why.kind, f"{why.reason}; the graph's part there reaches values outside the pattern",
-                            why.blocking, self.progress(st))
+                            why.blocking, self.progress(st), why.expected, why.found)
 
     def fitting(self, st: _State, unbound: list, t: fx.Node, bound, choices, tries: int = _TRIES, skip=frozenset()):
         """The bindings of `unbound` (one graph node each from `choices`, in product order, the first `tries`
@@ -597,6 +653,14 @@ class _Matcher:
         for _, t, _ in st.islands:
             inside |= set(_ancestors(t, stop=lambda n: n is not t and n in bound))
         return inside
+
+    def cost(self, st: _State) -> tuple:
+        """How much of a match with closed islands is computed another way, to choose among candidates (least
+        first): the share of the pattern's ops not matched op for op (those an island stands for), then the graph
+        nodes inside its islands. An island that stands for most of the pattern (opened next to an output, binding
+        the pattern inputs it meets inside: cos and sin in the RoPE) loses to a match of the same output that has
+        only a scale computed another way."""
+        return -self.progress(st) / max(len(self.call_nodes), 1), len(self.island_nodes(st))
 
     def progress(self, st: _State) -> int:
         """Pattern ops matched op for op (island roots not counted)."""
@@ -854,7 +918,7 @@ class PatternSet:
     def _structural_match(self, pat: Pattern, anchor: fx.Node, islands: bool):
         """(structural matcher, state, output index, graph output node) of the first structural match whose region
         holds the anchor, or the deepest failure."""
-        failure, best = None, None
+        failure, best, wanted, elsewhere, total = None, None, [], None, 1
         for gm in self._structural[pat.name]:
             structural = _Matcher(gm, exact=False, islands=islands, traces=lambda bound: self._traces(pat, bound),
                                   optional=pat.optional_outputs, closure_cache=self.closure_cache)
@@ -863,6 +927,7 @@ class PatternSet:
             if not anchor_ps:
                 continue
             first = self._first_output(gm, structural, anchor.target)
+            wanted.append(_op_name(structural.outputs[first].target))
             for cand in _cone([anchor], structural.outputs[first].target, _OUTPUTS):
                 st = _State()
                 try:
@@ -870,19 +935,25 @@ class PatternSet:
                 except _Fail as e:
                     progress = max(structural.progress(st), e.progress)
                     if failure is None or progress / total > failure.progress / failure.total:
-                        failure = MatchFailure(pat.name, anchor.name, progress, total, e.kind, e.reason,
-                                               e.blocking and e.blocking.name)
+                        failure = _failure(pat.name, anchor, progress, total, e)
                     continue
                 if anchor not in st.t2p and anchor not in structural.island_nodes(st):
+                    elsewhere = elsewhere or cand
                     continue
                 if not st.islands:
                     return structural, st, first, cand
-                if best is None or (len(st.islands), -structural.progress(st)) < (len(best[1].islands), -structural.progress(best[1])):
+                if best is None or structural.cost(st) < structural.cost(best[1]):
                     best = (structural, st, first, cand)
         if best is not None:
             return best
-        return failure or MatchFailure(pat.name, anchor.name, 0, 1, "wrong op",
-                                       f"no {_op_name(anchor.target)} output path of the pattern matches here")
+        if failure is not None:
+            return failure
+        wanted = " or ".join(dict.fromkeys(wanted)) or "output"
+        if elsewhere is not None:
+            return MatchFailure(pat.name, anchor.name, 0, total, "wrong op", f"the pattern matches at {_fmt(elsewhere)} "
+                                "without this anchor", elsewhere.name, _op_name(anchor.target), None)
+        return MatchFailure(pat.name, anchor.name, 0, total, "wrong op", f"no {wanted} (the pattern's output) downstream "
+                            "of the anchor", None, wanted, None)
 
     def _match_one(self, pat: Pattern, anchor: fx.Node, islands: bool) -> MatchResult | MatchFailure:
         found = self._structural_match(pat, anchor, islands)
@@ -949,9 +1020,10 @@ class PatternSet:
         try:
             st2 = exact.run(first, out_node, st2)
         except _Fail as e:
-            return MatchFailure(pat.name, anchor.name, exact.progress(st2), total, e.kind, e.reason, e.blocking and e.blocking.name)
+            return _failure(pat.name, anchor, exact.progress(st2), total, e)
         inputs_bound = {t for p, t in st2.p2t.items() if p.op == "placeholder"}  # never inside (`_input_in_layout`)
-        inside = {t for p, t in st2.p2t.items() if p.op == "call_function" and t not in inputs_bound} | exact.island_nodes(st2)
+        another_way = frozenset(exact.island_nodes(st2))
+        inside = {t for p, t in st2.p2t.items() if p.op == "call_function" and t not in inputs_bound} | another_way
         required = len(exact.outputs) - pat.optional_outputs
         outputs = [st2.p2t[o] for o in exact.outputs[:required]]
         optional = [st2.p2t.get(o) for o in exact.outputs[required:]]
@@ -971,7 +1043,7 @@ class PatternSet:
                                 f"input {_fmt(cyclic)} depends on the matched region", cyclic.name)
         nodes = [n for n in anchor.graph.nodes if n in inside]
         found_islands = [(_op_name(p.target), t, why) for p, t, why in st2.islands]
-        return MatchResult(pat, inputs, outputs, nodes, free, found_islands, exposed=exposed)
+        return MatchResult(pat, inputs, outputs, nodes, free, found_islands, exposed=exposed, another_way=another_way)
 
 
 def _views_of_one_root(x, y) -> bool:

@@ -126,6 +126,6 @@ class QkvNormPass(FusionPass):
 
     def __call__(self, graph):
         result = super().__call__(graph)
-        created = {name for r in result.replaced for name in r["created"]}
-        result.declined += left_after(graph, self.name, created)  # a norm pair fused, its complex RoPE left out
+        for r in result.replaced:  # a norm pair fused, its complex RoPE left out: narrowed, not a decline
+            result.narrowed += [(r["pattern"], f) for f in left_after(graph, self.name, set(r["created"]))]
         return result

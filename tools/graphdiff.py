@@ -14,9 +14,11 @@ Layout of a recording (every file deterministic: identical runs give byte-identi
     gd/summary.json                        per graph and pass: changed?, counts, matches per layer, files
     gd/graph_000/input.txt                 normalised graph code (passes.printing.graph_code) the passes got
     gd/graph_000/NN_<pass>.json            the pass: matches grouped with erased/created nodes and their
-                                           provenance (module path, layer, file:line), declined candidates
-                                           and near misses (kind, reason, blocking node), op-count delta,
-                                           nodes per stream, and which code files hold the graph before/after
+                                           provenance (module path, layer, file:line), declined candidates,
+                                           near misses and anchors of another computation (kind, reason,
+                                           blocking node, the pattern op and graph op that differ), sites
+                                           fused by a narrower formulation, op-count delta, nodes per
+                                           stream, and which code files hold the graph before/after
     gd/graph_000/NN_<pass>.after.txt       the graph after the pass      } only when the pass changed the
     gd/graph_000/NN_<pass>.diff            unified diff before -> after  } graph ("unchanged" otherwise)
     gd/graph_000/NN_<pass>.streams.txt     the side-stream lanes, when the graph carries a stream schedule
@@ -173,7 +175,8 @@ def _write(path: Path, text: str) -> None:
 def _failure(f, snap: Snapshot) -> dict:
     """A MatchFailure as JSON, with the provenance of its anchor and blocking node."""
     rec = {"pattern": f.pattern, "anchor": f.anchor, "progress": f.progress, "total": f.total, "kind": f.kind,
-           "reason": f.reason, "blocking": f.blocking}
+           "reason": f.reason, "blocking": f.blocking, "expected": getattr(f, "expected", None),
+           "found": getattr(f, "found", None)}
     a = snap.node(f.anchor)
     rec.update({"module": a["module"], "layer": a["layer"], "source": a["source"]})
     if f.blocking:
@@ -404,6 +407,9 @@ def build_pass_record(graph_seq: int, index: int, name: str, before: Snapshot, a
         "modified": [after.node(n) for n in modified if n not in claimed],
         "declined_candidates": [_failure(f, before) for f in getattr(result, "declined", []) or []],
         "attempt_candidates": [_failure(f, before) for f in getattr(result, "attempts", []) or []],
+        # anchors that are another computation, and sites fused by a narrower formulation (the wider one's failure)
+        "unrelated_candidates": [_failure(f, before) for f in getattr(result, "unrelated", []) or []],
+        "narrowed_sites": [dict(_failure(f, before), fused=narrow) for narrow, f in getattr(result, "narrowed", []) or []],
     }
 
 

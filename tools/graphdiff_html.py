@@ -3,7 +3,8 @@
 `index.html` lists every graph and pass (changed or not, counts, matches per layer, declined candidates, stream
 lanes) and links a page per pass: its matches with the erased and created nodes and their provenance, every
 candidate that did not match with the graph around its anchor and blocking node, a side-by-side diff, and, when
-the graph carries a stream schedule, one swimlane per stream. Everything is inline (CSS and a few lines of JS,
+the graph carries a stream schedule, one swimlane per stream. A pass page also lists the sites fused by a narrower
+formulation and the anchors that are another computation. Everything is inline (CSS and a few lines of JS,
 no external resource); the JS only adds a layer filter, and reports its own errors into the page
 (`#js-errors`), so a headless browser's `--dump-dom` shows whether the page ran cleanly.
 """
@@ -14,6 +15,7 @@ import html
 import re
 from pathlib import Path
 
+from dsv41.passes.manager import differing_op_groups
 from dsv41.tools.graphdiff_view import Recording, _candidates, why_data
 
 _STREAM_RE = re.compile(r"\s+@stream(\d+)$")
@@ -324,7 +326,22 @@ def _pass_page(rec: Recording, g: dict, p: dict, prev: dict | None, nxt: dict | 
                         for x in ctx) + "</pre>")
             body.append("</div>")
     else:
-        body.append('<p class="muted">No candidate got past its first pattern steps.</p>')
+        body.append('<p class="muted">No other candidate: every anchor was fused or is another computation.</p>')
+    narrowed, unrelated = r.get("narrowed_sites", []), r.get("unrelated_candidates", [])
+    if narrowed:
+        body.append(f"<h2>Fused by a narrower formulation ({len(narrowed)})</h2><ul>")
+        for c in narrowed:
+            body.append(f"<li><code>%{_e(c['anchor'])}</code> — {_e(c.get('module') or '(no module)')}: fused as "
+                        f"<b>{_e(c['fused'])}</b>; the wider <b>{_e(c['pattern'])}</b> was not accepted: "
+                        f"{_e(c['kind'])}: {_e(c['reason'])}</li>")
+        body.append("</ul>")
+    if unrelated:
+        body.append(f"<h2>Another computation ({len(unrelated)} anchors)</h2><ul>")
+        for (pattern, kind, expected, found), cs in differing_op_groups(unrelated, dict.get).items():
+            where = ", ".join(f"%{c['anchor']} ({c.get('module') or '?'})" for c in cs)
+            differs = f"pattern op {expected}, graph op {found or 'none'}" if expected else cs[0]["reason"]
+            body.append(f"<li><code>{_e(where)}</code>: {_e(pattern)}: {_e(kind)}: {_e(differs)}</li>")
+        body.append("</ul>")
     # streams
     if r.get("streams") and len(r["streams"]) > 1 and r["changed"]:
         body.append('<h2 id="streams">Streams</h2>')

@@ -436,12 +436,17 @@ def why_data(rec: Recording, graphs: list[dict], fusion: str, layer: int | None 
         # the sites a user asks about first: declined candidates (the whole pattern matched, a check said no), then
         # near misses by how much of their pattern matched, then in graph order
         cands.sort(key=lambda c: (not c["declined"], -c["progress"] / max(c["total"], 1), position.get(c["anchor"], 1 << 30)))
+        in_layer = lambda c: layer is None or c.get("layer") == layer  # noqa: E731
         result["graphs"].append({"graph": g["graph"], "pass": {k: r[k] for k in ("index", "name", "changed", "matches", "declined", "attempts")},
-                                 "before": f"{g['dir']}/{r['before']}", "matched": matched, "candidates": cands})
+                                 "before": f"{g['dir']}/{r['before']}", "matched": matched, "candidates": cands,
+                                 "unrelated": [c for c in r.get("unrelated_candidates", []) if in_layer(c)],
+                                 "narrowed": [c for c in r.get("narrowed_sites", []) if in_layer(c)]})
     return result
 
 
 def render_why(data: dict, style: Style = PLAIN) -> str:
+    from dsv41.passes.manager import differing_op_groups
+
     out: list[str] = []
     fusion = data["fusion"]
     for gd in data["graphs"]:
@@ -454,9 +459,22 @@ def render_why(data: dict, style: Style = PLAIN) -> str:
         if gd["matched"]:
             where = ", ".join(f"{m['module'] or '?'} ({m['pattern']})" for m in gd["matched"])
             out.append(style.green(f"  matched ({len(gd['matched'])}): ") + where)
+        if gd["narrowed"]:
+            out.append(f"  fused by a narrower formulation ({len(gd['narrowed'])}):")
+            for c in gd["narrowed"]:
+                out.append(f"    %{c['anchor']}  {_where(c.get('module'), c.get('layer'), c.get('source'))}: fused as "
+                           f"{c['fused']}; the wider {c['pattern']} was not accepted: {c['kind']} after {c['progress']} "
+                           f"of {c['total']} pattern ops: {_clip(c['reason'], 240)}")
         if not gd["candidates"]:
-            out.append("  no candidate got past its first pattern steps: no anchor node with the op of the pattern's "
-                       "output, or each failed on its first two ops")
+            out.append("  no other candidate: " + ("the other anchors are another computation (below)" if gd["unrelated"]
+                                                   else "every anchor with the fusion's distinctive op was fused"))
+        if gd["unrelated"]:
+            out.append(f"  another computation ({len(gd['unrelated'])} anchors, each differing within its first "
+                       f"pattern ops):")
+            for (pattern, kind, expected, found), cs in differing_op_groups(gd["unrelated"], dict.get).items():
+                where = ", ".join(f"%{c['anchor']} ({c.get('module') or '?'})" for c in cs)
+                differs = f"pattern op {expected}, graph op {found or 'none'}" if expected else _clip(cs[0]["reason"])
+                out.append(f"    {where}: {pattern}: {kind}: {differs}")
         for i, c in enumerate(gd["candidates"], 1):
             out.append("")
             tag = "declined" if c["declined"] else "near miss"
@@ -759,8 +777,9 @@ def cmd_show(args) -> int:
 
 def _filter_record(r: dict, layer: int) -> dict:
     r = dict(r)
-    for key in ("groups", "modified", "declined_candidates", "attempt_candidates"):
-        r[key] = [x for x in r[key] if x.get("layer") == layer]
+    for key in ("groups", "modified", "declined_candidates", "attempt_candidates", "unrelated_candidates",
+                "narrowed_sites"):
+        r[key] = [x for x in r.get(key, []) if x.get("layer") == layer]
     r["layer"] = layer
     return r
 

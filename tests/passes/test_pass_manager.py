@@ -4,6 +4,7 @@ invariant checks, before/after snapshots, normalisation, defunctionalisation, an
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 
@@ -79,6 +80,91 @@ def test_report_names_each_near_miss_with_its_first_differing_op():
     assert re.fullmatch(r"q_kv_norm\w*_bf16_then_weight at %rsqrt: wrong op after \d+ of \d+ pattern ops: no "
                         r"aten::mul\.Tensor downstream of the match for output \w+", misses["qkv_norm"][0]), misses
     assert not any(report.declined.values()) and not any(report.matches.values())
+    (miss,) = next(p for p in report.passes if p.name == "mhc_post_pre").attempts  # the op pair, as data too
+    assert (miss.anchor, miss.expected, miss.found) == ("rsqrt", "prims::convert_element_type", "placeholder"), miss
+
+
+def route_exp(h, gate_w, bias, k=route_case.K, scale=route_case.ROUTE_SCALE, temp=1.0):
+    """moe_route's `route` formulation (route_with_temperature) with one op changed: the scores' sqrt is an exp."""
+    scores = torch.nn.functional.softplus(torch.mm(h.float(), gate_w.float().t()) / temp).exp()
+    experts = (scores + bias).topk(k, dim=-1).indices
+    w = scores.gather(1, experts)
+    return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scale, experts
+
+
+def test_a_planted_miss_is_recorded_once_with_the_changed_op():
+    """The route with its sqrt changed to exp does not fuse; its one anchor (the topk) has one record, which names
+    the site, the pattern op and the graph op that differ (the part computed another way, which the semantic check
+    rejects); nothing else is reported for it and the graph is left as it was."""
+    gm, report = run_passes(route_exp, route_case.inputs(0), "moe_route")
+    assert report.matches == {"moe_route": 0} and op_counts(gm)["aten.topk"] == 1
+    result = next(p for p in report.passes if p.name == "moe_route")
+    records = [*result.declined, *result.attempts, *result.unrelated]
+    (topk,) = [n.name for n in gm.graph.nodes if n.target is aten.topk.default]
+    assert [(r.anchor, r.expected, r.found) for r in records] == [(topk, "aten::sqrt", "aten::exp")], records
+    (line,) = report.declined["moe_route"]
+    assert re.match(rf"route\w* at %{topk}: semantic: %exp\w* computes the pattern's aten::sqrt another way", line), line
+    assert not report.near_misses["moe_route"] and not report.unrelated["moe_route"] and not report.narrowed["moe_route"]
+
+
+def test_every_anchor_is_fused_or_recorded_once_in_debug_mode():
+    """The pass manager's debug check (on in every pass test: harness.config) holds each fusion to its report's
+    promise; a pass that loses a record, or records a node twice, is caught there."""
+    from dsv41.passes.manager import check_records
+
+    _, report = run_passes(route_exp, route_case.inputs(0), "moe_route")  # the check ran and passed
+    result = next(p for p in report.passes if p.name == "moe_route")
+    (anchor,) = [f.anchor for f in result.declined]
+    check_records([anchor], result)
+    for broken in (dataclasses.replace(result, declined=[]), dataclasses.replace(result, attempts=result.declined)):
+        with pytest.raises(RuntimeError, match=rf"%{anchor} \(not fused\): [02] records"):
+            check_records([anchor], broken)
+    with pytest.raises(RuntimeError, match=rf"%{anchor}: a record, not an anchor"):
+        check_records([], result)
+    fused = dataclasses.replace(result, declined=[], replaced=[{"erased": [anchor]}])
+    check_records([anchor], fused)
+    with pytest.raises(RuntimeError, match=rf"%{anchor} \(replaced\): 1 records"):
+        check_records([anchor], dataclasses.replace(fused, unrelated=result.declined))
+
+
+def test_every_anchor_of_the_model_is_fused_or_recorded_once():
+    """The model's layers 2 and 4 (compressed attention of both ratios, the indexer, the MoE) compiled in debug mode,
+    where the pass manager checks after each fusion that every anchor is replaced or has one record (a breach is an
+    error, so the backend would fall back): no fallback, and the records name each anchor's module."""
+    from dsv41.models import TINY, DSV41Model
+
+    torch.manual_seed(0)
+    compiled, backend = compile_fx(DSV41Model(TINY, [2, 4], max_batch=4, max_context=128))
+    assert backend.config.debug
+    with torch.no_grad():
+        compiled(torch.tensor([1, 2, 3]), torch.tensor([5, 9, 17]))
+    torch._dynamo.reset()
+    (report,) = backend.reports
+    assert report.fallback is None and report.matches["indexer_topk"] == 2 and report.matches["qkv_norm"] == 2
+    records = [f for p in report.passes for f in (*p.attempts, *p.unrelated)]
+    assert records and all(f.module and f.module.startswith(("layers.2", "layers.4")) for f in records), records
+    assert any(report.unrelated.values()) and not any(report.declined.values())
+
+
+def test_anchors_of_another_computation_are_unrelated_and_grouped():
+    """Two routes fused, beside a topk of other math (no softplus/sqrt before it): its anchor is recorded as another
+    computation, compactly (one line per pattern op and graph op that differ), and not as a near miss."""
+    def two_routes_and_a_topk(h, gate_w, bias, x):
+        a = route_case.route_with_temperature(h, gate_w, bias)
+        b = route_case.route_with_temperature(h * 2, gate_w, bias)
+        return a, b, x.abs().topk(2, dim=-1).indices
+
+    _, report = run_passes(two_routes_and_a_topk, route_case.inputs(0) + [torch.randn(3, 16)], "moe_route")
+    result = next(p for p in report.passes if p.name == "moe_route")
+    assert report.matches["moe_route"] == 2 and not result.declined and not result.attempts
+    (other,) = result.unrelated
+    assert other.progress < 2 and other.expected is not None, other
+    (line,) = report.unrelated["moe_route"]
+    assert line.startswith(f"another computation at %{other.anchor}: ") and f"pattern op {other.expected}" in line, line
+    assert report.notes.get("moe_route") is None
+    _, report = run_passes(lambda x: x.abs().topk(2, dim=-1).indices, [torch.randn(3, 16)], "moe_route")
+    assert report.notes["moe_route"] == "no candidate: the graph's 1 aten::topk is another computation (unrelated)"
+    assert len(report.unrelated["moe_route"]) == 1 and not report.near_misses["moe_route"]
 
 
 # ---- the environment override -------------------------------------------------------------------------------------

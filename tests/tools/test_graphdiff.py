@@ -361,10 +361,10 @@ def test_show_pass_layer_and_json(base):
 
 def test_why_lists_candidates_with_graph_context(base):
     rc, out, _ = run("show", base.dir, "--why", "moe_route")
-    assert rc == 0  # every site fused and no other anchor got past two pattern steps: said so, not silent
+    assert rc == 0  # every site fused and no other anchor: said so, not silent
     assert out.startswith("why not moe_route: graph 0, pass 08 (3 matched, 0 candidates did not match)")
     assert "matched (3): layers.0.ffn (route), layers.2.ffn (route), layers.3.ffn (route)" in out
-    assert "no candidate got past its first pattern steps" in out
+    assert "no other candidate: every anchor with the fusion's distinctive op was fused" in out
     rc, out, _ = run("show", base.dir, "--why", "mhc_post_pre")
     assert rc == 0 and out.startswith("why not mhc_post_pre: graph 0, pass 04 (6 matched,")
     assert "graph around the anchor:" in out and re.search(r"\n     >\s+\d+  %\w+", out)
@@ -373,6 +373,25 @@ def test_why_lists_candidates_with_graph_context(base):
     assert cands and all(c["anchor_context"] and sum(x["focus"] for x in c["anchor_context"]) == 1 for c in cands)
     fractions = [c["progress"] / c["total"] for c in cands]  # near misses, the most-matched first
     assert not any(c["declined"] for c in cands) and fractions == sorted(fractions, reverse=True)
+
+
+def test_why_lists_anchors_of_another_computation_compactly(base):
+    """wo_a's anchors that are another computation in the model (the indexer's and attention's bmm) are each named
+    with their module, grouped by the pattern op and graph op that differ, not listed as candidates."""
+    rc, out, _ = run("show", base.dir, "--why", "wo_a", "--format", "json")
+    (g,) = json.loads(out)["graphs"]
+    unrelated = g["unrelated"]
+    assert rc == 0 and unrelated and not g["candidates"]
+    assert all(c["progress"] < 2 and c["expected"] and c["module"] for c in unrelated), unrelated
+    rc, out, _ = run("show", base.dir, "--why", "wo_a")
+    assert rc == 0 and "no other candidate: the other anchors are another computation (below)" in out
+    assert f"another computation ({len(unrelated)} anchors, each differing within its first pattern ops):" in out
+    lines = [line for line in out.splitlines() if line.startswith("    %")]
+    groups = {(c["pattern"], c["expected"], c["found"]) for c in unrelated}
+    assert len(lines) == len(groups) < len(unrelated), lines  # one line per way they differ
+    for c in unrelated:
+        (line,) = [x for x in lines if f"%{c['anchor']} ({c['module']})" in x]
+        assert line.endswith(f"{c['pattern']}: {c['kind']}: pattern op {c['expected']}, graph op {c['found'] or 'none'}")
 
 
 def test_why_names_the_scalar_of_a_different_eps(broken):

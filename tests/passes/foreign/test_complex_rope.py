@@ -222,16 +222,18 @@ def angles(seed, t=3):
 
 
 def test_table_built_in_the_graph_is_declined_with_its_reason():
-    """wo_a: not fused, declined naming the polar; qkv_norm: the norms fuse, the RoPE after them is declined with the
-    same reason; the normalisation's own record says which view_as_real it left; both graphs equal eager."""
+    """wo_a: not fused, declined naming the polar; qkv_norm: the norms fuse, and the site is recorded as narrowed
+    (fused without the RoPE after them) with the same reason; the normalisation's own record says which view_as_real
+    it left; both graphs equal eager."""
     o_inputs = lambda seed: [o_indexed_inputs(seed)[0], angles(seed), o_indexed_inputs(seed)[3]]  # noqa: E731
     kv_inputs = lambda seed: kv_indexed_inputs(seed)[:3] + [angles(seed)]  # noqa: E731
     for f, inputs_of, fusion, matches in ((o_polar_in_graph, o_inputs, "wo_a", 0),
                                           (kv_polar_in_graph, kv_inputs, "qkv_norm", 1)):
         gm, report = run_passes(f, inputs_of(0), fusion)
         assert report.matches == {fusion: matches} and report.fallback is None
-        reasons = declined(report, fusion)
+        reasons = declined(report, fusion) if matches == 0 else "\n".join(report.narrowed[fusion])
         assert "check" in reasons and "aten::polar" in reasons, reasons
+        assert matches == 0 or not report.declined[fusion] and reasons.startswith("fused as q_kv_norm"), report
         assert "left complex" in report.passes[0].note and "aten::polar" in report.passes[0].note
         x = inputs_of(1)
         assert_close(gm(*x), f(*x), atol=0, rtol=0)
