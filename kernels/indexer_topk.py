@@ -27,7 +27,9 @@ exactly the keys still to take (rows of distinct scores stop after 2 or 3 of the
 first keys in [lo, hi] in column order, placing each at (keys > hi before it) + min(bin keys before it, needed): the
 output comes out sorted by column, ties broken by the lower column.
 
-``TopkSelect`` (launch 2) runs it for a row on one thread-block cluster of ``cluster_n`` CTAs of 1024 threads:
+``TopkSelect`` (launch 2) runs it for a row of N <= 4096 columns on one CTA of 1024 threads that holds the row's
+keys in registers (4 consecutive columns a thread): every round's histogram from the registers, one collection
+step. A wider row runs on one thread-block cluster of ``cluster_n`` CTAs of 1024 threads:
 ceil(N / 4096) CTAs, at most 16 (Hopper's non-portable cluster size; ``select_plan``), CTA r of the cluster owning
 the span of columns [r * span, (r + 1) * span), span = ceil(N / cluster_n) <= 65536. Why a cluster: the design it
 replaces (about 128 slice CTAs a row, then one merge CTA streaming their 128 x K candidates from global memory twice)
@@ -64,8 +66,9 @@ Candidate-block mode selects min(cand_topk_blocks, ceil(Ncap / 8)) blocks from b
 (K = 2048, no offset) and expands the chosen blocks to the [T, Ncap] bool mask in torch.
 
 Resources (ptxas for sm_90a, CUDA 13.0's ptxas -v on the PTX the DSL emits, CUTE_DSL_KEEP=ptx): the score kernel
-takes 168 registers (3 CTAs of 128 threads per SM); the select 64 (the most 1024 threads may have), no spills, and
-2 * capacity bytes + 4.3 KB of shared memory (132 KB at capacity 65536: one CTA an SM).
+takes 168 registers (3 CTAs of 128 threads per SM); the cluster select 59 (at most 64 for 1024 threads), no spills,
+and 2 * capacity bytes + 4.3 KB of shared memory (132 KB at capacity 65536: one CTA an SM); the one-CTA select 55
+and 4.3 KB.
 """
 
 from __future__ import annotations
@@ -101,11 +104,11 @@ _SEL_WARPS = THREADS // 32
 _BINS = 256
 _ROUNDS = 4  # of 8-bit digits, at most
 _GROUP = 8  # elements per select thread and pass step (8 prefixes: one 16-byte shared load)
+_RESIDENT = CTA_COLUMNS // THREADS  # keys a thread of the one-CTA (capacity 0) select holds in registers
 _CHUNK = _GROUP * THREADS  # elements per select pass step
 _INT_MIN = -(2**31)
 _PAD = _INT_MIN  # the key of an element past a CTA's columns: below every score's key
 _KEY_NEG_INF = -(0x7F800000) - 1  # the key of -inf (and NaN): the float bits 0xFF800000 ^ 0x7FFFFFFF
-_NEG_INF_TOP16 = (_KEY_NEG_INF - _INT_MIN) >> 16  # its 16-bit prefix (0x7F), which no other key has
 
 
 class IndexScore:
@@ -198,20 +201,27 @@ class IndexScore:
 class TopkSelect:
     """The exact top-``k`` of rows of scores: one thread-block cluster of ``cluster_n`` CTAs per row (module
     docstring), each CTA ``span`` consecutive columns of the row (its cluster rank r: columns [r * span, (r + 1) *
-    span)), their 16-bit key prefixes in ``capacity`` >= span slots of shared memory; writes mOut [T, k] int64.
+    span)), their 16-bit key prefixes in ``capacity`` >= span slots of shared memory; ``capacity`` 0: one CTA a row of
+    at most CTA_COLUMNS columns, its keys in registers (_RESIDENT consecutive columns a thread), no cluster. Writes
+    mOut [T, k] int64.
     """
 
     def __init__(self, k: int, capacity: int, pdl: bool):
         self.k = k
         self.capacity = capacity
+        self.resident = capacity == 0
         self.pdl = pdl
 
     @cute.jit
     def __call__(self, mScores: cute.Tensor, mOut: cute.Tensor, offset: Int64, cluster_n: Int32, span: Int32,
                  n_ctas: Int32, stream):
-        self.kernel(mScores, mOut, offset, cluster_n, span).launch(
-            grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=[cluster_n, 1, 1], stream=stream,
-            use_pdl=self.pdl)
+        if const_expr(self.resident):
+            self.kernel(mScores, mOut, offset, cluster_n, span).launch(
+                grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+        else:
+            self.kernel(mScores, mOut, offset, cluster_n, span).launch(
+                grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=[cluster_n, 1, 1], stream=stream,
+                use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mScores: cute.Tensor, mOut: cute.Tensor, offset: Int64, cluster_n: Int32, span: Int32):
@@ -219,14 +229,14 @@ class TopkSelect:
         cta, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
-        rank = Int32(cute.arch.block_idx_in_cluster())
+        rank = Int32(0)
+        if const_expr(not self.resident):
+            rank = Int32(cute.arch.block_idx_in_cluster())
         smem = cutlass.memory.SmemAllocator()
-        sPrefix = smem.allocate_tensor(cutlass.Uint16, cute.make_layout(self.capacity), byte_alignment=16)
         sHist = smem.allocate_tensor(Int32, cute.make_layout((_BINS, 2)), byte_alignment=16)
         sTotal = smem.allocate_tensor(Int32, cute.make_layout((_BINS, 2)), byte_alignment=16)
         sScan = smem.allocate_tensor(Int32, cute.make_layout((2, _SEL_WARPS)), byte_alignment=16)
         sPick = smem.allocate_tensor(Int32, cute.make_layout(5), byte_alignment=8)
-        groups = cute.tiled_divide(sPrefix, (_GROUP,))  # thread-owned runs of _GROUP consecutive slots
         if tidx < _BINS:
             sHist[tidx, 0] = Int32(0)
             sHist[tidx, 1] = Int32(0)
@@ -237,27 +247,39 @@ class TopkSelect:
         count = cutlass.max(cutlass.min(mScores.shape[1] - first, span), Int32(0))  # its columns
         cute.arch.barrier()
 
-        # Pass 1 (global, coalesced: element e = base + j * THREADS + thread): each key's top 16 bits (unsigned
-        # order) to shared memory, and round 0's histogram.
-        for base in cutlass.range(0, count, _CHUNK):
-            keys = []
-            for j in cutlass.range_constexpr(_GROUP):
-                e = base + j * THREADS + tidx
+        resident = []  # the resident CTA's keys: columns _RESIDENT * tidx + j
+        if const_expr(self.resident):
+            for j in cutlass.range_constexpr(_RESIDENT):
+                e = tidx * _RESIDENT + j
                 key = Int32(_PAD)
                 if e < count:
-                    key = _order_key(mScores[t, first + e])
-                keys.append(key)
-            for j in cutlass.range_constexpr(_GROUP):
-                e = base + j * THREADS + tidx
-                if e < count:
-                    sPrefix[e] = cutlass.Uint16(_top16(keys[j]))
-                _histogram_add(sHist[None, 0], _digit(keys[j], 0), e < count)
+                    key = _order_key(mScores[t, e])
+                resident.append(key)
+        else:
+            sPrefix = smem.allocate_tensor(cutlass.Uint16, cute.make_layout(self.capacity), byte_alignment=16)
+            groups = cute.tiled_divide(sPrefix, (_GROUP,))  # thread-owned runs of _GROUP consecutive slots
+            # Pass 1 (global, coalesced: element e = base + j * THREADS + thread): each key's top 16 bits
+            # (unsigned order) to shared memory, and round 0's histogram.
+            for base in cutlass.range(0, count, _CHUNK):
+                keys = []
+                for j in cutlass.range_constexpr(_GROUP):
+                    e = base + j * THREADS + tidx
+                    key = Int32(_PAD)
+                    if e < count:
+                        key = _order_key(mScores[t, first + e])
+                    keys.append(key)
+                for j in cutlass.range_constexpr(_GROUP):
+                    e = base + j * THREADS + tidx
+                    if e < count:
+                        sPrefix[e] = cutlass.Uint16(_top16(keys[j]))
+                    _histogram_add(sHist[None, 0], _digit(keys[j], 0), e < count)
 
         # Radix select, 8-bit digits from the top, over the cluster: a round's histograms (one per CTA, of its keys
         # matching the digits chosen so far) are summed through DSMEM after a cluster barrier, so every CTA picks
         # the same digit; `prefix` = the top `level` bits of the take-th largest key, `remaining` = how many keys
         # with those bits are still to take; the rounds stop once they are all of that bin's keys. `gt_before`,
-        # `eq_before`: the keys above the bin and in it of the CTAs before this one (in column order).
+        # `eq_before`: the keys above the bin and in it of the CTAs before this one (in column order). The resident
+        # CTA takes every round's histogram from its registers.
         prefix = Int32(0)
         remaining = Int32(self.k)
         level = Int32(0)
@@ -266,7 +288,11 @@ class TopkSelect:
         eq_before = Int32(0)
         for rnd in cutlass.range_constexpr(_ROUNDS):
             if done == 0:
-                if const_expr(rnd > 0):
+                if const_expr(self.resident):
+                    for j in cutlass.range_constexpr(_RESIDENT):
+                        _histogram_add(sHist[None, rnd % 2], _digit(resident[j], rnd),
+                                       _matches(resident[j], rnd, prefix))
+                elif const_expr(rnd > 0):
                     for base in cutlass.range(0, count, _CHUNK):
                         e0 = base + tidx * _GROUP
                         tops = self.prefixes(groups, e0)
@@ -278,22 +304,27 @@ class TopkSelect:
                             live = live & (e0 + j < count)
                             digit = tops[j] & Int32(_BINS - 1)
                             if const_expr(rnd > 1):  # the lower 16 bits: the full key, from global memory (L2)
-                                key = Int32(_PAD)
+                                full = Int32(_PAD)
                                 if live:
-                                    key = _order_key(mScores[t, first + e0 + j])
-                                live = live & _matches(key, rnd, prefix)
-                                digit = _digit(key, rnd)
+                                    full = _order_key(mScores[t, first + e0 + j])
+                                live = live & _matches(full, rnd, prefix)
+                                digit = _digit(full, rnd)
                             _histogram_add(sHist[None, rnd % 2], digit, live)
-                cute.arch.cluster_arrive()  # release: this CTA's histogram; acquire: every peer's
-                cute.arch.cluster_wait()
+                if const_expr(self.resident):
+                    cute.arch.barrier()
+                else:
+                    cute.arch.cluster_arrive()  # release: this CTA's histogram; acquire: every peer's
+                    cute.arch.cluster_wait()
                 if tidx < _BINS:
-                    total = Int32(0)
+                    total = sHist[tidx, rnd % 2]
                     before = Int32(0)
-                    for peer in cutlass.range_constexpr(MAX_CLUSTER):  # 16 independent loads, none predicated
-                        n_peer = cute_utils.load_shared_remote(cute_utils.elem_ptr(sHist, (tidx, rnd % 2)),
-                                                               cutlass.min(Int32(peer), cluster_n - 1))
-                        total = total + cutlass.select_(peer < cluster_n, n_peer, Int32(0))
-                        before = before + cutlass.select_(peer < rank, n_peer, Int32(0))
+                    if const_expr(not self.resident):
+                        total = Int32(0)
+                        for peer in cutlass.range_constexpr(MAX_CLUSTER):  # 16 independent loads, none predicated
+                            n_peer = cute_utils.load_shared_remote(cute_utils.elem_ptr(sHist, (tidx, rnd % 2)),
+                                                                   cutlass.min(Int32(peer), cluster_n - 1))
+                            total = total + cutlass.select_(peer < cluster_n, n_peer, Int32(0))
+                            before = before + cutlass.select_(peer < rank, n_peer, Int32(0))
                     sTotal[tidx, 0] = total
                     sTotal[tidx, 1] = before
                     sHist[tidx, (rnd + 1) % 2] = Int32(0)  # the next round's (its peers read it before this round)
@@ -307,39 +338,56 @@ class TopkSelect:
                 gt_before = gt_before + sPick[3]
                 eq_before = sPick[4]
                 level = Int32(8 * (rnd + 1))
-        cute.arch.cluster_arrive()  # the peers' histogram reads are done; matched by the wait before the exit
+        if const_expr(not self.resident):
+            cute.arch.cluster_arrive()  # the peers' histogram reads are done; matched by the wait before the exit
         lo, hi = _bin_edges(prefix, level)
 
-        # Collection in column order: each thread's _GROUP consecutive elements a chunk, one block scan a chunk.
-        # A key goes to (keys > hi before it) + min(keys in the bin before it, remaining). Its 16-bit prefix
-        # decides unless the bin is narrower (level > 16) and the prefix is the bin's: then the full key does.
-        for base in cutlass.range(0, count, _CHUNK):
-            e0 = base + tidx * _GROUP
-            tops = self.prefixes(groups, e0)
-            keys = []
-            for j in cutlass.range_constexpr(_GROUP):
-                key = (tops[j] << 16) ^ Int32(_INT_MIN)  # the lowest key with this prefix
-                if (level > 16) & (tops[j] == _top16(lo)) & (e0 + j < count):
-                    key = _order_key(mScores[t, first + e0 + j])
-                keys.append(cutlass.select_(e0 + j < count, key, Int32(_PAD)))
-            gts = [cutlass.select_(key > hi, Int32(1), Int32(0)) for key in keys]
-            eqs = [cutlass.select_((key >= lo) & (key <= hi) & (key != Int32(_PAD)), Int32(1), Int32(0))
-                   for key in keys]
-            before, total = _block_scan(cute_utils.tree_sum(gts) + (cute_utils.tree_sum(eqs) << 16), sScan,
-                                        (base // _CHUNK) % 2, warp, lane)
-            n_gt = gt_before + (before & Int32(0xFFFF))
-            n_eq = eq_before + (before >> 16)
-            for j in cutlass.range_constexpr(_GROUP):
-                if (gts[j] == 1) | ((eqs[j] == 1) & (n_eq < remaining)):
-                    mOut[t, n_gt + cutlass.min(n_eq, remaining)] = cutlass.select_(
-                        tops[j] > Int32(_NEG_INF_TOP16), Int64(first + e0 + j) + offset, Int64(-1))
-                n_gt = n_gt + gts[j]
-                n_eq = n_eq + eqs[j]
-            gt_before = gt_before + (total & Int32(0xFFFF))
-            eq_before = eq_before + (total >> 16)
+        # Collection in column order: each thread's consecutive elements (the resident CTA's _RESIDENT keys once, a
+        # cluster CTA's _GROUP prefixes a chunk), one block scan a step. A cluster CTA's key is the lowest with its
+        # 16-bit prefix, which decides unless the bin is narrower (level > 16) and the prefix is the bin's: then the
+        # full key is re-read.
+        if const_expr(self.resident):
+            self.collect(resident, tidx * _RESIDENT, Int32(0), gt_before, eq_before, lo, hi, remaining, mOut, t,
+                         first, offset, sScan, warp, lane)
+        else:
+            for base in cutlass.range(0, count, _CHUNK):
+                e0 = base + tidx * _GROUP
+                tops = self.prefixes(groups, e0)
+                keys = []
+                for j in cutlass.range_constexpr(_GROUP):
+                    bound = (tops[j] << 16) ^ Int32(_INT_MIN)  # the lowest key with this prefix
+                    if (level > 16) & (tops[j] == _top16(lo)) & (e0 + j < count):
+                        bound = _order_key(mScores[t, first + e0 + j])
+                    keys.append(cutlass.select_(e0 + j < count, bound, Int32(_PAD)))
+                gt_before, eq_before = self.collect(keys, e0, (base // _CHUNK) % 2, gt_before, eq_before, lo, hi,
+                                                    remaining, mOut, t, first, offset, sScan, warp, lane)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
-        cute.arch.cluster_wait()
+        if const_expr(not self.resident):
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def collect(self, keys: list, e0: Int32, parity: Int32, gt_before: Int32, eq_before: Int32, lo: Int32, hi: Int32,
+                remaining: Int32, mOut: cute.Tensor, t: Int32, first: Int32, offset: Int64, sScan: cute.Tensor,
+                warp: Int32, lane: Int32):
+        """One collection step of the CTA: ``keys`` of this thread's consecutive elements from e0 (_PAD past the
+        columns; a key may be the lowest of its 16-bit prefix, which is above -inf's key exactly when the score is
+        not -inf), a block scan on sScan's half ``parity``; key > hi goes to (keys > hi before it) + min(bin keys
+        before it, remaining), a bin key too while that min is below remaining. Returns (gt_before, eq_before)
+        past the CTA's step."""
+        gts = [cutlass.select_(key > hi, Int32(1), Int32(0)) for key in keys]
+        eqs = [cutlass.select_((key >= lo) & (key <= hi) & (key != Int32(_PAD)), Int32(1), Int32(0)) for key in keys]
+        before, total = _block_scan(cute_utils.tree_sum(gts) + (cute_utils.tree_sum(eqs) << 16), sScan, parity, warp,
+                                    lane)
+        n_gt = gt_before + (before & Int32(0xFFFF))
+        n_eq = eq_before + (before >> 16)
+        for j in cutlass.range_constexpr(len(keys)):
+            if (gts[j] == 1) | ((eqs[j] == 1) & (n_eq < remaining)):
+                mOut[t, n_gt + cutlass.min(n_eq, remaining)] = cutlass.select_(
+                    keys[j] > Int32(_KEY_NEG_INF), Int64(first + e0 + j) + offset, Int64(-1))
+            n_gt = n_gt + gts[j]
+            n_eq = n_eq + eqs[j]
+        return gt_before + (total & Int32(0xFFFF)), eq_before + (total >> 16)
 
     @cute.jit
     def prefixes(self, groups: cute.Tensor, e0: Int32):
@@ -510,10 +558,11 @@ def supports(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_c: torch.Te
 def select_plan(n: int) -> tuple[int, int, int]:
     """(cluster_n, span, capacity) of the select of rows of n columns: ceil(n / CTA_COLUMNS) CTAs a row, at most
     MAX_CLUSTER, of span = ceil(n / cluster_n) columns each (the last one's the rest), their prefixes in capacity
-    shared slots (the power of two >= span, at least CTA_COLUMNS: one build a capacity)."""
+    shared slots (the power of two >= span, at least CTA_COLUMNS: one build a capacity); capacity 0 for a row of
+    one CTA, which holds its keys in registers."""
     cluster_n = min(MAX_CLUSTER, -(-n // CTA_COLUMNS))
     span = -(-n // cluster_n)
-    return cluster_n, span, max(CTA_COLUMNS, 1 << (span - 1).bit_length())
+    return cluster_n, span, 0 if cluster_n == 1 else max(CTA_COLUMNS, 1 << (span - 1).bit_length())
 
 
 @cached_kernel(__file__, cute_utils.__file__)
