@@ -261,18 +261,14 @@ class TopkSelect:
             # Pass 1 (global, coalesced: element e = base + j * THREADS + thread): each key's top 16 bits
             # (unsigned order) to shared memory, and round 0's histogram.
             for base in cutlass.range(0, count, _CHUNK):
-                keys = []
+                # the _GROUP loads unpredicated (past the columns: the last column's again), so all are in flight
+                keys = [_order_key(mScores[t, first + cutlass.min(base + j * THREADS + tidx, count - 1)])
+                        for j in range(_GROUP)]
+                lives = [base + j * THREADS + tidx < count for j in range(_GROUP)]
                 for j in cutlass.range_constexpr(_GROUP):
-                    e = base + j * THREADS + tidx
-                    key = Int32(_PAD)
-                    if e < count:
-                        key = _order_key(mScores[t, first + e])
-                    keys.append(key)
-                for j in cutlass.range_constexpr(_GROUP):
-                    e = base + j * THREADS + tidx
-                    if e < count:
-                        sPrefix[e] = cutlass.Uint16(_top16(keys[j]))
-                    _histogram_add(sHist[None, 0], _digit(keys[j], 0), e < count)
+                    if lives[j]:
+                        sPrefix[base + j * THREADS + tidx] = cutlass.Uint16(_top16(keys[j]))
+                _histogram_add(sHist[None, 0], [_digit(key, 0) for key in keys], lives)
 
         # Radix select, 8-bit digits from the top, over the cluster: a round's histograms (one per CTA, of its keys
         # matching the digits chosen so far) are summed through DSMEM after a cluster barrier, so every CTA picks
@@ -289,13 +285,14 @@ class TopkSelect:
         for rnd in cutlass.range_constexpr(_ROUNDS):
             if done == 0:
                 if const_expr(self.resident):
-                    for j in cutlass.range_constexpr(_RESIDENT):
-                        _histogram_add(sHist[None, rnd % 2], _digit(resident[j], rnd),
-                                       _matches(resident[j], rnd, prefix))
+                    _histogram_add(sHist[None, rnd % 2], [_digit(key, rnd) for key in resident],
+                                   [_matches(key, rnd, prefix) for key in resident])
                 elif const_expr(rnd > 0):
                     for base in cutlass.range(0, count, _CHUNK):
                         e0 = base + tidx * _GROUP
                         tops = self.prefixes(groups, e0)
+                        digits = []
+                        lives = []
                         for j in cutlass.range_constexpr(_GROUP):
                             if const_expr(rnd == 1):
                                 live = (tops[j] >> 8) == prefix
@@ -309,7 +306,9 @@ class TopkSelect:
                                     full = _order_key(mScores[t, first + e0 + j])
                                 live = live & _matches(full, rnd, prefix)
                                 digit = _digit(full, rnd)
-                            _histogram_add(sHist[None, rnd % 2], digit, live)
+                            digits.append(digit)
+                            lives.append(live)
+                        _histogram_add(sHist[None, rnd % 2], digits, lives)
                 if const_expr(self.resident):
                     cute.arch.barrier()
                 else:
@@ -468,14 +467,27 @@ def _block_scan(val: Int32, sScan: cute.Tensor, parity: Int32, warp: Int32, lane
 
 
 @cute.jit
-def _histogram_add(sHist: cute.Tensor, digit: Int32, live):
-    """sHist[digit] += 1 for every live lane of the warp: one shared atomic per distinct digit (the lowest lane of
-    the lanes that share it adds their count); nothing when no lane is live (most warps after the first round)."""
-    if cute.arch.vote_any_sync(live):
-        peers = cute.arch.match_sync(-1, cutlass.select_(live, digit, Int32(-1)))
-        leader = (peers & cute.arch.lanemask_lt()) == 0
-        if live & leader:
-            cute.arch.atomic_add(sHist.iterator + digit, Int32(cute.arch.popc(peers)))
+def _histogram_add(sHist: cute.Tensor, digits: list, lives: list):
+    """sHist[digits[j]] += 1 for every live (lane, j) of the warp: per j, one shared reduction per distinct digit
+    (the lowest of the live lanes that share it adds their count). Straight-line: every j's match is issued before
+    the first reduction, and the reductions are predicated, not branched around; nothing when no lane has a live
+    key (most warps after the first round)."""
+    if cute.arch.vote_any_sync(_any(lives)):
+        peers = [cute.arch.match_sync(-1, cutlass.select_(live, digit, Int32(-1))) for digit, live in zip(digits, lives)]
+        lower = Int32(cute.arch.lanemask_lt())
+        for digit, live, peer in zip(digits, lives, peers):
+            leader = (peer & lower) == 0
+            cute.arch.inline_ptx("{ .reg .pred p; setp.ne.s32 p, {$r2}, 0; @p red.shared.add.u32 [{$r0}], {$r1}; }",
+                                 read_only_args=[Int32((sHist.iterator + digit).toint()), Int32(cute.arch.popc(peer)),
+                                                 cutlass.select_(live & leader, Int32(1), Int32(0))])
+
+
+def _any(flags: list):
+    """The OR of a list of flags."""
+    out = flags[0]
+    for flag in flags[1:]:
+        out = out | flag
+    return out
 
 
 @cute.jit
