@@ -234,7 +234,6 @@ class TopkSelect:
             rank = Int32(cute.arch.block_idx_in_cluster())
         smem = cutlass.memory.SmemAllocator()
         sHist = smem.allocate_tensor(Int32, cute.make_layout((_BINS, 2)), byte_alignment=16)
-        sTotal = smem.allocate_tensor(Int32, cute.make_layout((_BINS, 2)), byte_alignment=16)
         sScan = smem.allocate_tensor(Int32, cute.make_layout((2, _SEL_WARPS)), byte_alignment=16)
         sPick = smem.allocate_tensor(Int32, cute.make_layout(5), byte_alignment=8)
         if tidx < _BINS:
@@ -256,6 +255,7 @@ class TopkSelect:
                     key = _order_key(mScores[t, e])
                 resident.append(key)
         else:
+            sTotal = smem.allocate_tensor(Int32, cute.make_layout((_BINS, 2)), byte_alignment=16)  # cluster sums
             sPrefix = smem.allocate_tensor(cutlass.Uint16, cute.make_layout(self.capacity), byte_alignment=16)
             groups = cute.tiled_divide(sPrefix, (_GROUP,))  # thread-owned runs of _GROUP consecutive slots
             # Pass 1 (global, coalesced: element e = base + j * THREADS + thread): each key's top 16 bits
@@ -309,27 +309,29 @@ class TopkSelect:
                             digits.append(digit)
                             lives.append(live)
                         _histogram_add(sHist[None, rnd % 2], digits, lives)
-                if const_expr(self.resident):
+                if const_expr(self.resident):  # its own histogram is the row's: picked from sHist directly
                     cute.arch.barrier()
+                    if tidx < _BINS:
+                        sHist[tidx, (rnd + 1) % 2] = Int32(0)  # the next round's (last read a round ago)
+                    if warp == 0:
+                        _pick_digit(sHist[None, rnd % 2], None, sPick, prefix, remaining, lane)
                 else:
                     cute.arch.cluster_arrive()  # release: this CTA's histogram; acquire: every peer's
                     cute.arch.cluster_wait()
-                if tidx < _BINS:
-                    total = sHist[tidx, rnd % 2]
-                    before = Int32(0)
-                    if const_expr(not self.resident):
+                    if tidx < _BINS:
                         total = Int32(0)
+                        before = Int32(0)
                         for peer in cutlass.range_constexpr(MAX_CLUSTER):  # 16 independent loads, none predicated
                             n_peer = cute_utils.load_shared_remote(cute_utils.elem_ptr(sHist, (tidx, rnd % 2)),
                                                                    cutlass.min(Int32(peer), cluster_n - 1))
                             total = total + cutlass.select_(peer < cluster_n, n_peer, Int32(0))
                             before = before + cutlass.select_(peer < rank, n_peer, Int32(0))
-                    sTotal[tidx, 0] = total
-                    sTotal[tidx, 1] = before
-                    sHist[tidx, (rnd + 1) % 2] = Int32(0)  # the next round's (its peers read it before this round)
-                cute.arch.barrier()
-                if warp == 0:
-                    _pick_digit(sTotal, sPick, prefix, remaining, lane)
+                        sTotal[tidx, 0] = total
+                        sTotal[tidx, 1] = before
+                        sHist[tidx, (rnd + 1) % 2] = Int32(0)  # the next round's (its peers read it before this round)
+                    cute.arch.barrier()
+                    if warp == 0:
+                        _pick_digit(sTotal[None, 0], sTotal[None, 1], sPick, prefix, remaining, lane)
                 cute.arch.barrier()
                 prefix = sPick[0]
                 remaining = sPick[1]
@@ -500,13 +502,13 @@ def _warp_suffix_sum(val: Int32, lane: Int32) -> Int32:
 
 
 @cute.jit
-def _pick_digit(sTotal: cute.Tensor, sPick: cute.Tensor, prefix: Int32, remaining: Int32, lane: Int32):
+def _pick_digit(sBins: cute.Tensor, sEarlier, sPick: cute.Tensor, prefix: Int32, remaining: Int32, lane: Int32):
     """One warp: the digit d whose bin holds the cluster's remaining-th largest key (#keys in higher bins <
-    remaining <= that + total[d]). sTotal [256, 2]: the cluster's histogram and that of the CTAs before this one;
-    sPick[0:5] = (prefix extended by d, remaining - #keys in higher bins, total[d], the earlier CTAs' keys in bins
-    above d, theirs in bin d). Lane l owns bins [8l, 8l + 8)."""
-    bins = [sTotal[8 * lane + i, 0] for i in range(8)]
-    earlier = [sTotal[8 * lane + i, 1] for i in range(8)]
+    remaining <= that + bins[d]). sBins [256]: the cluster's histogram; sEarlier [256]: that of the CTAs before this
+    one (None: no such CTAs); sPick[0:5] = (prefix extended by d, remaining - #keys in higher bins, bins[d], the
+    earlier CTAs' keys in bins above d, theirs in bin d). Lane l owns bins [8l, 8l + 8)."""
+    bins = [sBins[8 * lane + i] for i in range(8)]
+    earlier = [Int32(0)] * 8 if const_expr(sEarlier is None) else [sEarlier[8 * lane + i] for i in range(8)]
     lane_bins = cute_utils.tree_sum(bins)
     lane_earlier = cute_utils.tree_sum(earlier)
     above = _warp_suffix_sum(lane_bins, lane) - lane_bins  # the keys in the bins of the lanes above this one
