@@ -244,6 +244,7 @@ class TopkSelect:
         t = cta // cluster_n
         first = rank * span  # the CTA's first column
         count = cutlass.max(cutlass.min(mScores.shape[1] - first, span), Int32(0))  # its columns
+        gRow = mScores[t, None]
         cute.arch.barrier()
 
         resident = []  # the resident CTA's keys: columns _RESIDENT * tidx + j
@@ -252,7 +253,7 @@ class TopkSelect:
                 e = tidx * _RESIDENT + j
                 key = Int32(_PAD)
                 if e < count:
-                    key = _order_key(mScores[t, e])
+                    key = _order_key(gRow[e])
                 resident.append(key)
         else:
             sTotal = smem.allocate_tensor(Int32, cute.make_layout((_BINS, 2)), byte_alignment=16)  # cluster sums
@@ -262,7 +263,7 @@ class TopkSelect:
             # (unsigned order) to shared memory, and round 0's histogram.
             for base in cutlass.range(0, count, _CHUNK):
                 # the _GROUP loads unpredicated (past the columns: the last column's again), so all are in flight
-                keys = [_order_key(mScores[t, first + cutlass.min(base + j * THREADS + tidx, count - 1)])
+                keys = [_order_key(gRow[first + cutlass.min(base + j * THREADS + tidx, count - 1)])
                         for j in range(_GROUP)]
                 lives = [base + j * THREADS + tidx < count for j in range(_GROUP)]
                 for j in cutlass.range_constexpr(_GROUP):
@@ -303,7 +304,7 @@ class TopkSelect:
                             if const_expr(rnd > 1):  # the lower 16 bits: the full key, from global memory (L2)
                                 full = Int32(_PAD)
                                 if live:
-                                    full = _order_key(mScores[t, first + e0 + j])
+                                    full = _order_key(gRow[first + e0 + j])
                                 live = live & _matches(full, rnd, prefix)
                                 digit = _digit(full, rnd)
                             digits.append(digit)
@@ -358,7 +359,7 @@ class TopkSelect:
                 for j in cutlass.range_constexpr(_GROUP):
                     bound = (tops[j] << 16) ^ Int32(_INT_MIN)  # the lowest key with this prefix
                     if (level > 16) & (tops[j] == _top16(lo)) & (e0 + j < count):
-                        bound = _order_key(mScores[t, first + e0 + j])
+                        bound = _order_key(gRow[first + e0 + j])
                     keys.append(cutlass.select_(e0 + j < count, bound, Int32(_PAD)))
                 gt_before, eq_before = self.collect(keys, e0, (base // _CHUNK) % 2, gt_before, eq_before, lo, hi,
                                                     remaining, mOut, t, first, offset, sScan, warp, lane)
@@ -410,11 +411,10 @@ def _is_nan(x: Float32):
 
 @cute.jit
 def _order_key(x: Float32) -> Int32:
-    """An Int32 whose signed order is the score order: NaN and -inf both map to the key of -inf, -0 to +0's."""
-    bits = cute_utils.float_bits(x)
-    key = cutlass.select_(bits < 0, bits ^ Int32(0x7FFFFFFF), bits)
-    key = cutlass.select_(bits == Int32(_INT_MIN), Int32(0), key)  # -0
-    return cutlass.select_(_is_nan(x), Int32(_KEY_NEG_INF), key)
+    """An Int32 whose signed order is the score order: the bits of x + 0 (-0 + 0 = +0 under round to nearest), a
+    negative score's flipped; NaN and -inf both the key of -inf."""
+    bits = cute_utils.float_bits(x + Float32(0.0))
+    return cutlass.select_(_is_nan(x), Int32(_KEY_NEG_INF), bits ^ ((bits >> 31) & Int32(0x7FFFFFFF)))
 
 
 @cute.jit
@@ -470,18 +470,14 @@ def _block_scan(val: Int32, sScan: cute.Tensor, parity: Int32, warp: Int32, lane
 
 @cute.jit
 def _histogram_add(sHist: cute.Tensor, digits: list, lives: list):
-    """sHist[digits[j]] += 1 for every live (lane, j) of the warp: per j, one shared reduction per distinct digit
-    (the lowest of the live lanes that share it adds their count). Straight-line: every j's match is issued before
-    the first reduction, and the reductions are predicated, not branched around; nothing when no lane has a live
-    key (most warps after the first round)."""
+    """sHist[digits[j]] += 1 for every live (lane, j) of the warp: straight-line predicated ``red.shared.add`` of 1
+    (ptxas makes each an ``ATOMS.POPC.INC``, whose lanes on one address add as one: the warp aggregation in
+    hardware, no match.any); nothing when no lane has a live key (most warps after the first round)."""
     if cute.arch.vote_any_sync(_any(lives)):
-        peers = [cute.arch.match_sync(-1, cutlass.select_(live, digit, Int32(-1))) for digit, live in zip(digits, lives)]
-        lower = Int32(cute.arch.lanemask_lt())
-        for digit, live, peer in zip(digits, lives, peers):
-            leader = (peer & lower) == 0
-            cute.arch.inline_ptx("{ .reg .pred p; setp.ne.s32 p, {$r2}, 0; @p red.shared.add.u32 [{$r0}], {$r1}; }",
-                                 read_only_args=[Int32((sHist.iterator + digit).toint()), Int32(cute.arch.popc(peer)),
-                                                 cutlass.select_(live & leader, Int32(1), Int32(0))])
+        for digit, live in zip(digits, lives):
+            cute.arch.inline_ptx("{ .reg .pred p; setp.ne.s32 p, {$r1}, 0; @p red.shared.add.u32 [{$r0}], 1; }",
+                                 read_only_args=[Int32((sHist.iterator + digit).toint()),
+                                                 cutlass.select_(live, Int32(1), Int32(0))])
 
 
 def _any(flags: list):
