@@ -38,8 +38,9 @@ cluster every CTA works on its own columns until the end, the only serial steps 
 travel through global memory. Why
 16-bit prefixes on chip: the full keys of a 2^20-wide row do not fit in 16 SMs' shared memory (256 KB a CTA), their
 top 16 bits do (128 KB), and they decide rounds 0 and 1 and nearly every key of the collection.
-- Pass 1 reads the CTA's scores from global memory once (coalesced, 8 loads in flight a thread), stores each key's
-  top 16 bits (unsigned order) in shared memory and builds round 0's histogram (warp-aggregated shared atomics).
+- Pass 1 reads the CTA's scores from global memory once (coalesced, 8 unpredicated loads in flight a thread, the
+  last column's again past the span), stores each key's top 16 bits (unsigned order) in shared memory and builds
+  round 0's histogram (predicated shared increments, ``_histogram_add``).
 - A round: each CTA's histogram of its keys matching the prefix so far (round 1 from the shared prefixes; rounds 2
   and 3 re-read from global memory, L2-resident after the score kernel, the full key of each key whose 16-bit
   prefix matches: a few dozen for random scores, every key for a constant row); a cluster barrier (release /
@@ -66,9 +67,10 @@ Candidate-block mode selects min(cand_topk_blocks, ceil(Ncap / 8)) blocks from b
 (K = 2048, no offset) and expands the chosen blocks to the [T, Ncap] bool mask in torch.
 
 Resources (ptxas for sm_90a, CUDA 13.0's ptxas -v on the PTX the DSL emits, CUTE_DSL_KEEP=ptx): the score kernel
-takes 168 registers (3 CTAs of 128 threads per SM); the cluster select 59 (at most 64 for 1024 threads), no spills,
-and 2 * capacity bytes + 4.3 KB of shared memory (132 KB at capacity 65536: one CTA an SM); the one-CTA select 55
-and 4.3 KB.
+takes 168 registers (3 CTAs of 128 threads per SM); the cluster select 55 (at most 64 for 1024 threads), no spills,
+and 2 * capacity bytes + 4.3 KB of shared memory (132 KB at capacity 65536: one CTA an SM); the one-CTA select 41
+and 2.3 KB. SASS (nvdisasm) of the cluster select's loops, instructions per 8 keys a thread: pass 1 199, round 1
+101, collection 470 (the build before had 338, 152 and 544: per-key branches around loads and match.any).
 """
 
 from __future__ import annotations
@@ -379,16 +381,17 @@ class TopkSelect:
         past the CTA's step."""
         gts = [cutlass.select_(key > hi, Int32(1), Int32(0)) for key in keys]
         eqs = [cutlass.select_((key >= lo) & (key <= hi) & (key != Int32(_PAD)), Int32(1), Int32(0)) for key in keys]
-        before, total = _block_scan(cute_utils.tree_sum(gts) + (cute_utils.tree_sum(eqs) << 16), sScan, parity, warp,
-                                    lane)
-        n_gt = gt_before + (before & Int32(0xFFFF))
-        n_eq = eq_before + (before >> 16)
-        for j in cutlass.range_constexpr(len(keys)):
-            if (gts[j] == 1) | ((eqs[j] == 1) & (n_eq < remaining)):
-                mOut[t, n_gt + cutlass.min(n_eq, remaining)] = cutlass.select_(
-                    keys[j] > Int32(_KEY_NEG_INF), Int64(first + e0 + j) + offset, Int64(-1))
-            n_gt = n_gt + gts[j]
-            n_eq = n_eq + eqs[j]
+        mine = cute_utils.tree_sum(gts) + (cute_utils.tree_sum(eqs) << 16)
+        before, total = _block_scan(mine, sScan, parity, warp, lane)
+        if mine != 0:  # most threads hold no key >= lo
+            n_gt = gt_before + (before & Int32(0xFFFF))
+            n_eq = eq_before + (before >> 16)
+            for j in cutlass.range_constexpr(len(keys)):
+                if (gts[j] == 1) | ((eqs[j] == 1) & (n_eq < remaining)):
+                    mOut[t, n_gt + cutlass.min(n_eq, remaining)] = cutlass.select_(
+                        keys[j] > Int32(_KEY_NEG_INF), Int64(first + e0 + j) + offset, Int64(-1))
+                n_gt = n_gt + gts[j]
+                n_eq = n_eq + eqs[j]
         return gt_before + (total & Int32(0xFFFF)), eq_before + (total >> 16)
 
     @cute.jit
@@ -470,9 +473,10 @@ def _block_scan(val: Int32, sScan: cute.Tensor, parity: Int32, warp: Int32, lane
 
 @cute.jit
 def _histogram_add(sHist: cute.Tensor, digits: list, lives: list):
-    """sHist[digits[j]] += 1 for every live (lane, j) of the warp: straight-line predicated ``red.shared.add`` of 1
-    (ptxas makes each an ``ATOMS.POPC.INC``, whose lanes on one address add as one: the warp aggregation in
-    hardware, no match.any); nothing when no lane has a live key (most warps after the first round)."""
+    """sHist[digits[j]] += 1 for every live (lane, j) of the warp: straight-line predicated ``red.shared.add`` of 1,
+    which ptxas emits as ``ATOMS.POPC.INC`` (the increment form meant for lanes that share an address; it replaces
+    the match.any warp aggregation of the earlier build: whether it is as cheap when a warp's keys crowd one bin is
+    for the GPU bench to show); nothing when no lane has a live key (most warps after the first round)."""
     if cute.arch.vote_any_sync(_any(lives)):
         for digit, live in zip(digits, lives):
             cute.arch.inline_ptx("{ .reg .pred p; setp.ne.s32 p, {$r1}, 0; @p red.shared.add.u32 [{$r0}], 1; }",
