@@ -304,9 +304,10 @@ class TopkSelect:
                             live = live & (e0 + j < count)
                             digit = tops[j] & Int32(_BINS - 1)
                             if const_expr(rnd > 1):  # the lower 16 bits: the full key, from global memory (L2)
-                                full = Int32(_PAD)
+                                raw = Float32(-math.inf)  # the load alone under the branch: ptxas predicates it
                                 if live:
-                                    full = _order_key(gRow[first + e0 + j])
+                                    raw = gRow[first + e0 + j]
+                                full = _order_key(raw)
                                 live = live & _matches(full, rnd, prefix)
                                 digit = _digit(full, rnd)
                             digits.append(digit)
