@@ -27,7 +27,9 @@ exactly the keys still to take (rows of distinct scores stop after 2 or 3 of the
 first keys in [lo, hi] in column order, placing each at (keys > hi before it) + min(bin keys before it, needed): the
 output comes out sorted by column, ties broken by the lower column.
 
-``TopkSelect`` (launch 2) runs it for a row on one thread-block cluster of ``cluster_n`` CTAs of 1024 threads:
+``TopkSelect`` (launch 2) runs it for a row of N <= 4096 columns on one CTA of 1024 threads that holds the row's
+keys in registers (4 consecutive columns a thread): every round's histogram from the registers, one collection
+step. A wider row runs on one thread-block cluster of ``cluster_n`` CTAs of 1024 threads:
 ceil(N / 4096) CTAs, at most 16 (Hopper's non-portable cluster size; ``select_plan``), CTA r of the cluster owning
 the span of columns [r * span, (r + 1) * span), span = ceil(N / cluster_n) <= 65536. Why a cluster: the design it
 replaces (about 128 slice CTAs a row, then one merge CTA streaming their 128 x K candidates from global memory twice)
@@ -36,8 +38,9 @@ cluster every CTA works on its own columns until the end, the only serial steps 
 travel through global memory. Why
 16-bit prefixes on chip: the full keys of a 2^20-wide row do not fit in 16 SMs' shared memory (256 KB a CTA), their
 top 16 bits do (128 KB), and they decide rounds 0 and 1 and nearly every key of the collection.
-- Pass 1 reads the CTA's scores from global memory once (coalesced, 8 loads in flight a thread), stores each key's
-  top 16 bits (unsigned order) in shared memory and builds round 0's histogram (warp-aggregated shared atomics).
+- Pass 1 reads the CTA's scores from global memory once (coalesced, 8 unpredicated loads in flight a thread, the
+  last column's again past the span), stores each key's top 16 bits (unsigned order) in shared memory and builds
+  round 0's histogram (predicated shared increments, ``_histogram_add``).
 - A round: each CTA's histogram of its keys matching the prefix so far (round 1 from the shared prefixes; rounds 2
   and 3 re-read from global memory, L2-resident after the score kernel, the full key of each key whose 16-bit
   prefix matches: a few dozen for random scores, every key for a constant row); a cluster barrier (release /
@@ -64,8 +67,10 @@ Candidate-block mode selects min(cand_topk_blocks, ceil(Ncap / 8)) blocks from b
 (K = 2048, no offset) and expands the chosen blocks to the [T, Ncap] bool mask in torch.
 
 Resources (ptxas for sm_90a, CUDA 13.0's ptxas -v on the PTX the DSL emits, CUTE_DSL_KEEP=ptx): the score kernel
-takes 168 registers (3 CTAs of 128 threads per SM); the select 64 (the most 1024 threads may have), no spills, and
-2 * capacity bytes + 4.3 KB of shared memory (132 KB at capacity 65536: one CTA an SM).
+takes 168 registers (3 CTAs of 128 threads per SM); the cluster select 55 (at most 64 for 1024 threads), no spills,
+and 2 * capacity bytes + 4.3 KB of shared memory (132 KB at capacity 65536: one CTA an SM); the one-CTA select 41
+and 2.3 KB. SASS (nvdisasm) of the cluster select's loops, instructions per 8 keys a thread: pass 1 199, round 1
+101, collection 470 (the build before had 338, 152 and 544: per-key branches around loads and match.any).
 """
 
 from __future__ import annotations
@@ -101,11 +106,11 @@ _SEL_WARPS = THREADS // 32
 _BINS = 256
 _ROUNDS = 4  # of 8-bit digits, at most
 _GROUP = 8  # elements per select thread and pass step (8 prefixes: one 16-byte shared load)
+_RESIDENT = CTA_COLUMNS // THREADS  # keys a thread of the one-CTA (capacity 0) select holds in registers
 _CHUNK = _GROUP * THREADS  # elements per select pass step
 _INT_MIN = -(2**31)
 _PAD = _INT_MIN  # the key of an element past a CTA's columns: below every score's key
 _KEY_NEG_INF = -(0x7F800000) - 1  # the key of -inf (and NaN): the float bits 0xFF800000 ^ 0x7FFFFFFF
-_NEG_INF_TOP16 = (_KEY_NEG_INF - _INT_MIN) >> 16  # its 16-bit prefix (0x7F), which no other key has
 
 
 class IndexScore:
@@ -198,20 +203,27 @@ class IndexScore:
 class TopkSelect:
     """The exact top-``k`` of rows of scores: one thread-block cluster of ``cluster_n`` CTAs per row (module
     docstring), each CTA ``span`` consecutive columns of the row (its cluster rank r: columns [r * span, (r + 1) *
-    span)), their 16-bit key prefixes in ``capacity`` >= span slots of shared memory; writes mOut [T, k] int64.
+    span)), their 16-bit key prefixes in ``capacity`` >= span slots of shared memory; ``capacity`` 0: one CTA a row of
+    at most CTA_COLUMNS columns, its keys in registers (_RESIDENT consecutive columns a thread), no cluster. Writes
+    mOut [T, k] int64.
     """
 
     def __init__(self, k: int, capacity: int, pdl: bool):
         self.k = k
         self.capacity = capacity
+        self.resident = capacity == 0
         self.pdl = pdl
 
     @cute.jit
     def __call__(self, mScores: cute.Tensor, mOut: cute.Tensor, offset: Int64, cluster_n: Int32, span: Int32,
                  n_ctas: Int32, stream):
-        self.kernel(mScores, mOut, offset, cluster_n, span).launch(
-            grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=[cluster_n, 1, 1], stream=stream,
-            use_pdl=self.pdl)
+        if const_expr(self.resident):
+            self.kernel(mScores, mOut, offset, cluster_n, span).launch(
+                grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+        else:
+            self.kernel(mScores, mOut, offset, cluster_n, span).launch(
+                grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=[cluster_n, 1, 1], stream=stream,
+                use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mScores: cute.Tensor, mOut: cute.Tensor, offset: Int64, cluster_n: Int32, span: Int32):
@@ -219,14 +231,13 @@ class TopkSelect:
         cta, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
-        rank = Int32(cute.arch.block_idx_in_cluster())
+        rank = Int32(0)
+        if const_expr(not self.resident):
+            rank = Int32(cute.arch.block_idx_in_cluster())
         smem = cutlass.memory.SmemAllocator()
-        sPrefix = smem.allocate_tensor(cutlass.Uint16, cute.make_layout(self.capacity), byte_alignment=16)
         sHist = smem.allocate_tensor(Int32, cute.make_layout((_BINS, 2)), byte_alignment=16)
-        sTotal = smem.allocate_tensor(Int32, cute.make_layout((_BINS, 2)), byte_alignment=16)
         sScan = smem.allocate_tensor(Int32, cute.make_layout((2, _SEL_WARPS)), byte_alignment=16)
         sPick = smem.allocate_tensor(Int32, cute.make_layout(5), byte_alignment=8)
-        groups = cute.tiled_divide(sPrefix, (_GROUP,))  # thread-owned runs of _GROUP consecutive slots
         if tidx < _BINS:
             sHist[tidx, 0] = Int32(0)
             sHist[tidx, 1] = Int32(0)
@@ -235,29 +246,39 @@ class TopkSelect:
         t = cta // cluster_n
         first = rank * span  # the CTA's first column
         count = cutlass.max(cutlass.min(mScores.shape[1] - first, span), Int32(0))  # its columns
+        gRow = mScores[t, None]
         cute.arch.barrier()
 
-        # Pass 1 (global, coalesced: element e = base + j * THREADS + thread): each key's top 16 bits (unsigned
-        # order) to shared memory, and round 0's histogram.
-        for base in cutlass.range(0, count, _CHUNK):
-            keys = []
-            for j in cutlass.range_constexpr(_GROUP):
-                e = base + j * THREADS + tidx
+        resident = []  # the resident CTA's keys: columns _RESIDENT * tidx + j
+        if const_expr(self.resident):
+            for j in cutlass.range_constexpr(_RESIDENT):
+                e = tidx * _RESIDENT + j
                 key = Int32(_PAD)
                 if e < count:
-                    key = _order_key(mScores[t, first + e])
-                keys.append(key)
-            for j in cutlass.range_constexpr(_GROUP):
-                e = base + j * THREADS + tidx
-                if e < count:
-                    sPrefix[e] = cutlass.Uint16(_top16(keys[j]))
-                _histogram_add(sHist[None, 0], _digit(keys[j], 0), e < count)
+                    key = _order_key(gRow[e])
+                resident.append(key)
+        else:
+            sTotal = smem.allocate_tensor(Int32, cute.make_layout((_BINS, 2)), byte_alignment=16)  # cluster sums
+            sPrefix = smem.allocate_tensor(cutlass.Uint16, cute.make_layout(self.capacity), byte_alignment=16)
+            groups = cute.tiled_divide(sPrefix, (_GROUP,))  # thread-owned runs of _GROUP consecutive slots
+            # Pass 1 (global, coalesced: element e = base + j * THREADS + thread): each key's top 16 bits
+            # (unsigned order) to shared memory, and round 0's histogram.
+            for base in cutlass.range(0, count, _CHUNK):
+                # the _GROUP loads unpredicated (past the columns: the last column's again), so all are in flight
+                keys = [_order_key(gRow[first + cutlass.min(base + j * THREADS + tidx, count - 1)])
+                        for j in range(_GROUP)]
+                lives = [base + j * THREADS + tidx < count for j in range(_GROUP)]
+                for j in cutlass.range_constexpr(_GROUP):
+                    if lives[j]:
+                        sPrefix[base + j * THREADS + tidx] = cutlass.Uint16(_top16(keys[j]))
+                _histogram_add(sHist[None, 0], [_digit(key, 0) for key in keys], lives)
 
         # Radix select, 8-bit digits from the top, over the cluster: a round's histograms (one per CTA, of its keys
         # matching the digits chosen so far) are summed through DSMEM after a cluster barrier, so every CTA picks
         # the same digit; `prefix` = the top `level` bits of the take-th largest key, `remaining` = how many keys
         # with those bits are still to take; the rounds stop once they are all of that bin's keys. `gt_before`,
-        # `eq_before`: the keys above the bin and in it of the CTAs before this one (in column order).
+        # `eq_before`: the keys above the bin and in it of the CTAs before this one (in column order). The resident
+        # CTA takes every round's histogram from its registers.
         prefix = Int32(0)
         remaining = Int32(self.k)
         level = Int32(0)
@@ -266,10 +287,15 @@ class TopkSelect:
         eq_before = Int32(0)
         for rnd in cutlass.range_constexpr(_ROUNDS):
             if done == 0:
-                if const_expr(rnd > 0):
+                if const_expr(self.resident):
+                    _histogram_add(sHist[None, rnd % 2], [_digit(key, rnd) for key in resident],
+                                   [_matches(key, rnd, prefix) for key in resident])
+                elif const_expr(rnd > 0):
                     for base in cutlass.range(0, count, _CHUNK):
                         e0 = base + tidx * _GROUP
                         tops = self.prefixes(groups, e0)
+                        digits = []
+                        lives = []
                         for j in cutlass.range_constexpr(_GROUP):
                             if const_expr(rnd == 1):
                                 live = (tops[j] >> 8) == prefix
@@ -278,28 +304,38 @@ class TopkSelect:
                             live = live & (e0 + j < count)
                             digit = tops[j] & Int32(_BINS - 1)
                             if const_expr(rnd > 1):  # the lower 16 bits: the full key, from global memory (L2)
-                                key = Int32(_PAD)
+                                raw = Float32(-math.inf)  # the load alone under the branch: ptxas predicates it
                                 if live:
-                                    key = _order_key(mScores[t, first + e0 + j])
-                                live = live & _matches(key, rnd, prefix)
-                                digit = _digit(key, rnd)
-                            _histogram_add(sHist[None, rnd % 2], digit, live)
-                cute.arch.cluster_arrive()  # release: this CTA's histogram; acquire: every peer's
-                cute.arch.cluster_wait()
-                if tidx < _BINS:
-                    total = Int32(0)
-                    before = Int32(0)
-                    for peer in cutlass.range_constexpr(MAX_CLUSTER):  # 16 independent loads, none predicated
-                        n_peer = cute_utils.load_shared_remote(cute_utils.elem_ptr(sHist, (tidx, rnd % 2)),
-                                                               cutlass.min(Int32(peer), cluster_n - 1))
-                        total = total + cutlass.select_(peer < cluster_n, n_peer, Int32(0))
-                        before = before + cutlass.select_(peer < rank, n_peer, Int32(0))
-                    sTotal[tidx, 0] = total
-                    sTotal[tidx, 1] = before
-                    sHist[tidx, (rnd + 1) % 2] = Int32(0)  # the next round's (its peers read it before this round)
-                cute.arch.barrier()
-                if warp == 0:
-                    _pick_digit(sTotal, sPick, prefix, remaining, lane)
+                                    raw = gRow[first + e0 + j]
+                                full = _order_key(raw)
+                                live = live & _matches(full, rnd, prefix)
+                                digit = _digit(full, rnd)
+                            digits.append(digit)
+                            lives.append(live)
+                        _histogram_add(sHist[None, rnd % 2], digits, lives)
+                if const_expr(self.resident):  # its own histogram is the row's: picked from sHist directly
+                    cute.arch.barrier()
+                    if tidx < _BINS:
+                        sHist[tidx, (rnd + 1) % 2] = Int32(0)  # the next round's (last read a round ago)
+                    if warp == 0:
+                        _pick_digit(sHist[None, rnd % 2], None, sPick, prefix, remaining, lane)
+                else:
+                    cute.arch.cluster_arrive()  # release: this CTA's histogram; acquire: every peer's
+                    cute.arch.cluster_wait()
+                    if tidx < _BINS:
+                        total = Int32(0)
+                        before = Int32(0)
+                        for peer in cutlass.range_constexpr(MAX_CLUSTER):  # 16 independent loads, none predicated
+                            n_peer = cute_utils.load_shared_remote(cute_utils.elem_ptr(sHist, (tidx, rnd % 2)),
+                                                                   cutlass.min(Int32(peer), cluster_n - 1))
+                            total = total + cutlass.select_(peer < cluster_n, n_peer, Int32(0))
+                            before = before + cutlass.select_(peer < rank, n_peer, Int32(0))
+                        sTotal[tidx, 0] = total
+                        sTotal[tidx, 1] = before
+                        sHist[tidx, (rnd + 1) % 2] = Int32(0)  # the next round's (its peers read it before this round)
+                    cute.arch.barrier()
+                    if warp == 0:
+                        _pick_digit(sTotal[None, 0], sTotal[None, 1], sPick, prefix, remaining, lane)
                 cute.arch.barrier()
                 prefix = sPick[0]
                 remaining = sPick[1]
@@ -307,39 +343,57 @@ class TopkSelect:
                 gt_before = gt_before + sPick[3]
                 eq_before = sPick[4]
                 level = Int32(8 * (rnd + 1))
-        cute.arch.cluster_arrive()  # the peers' histogram reads are done; matched by the wait before the exit
+        if const_expr(not self.resident):
+            cute.arch.cluster_arrive()  # the peers' histogram reads are done; matched by the wait before the exit
         lo, hi = _bin_edges(prefix, level)
 
-        # Collection in column order: each thread's _GROUP consecutive elements a chunk, one block scan a chunk.
-        # A key goes to (keys > hi before it) + min(keys in the bin before it, remaining). Its 16-bit prefix
-        # decides unless the bin is narrower (level > 16) and the prefix is the bin's: then the full key does.
-        for base in cutlass.range(0, count, _CHUNK):
-            e0 = base + tidx * _GROUP
-            tops = self.prefixes(groups, e0)
-            keys = []
-            for j in cutlass.range_constexpr(_GROUP):
-                key = (tops[j] << 16) ^ Int32(_INT_MIN)  # the lowest key with this prefix
-                if (level > 16) & (tops[j] == _top16(lo)) & (e0 + j < count):
-                    key = _order_key(mScores[t, first + e0 + j])
-                keys.append(cutlass.select_(e0 + j < count, key, Int32(_PAD)))
-            gts = [cutlass.select_(key > hi, Int32(1), Int32(0)) for key in keys]
-            eqs = [cutlass.select_((key >= lo) & (key <= hi) & (key != Int32(_PAD)), Int32(1), Int32(0))
-                   for key in keys]
-            before, total = _block_scan(cute_utils.tree_sum(gts) + (cute_utils.tree_sum(eqs) << 16), sScan,
-                                        (base // _CHUNK) % 2, warp, lane)
-            n_gt = gt_before + (before & Int32(0xFFFF))
-            n_eq = eq_before + (before >> 16)
-            for j in cutlass.range_constexpr(_GROUP):
-                if (gts[j] == 1) | ((eqs[j] == 1) & (n_eq < remaining)):
-                    mOut[t, n_gt + cutlass.min(n_eq, remaining)] = cutlass.select_(
-                        tops[j] > Int32(_NEG_INF_TOP16), Int64(first + e0 + j) + offset, Int64(-1))
-                n_gt = n_gt + gts[j]
-                n_eq = n_eq + eqs[j]
-            gt_before = gt_before + (total & Int32(0xFFFF))
-            eq_before = eq_before + (total >> 16)
+        # Collection in column order: each thread's consecutive elements (the resident CTA's _RESIDENT keys once, a
+        # cluster CTA's _GROUP prefixes a chunk), one block scan a step. A cluster CTA's key is the lowest with its
+        # 16-bit prefix, which decides unless the bin is narrower (level > 16) and the prefix is the bin's: then the
+        # full key is re-read.
+        if const_expr(self.resident):
+            self.collect(resident, tidx * _RESIDENT, Int32(0), gt_before, eq_before, lo, hi, remaining, mOut, t,
+                         first, offset, sScan, warp, lane)
+        else:
+            for base in cutlass.range(0, count, _CHUNK):
+                e0 = base + tidx * _GROUP
+                tops = self.prefixes(groups, e0)
+                keys = []
+                for j in cutlass.range_constexpr(_GROUP):
+                    bound = (tops[j] << 16) ^ Int32(_INT_MIN)  # the lowest key with this prefix
+                    if (level > 16) & (tops[j] == _top16(lo)) & (e0 + j < count):
+                        bound = _order_key(gRow[first + e0 + j])
+                    keys.append(cutlass.select_(e0 + j < count, bound, Int32(_PAD)))
+                gt_before, eq_before = self.collect(keys, e0, (base // _CHUNK) % 2, gt_before, eq_before, lo, hi,
+                                                    remaining, mOut, t, first, offset, sScan, warp, lane)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
-        cute.arch.cluster_wait()
+        if const_expr(not self.resident):
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def collect(self, keys: list, e0: Int32, parity: Int32, gt_before: Int32, eq_before: Int32, lo: Int32, hi: Int32,
+                remaining: Int32, mOut: cute.Tensor, t: Int32, first: Int32, offset: Int64, sScan: cute.Tensor,
+                warp: Int32, lane: Int32):
+        """One collection step of the CTA: ``keys`` of this thread's consecutive elements from e0 (_PAD past the
+        columns; a key may be the lowest of its 16-bit prefix, which is above -inf's key exactly when the score is
+        not -inf), a block scan on sScan's half ``parity``; key > hi goes to (keys > hi before it) + min(bin keys
+        before it, remaining), a bin key too while that min is below remaining. Returns (gt_before, eq_before)
+        past the CTA's step."""
+        gts = [cutlass.select_(key > hi, Int32(1), Int32(0)) for key in keys]
+        eqs = [cutlass.select_((key >= lo) & (key <= hi) & (key != Int32(_PAD)), Int32(1), Int32(0)) for key in keys]
+        mine = cute_utils.tree_sum(gts) + (cute_utils.tree_sum(eqs) << 16)
+        before, total = _block_scan(mine, sScan, parity, warp, lane)
+        if mine != 0:  # most threads hold no key >= lo
+            n_gt = gt_before + (before & Int32(0xFFFF))
+            n_eq = eq_before + (before >> 16)
+            for j in cutlass.range_constexpr(len(keys)):
+                if (gts[j] == 1) | ((eqs[j] == 1) & (n_eq < remaining)):
+                    mOut[t, n_gt + cutlass.min(n_eq, remaining)] = cutlass.select_(
+                        keys[j] > Int32(_KEY_NEG_INF), Int64(first + e0 + j) + offset, Int64(-1))
+                n_gt = n_gt + gts[j]
+                n_eq = n_eq + eqs[j]
+        return gt_before + (total & Int32(0xFFFF)), eq_before + (total >> 16)
 
     @cute.jit
     def prefixes(self, groups: cute.Tensor, e0: Int32):
@@ -361,11 +415,10 @@ def _is_nan(x: Float32):
 
 @cute.jit
 def _order_key(x: Float32) -> Int32:
-    """An Int32 whose signed order is the score order: NaN and -inf both map to the key of -inf, -0 to +0's."""
-    bits = cute_utils.float_bits(x)
-    key = cutlass.select_(bits < 0, bits ^ Int32(0x7FFFFFFF), bits)
-    key = cutlass.select_(bits == Int32(_INT_MIN), Int32(0), key)  # -0
-    return cutlass.select_(_is_nan(x), Int32(_KEY_NEG_INF), key)
+    """An Int32 whose signed order is the score order: the bits of x + 0 (-0 + 0 = +0 under round to nearest), a
+    negative score's flipped; NaN and -inf both the key of -inf."""
+    bits = cute_utils.float_bits(x + Float32(0.0))
+    return cutlass.select_(_is_nan(x), Int32(_KEY_NEG_INF), bits ^ ((bits >> 31) & Int32(0x7FFFFFFF)))
 
 
 @cute.jit
@@ -420,14 +473,24 @@ def _block_scan(val: Int32, sScan: cute.Tensor, parity: Int32, warp: Int32, lane
 
 
 @cute.jit
-def _histogram_add(sHist: cute.Tensor, digit: Int32, live):
-    """sHist[digit] += 1 for every live lane of the warp: one shared atomic per distinct digit (the lowest lane of
-    the lanes that share it adds their count); nothing when no lane is live (most warps after the first round)."""
-    if cute.arch.vote_any_sync(live):
-        peers = cute.arch.match_sync(-1, cutlass.select_(live, digit, Int32(-1)))
-        leader = (peers & cute.arch.lanemask_lt()) == 0
-        if live & leader:
-            cute.arch.atomic_add(sHist.iterator + digit, Int32(cute.arch.popc(peers)))
+def _histogram_add(sHist: cute.Tensor, digits: list, lives: list):
+    """sHist[digits[j]] += 1 for every live (lane, j) of the warp: straight-line predicated ``red.shared.add`` of 1,
+    which ptxas emits as ``ATOMS.POPC.INC`` (the increment form meant for lanes that share an address; it replaces
+    the match.any warp aggregation of the earlier build: whether it is as cheap when a warp's keys crowd one bin is
+    for the GPU bench to show); nothing when no lane has a live key (most warps after the first round)."""
+    if cute.arch.vote_any_sync(_any(lives)):
+        for digit, live in zip(digits, lives):
+            cute.arch.inline_ptx("{ .reg .pred p; setp.ne.s32 p, {$r1}, 0; @p red.shared.add.u32 [{$r0}], 1; }",
+                                 read_only_args=[Int32((sHist.iterator + digit).toint()),
+                                                 cutlass.select_(live, Int32(1), Int32(0))])
+
+
+def _any(flags: list):
+    """The OR of a list of flags."""
+    out = flags[0]
+    for flag in flags[1:]:
+        out = out | flag
+    return out
 
 
 @cute.jit
@@ -440,13 +503,13 @@ def _warp_suffix_sum(val: Int32, lane: Int32) -> Int32:
 
 
 @cute.jit
-def _pick_digit(sTotal: cute.Tensor, sPick: cute.Tensor, prefix: Int32, remaining: Int32, lane: Int32):
+def _pick_digit(sBins: cute.Tensor, sEarlier, sPick: cute.Tensor, prefix: Int32, remaining: Int32, lane: Int32):
     """One warp: the digit d whose bin holds the cluster's remaining-th largest key (#keys in higher bins <
-    remaining <= that + total[d]). sTotal [256, 2]: the cluster's histogram and that of the CTAs before this one;
-    sPick[0:5] = (prefix extended by d, remaining - #keys in higher bins, total[d], the earlier CTAs' keys in bins
-    above d, theirs in bin d). Lane l owns bins [8l, 8l + 8)."""
-    bins = [sTotal[8 * lane + i, 0] for i in range(8)]
-    earlier = [sTotal[8 * lane + i, 1] for i in range(8)]
+    remaining <= that + bins[d]). sBins [256]: the cluster's histogram; sEarlier [256]: that of the CTAs before this
+    one (None: no such CTAs); sPick[0:5] = (prefix extended by d, remaining - #keys in higher bins, bins[d], the
+    earlier CTAs' keys in bins above d, theirs in bin d). Lane l owns bins [8l, 8l + 8)."""
+    bins = [sBins[8 * lane + i] for i in range(8)]
+    earlier = [Int32(0)] * 8 if const_expr(sEarlier is None) else [sEarlier[8 * lane + i] for i in range(8)]
     lane_bins = cute_utils.tree_sum(bins)
     lane_earlier = cute_utils.tree_sum(earlier)
     above = _warp_suffix_sum(lane_bins, lane) - lane_bins  # the keys in the bins of the lanes above this one
@@ -510,10 +573,11 @@ def supports(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_c: torch.Te
 def select_plan(n: int) -> tuple[int, int, int]:
     """(cluster_n, span, capacity) of the select of rows of n columns: ceil(n / CTA_COLUMNS) CTAs a row, at most
     MAX_CLUSTER, of span = ceil(n / cluster_n) columns each (the last one's the rest), their prefixes in capacity
-    shared slots (the power of two >= span, at least CTA_COLUMNS: one build a capacity)."""
+    shared slots (the power of two >= span, at least CTA_COLUMNS: one build a capacity); capacity 0 for a row of
+    one CTA, which holds its keys in registers."""
     cluster_n = min(MAX_CLUSTER, -(-n // CTA_COLUMNS))
     span = -(-n // cluster_n)
-    return cluster_n, span, max(CTA_COLUMNS, 1 << (span - 1).bit_length())
+    return cluster_n, span, 0 if cluster_n == 1 else max(CTA_COLUMNS, 1 << (span - 1).bit_length())
 
 
 @cached_kernel(__file__, cute_utils.__file__)

@@ -1,9 +1,10 @@
 """The indexer kernels (dsv41.kernels.indexer_topk): the score kernel and the exact top-K select.
 
 CPU: every kind of launch compiles for sm_90a (score: plain, candidate-masked, block maxima, without PDL;
-select: the smallest and largest shared capacity at k = 512 and 2048, without PDL); `score_grid` fills one wave
-and covers the rows; `select_plan`'s clusters cover every width; a numpy model of the select's steps (a cluster
-of CTAs a row, 16-bit prefixes on chip, the full key re-read where a prefix does not decide, the histograms summed
+select: the one-CTA register build and the smallest and largest shared capacity at k = 512 and 2048, without
+PDL); `score_grid` fills one wave and covers the rows; `select_plan`'s clusters cover every width; a numpy model of
+the select's steps (one CTA holding a row's full keys up to 4096 columns, else a cluster of CTAs a row, 16-bit
+prefixes on chip, the full key re-read where a prefix does not decide, the histograms summed
 over the cluster with the earlier CTAs' counts, the collection from those counts) equals the tie rule and
 torch.topk's values on every score pattern below at N = 1 to 2^20, writes every output position once, and reaches
 the early stop, all 4 rounds, few re-reads for random scores and all of a CTA's for a constant row; `supports`
@@ -15,9 +16,9 @@ GPU (H200), outputs poisoned (-7) before each call:
   positions included: random, constant rows, rising values, crowded near-ties (4 levels; neighbours 1 ulp apart,
   which share their 16-bit prefix: the full keys decide, and the bin's ties are cut across CTAs), NaN and +-inf,
   every CTA's span a permutation of the same values (equal histograms in every CTA), the largest scores in the last
-  CTA's span, rows with fewer valid scores than K and none, at widths 1 to 2^20: one CTA (<= 4096 columns), then
-  clusters of 2 to 16 CTAs, widths the cluster does not divide (4097: spans 2049 and 2048; 65537: 16 spans of
-  4097, the last 4082), K = 512 and 2048; rows in DSV41_TEST_TOKENS (default 1,2,3,8,33,64) at 4096 to 524288
+  CTA's span, rows with fewer valid scores than K and none, at widths 1 to 2^20: one CTA (<= 4096 columns, keys in
+  registers; 1025 and 4095 leave threads part-filled), then clusters of 2 to 16 CTAs, widths the cluster does not
+  divide (4097: spans 2049 and 2048; 65537: 16 spans of 4097, the last 4082), K = 512 and 2048; rows in DSV41_TEST_TOKENS (default 1,2,3,8,33,64) at 4096 to 524288
   columns, with short and half-constant rows;
 - the scores of the score kernel against the reference's within its tolerance (`SCORE_RTOL` x sum_h |w_h| |q_h|.|k|),
   -inf exactly where the reference has it, in the plain, candidate-masked and block modes; the block maxima equal the
@@ -148,8 +149,8 @@ def _assert_op_matches(got, inputs, topk=TOPK, cand_topk_blocks=0):
 
 
 SCORE_VARIANTS = [(False, False, True), (True, False, True), (False, True, True), (False, False, False)]
-SELECT_VARIANTS = [(512, 4096, True), (512, 65536, True), (2048, 8192, True), (2048, 32768, True),
-                   (512, 16384, False)]
+SELECT_VARIANTS = [(512, 0, True), (2048, 0, True), (512, 4096, True), (512, 65536, True), (2048, 8192, True),
+                   (2048, 32768, True), (512, 16384, False)]
 
 
 # A model of the select (TopkSelect: a cluster of CTAs per row, each its span's 16-bit key prefixes on chip), step
@@ -157,7 +158,6 @@ SELECT_VARIANTS = [(512, 4096, True), (512, 65536, True), (2048, 8192, True), (2
 # takes milliseconds per cumsum or boolean index of 64K elements).
 
 _INT_MIN, _KEY_NEG_INF = -(2**31), -(0x7F800000) - 1
-_NEG_INF_TOP16 = (_KEY_NEG_INF - _INT_MIN) >> 16
 
 
 def _order_keys(scores):
@@ -174,8 +174,9 @@ def _bin_edges(prefix, level):
     return lo, lo + (1 << (32 - level)) - 1
 
 
-def _model_row(row, k, offset, cluster_n, span, stats):
-    """idx [k] of one row of keys as the cluster selects it."""
+def _model_row(row, k, offset, cluster_n, span, resident, stats):
+    """idx [k] of one row of keys as the cluster selects it (``resident``: one CTA holding the full keys, which
+    decide every round and the collection; the rounds' digits are the same bits)."""
     n = len(row)
     u = row - _INT_MIN  # unsigned order
     top = u >> 16  # the prefixes in shared memory
@@ -189,7 +190,8 @@ def _model_row(row, k, offset, cluster_n, span, stats):
             match, digit = (top >> 8) == prefix, top & 255
         else:  # the full key, re-read from global memory, of each key whose prefix matches
             reread = top == prefix >> (8 * rnd - 16)
-            stats["reread"] = max(stats["reread"], int(np.bincount(cta[reread], minlength=1).max()))
+            if not resident:
+                stats["reread"] = max(stats["reread"], int(np.bincount(cta[reread], minlength=1).max()))
             match, digit = reread & ((u >> (32 - 8 * rnd)) == prefix), (u >> (24 - 8 * rnd)) & 255
         hists = np.zeros((cluster_n, 256), np.int64)
         np.add.at(hists, (cta[match], digit[match]), 1)
@@ -209,8 +211,9 @@ def _model_row(row, k, offset, cluster_n, span, stats):
     for r in range(cluster_n):
         part = slice(r * span, min((r + 1) * span, n))
         key = (top[part] << 16) + _INT_MIN  # the lowest key with the prefix, unless the full key decides
-        exact = (level > 16) & (top[part] == (lo - _INT_MIN) >> 16)
-        stats["reread"] = max(stats["reread"], int(exact.sum()))
+        exact = resident | ((level > 16) & (top[part] == (lo - _INT_MIN) >> 16))
+        if not resident:
+            stats["reread"] = max(stats["reread"], int(exact.sum()))
         key = np.where(exact, row[part], key)
         gt, eq = key > hi, (key >= lo) & (key <= hi)
         n_gt = gt_before[r] + gt.cumsum() - gt
@@ -218,7 +221,7 @@ def _model_row(row, k, offset, cluster_n, span, stats):
         take = gt | (eq & (n_eq < remaining))
         pos = (n_gt + np.minimum(n_eq, remaining))[take]
         np.add.at(written, pos, 1)
-        idx[pos] = np.where(top[part][take] > _NEG_INF_TOP16, np.arange(n)[part][take] + offset, -1)
+        idx[pos] = np.where(key[take] > _KEY_NEG_INF, np.arange(n)[part][take] + offset, -1)
     assert (written == 1).all(), "positions written other than once"
     return idx
 
@@ -227,13 +230,14 @@ def _model_select(scores, k, offset, stats=None):
     """idx [T, k] as topk_indices computes it, through the model; `stats` collects the round levels reached and the
     most full keys a CTA re-reads from global memory in a pass."""
     stats = {"levels": set(), "reread": 0} if stats is None else stats
-    cluster_n, span, _ = K.select_plan(scores.shape[1])
-    return torch.from_numpy(np.stack([_model_row(row, k, offset, cluster_n, span, stats)
+    cluster_n, span, capacity = K.select_plan(scores.shape[1])
+    return torch.from_numpy(np.stack([_model_row(row, k, offset, cluster_n, span, capacity == 0, stats)
                                       for row in _order_keys(scores)]))
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n", [1, 7, 600, 4096, 4097, 16385, 61441, 65537, 300001, 1 << 20], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("n", [1, 7, 600, 4095, 4096, 4097, 16385, 61441, 65537, 300001, 1 << 20],
+                         ids=lambda n: f"N{n}")
 def test_select_model_is_exact(n, kind):
     """The model equals the tie rule exactly and selects the values torch.topk selects (as multisets), at k = 512
     and 2048: one CTA, clusters of 2 (4097: spans 2049 and 2048) to 16 CTAs, widths the cluster does not divide,
@@ -274,18 +278,21 @@ def test_select_compiles_for_sm90a(variant, monkeypatch, tmp_path):
 
 
 def test_select_plan_covers_the_widths():
-    """One CTA up to 4096 columns, then ceil(N / 4096) CTAs a row up to 16, every CTA at least one column, the
-    spans covering the row, the capacity the power of two that holds a span (at least 4096: its shared prefixes
-    at most 128 KB). SELECT_VARIANTS compiles the smallest and largest capacity at both k; the others only change
-    the shared allocation."""
+    """One CTA up to 4096 columns (capacity 0: its keys in registers), then ceil(N / 4096) CTAs a row up to 16,
+    every CTA at least one column, the spans covering the row, the capacity the power of two that holds a span (at
+    least 4096: its shared prefixes at most 128 KB). SELECT_VARIANTS compiles the one-CTA build and the smallest and
+    largest capacity at both k; the other capacities only change the shared allocation."""
     assert [K.select_plan(n) for n in (1, 4096, 4097, 65536, 65537)] == [
-        (1, 1, 4096), (1, 4096, 4096), (2, 2049, 4096), (16, 4096, 4096), (16, 4097, 8192)]
+        (1, 1, 0), (1, 4096, 0), (2, 2049, 4096), (16, 4096, 4096), (16, 4097, 8192)]
     assert K.select_plan(524288) == (16, 32768, 32768) and K.select_plan(1 << 20) == (16, 65536, 65536)
     assert K.select_plan(131072) == (16, 8192, 8192)  # layer 20's blocks at Ncap = 2^20
     for n in [1, 7, 4096, 4097, 8191, 61441, 65537, 300001, (1 << 20) - 1, 1 << 20]:
         cluster_n, span, capacity = K.select_plan(n)
         assert 1 <= cluster_n <= K.MAX_CLUSTER and (cluster_n - 1) * span < n <= cluster_n * span
-        assert span <= capacity <= K.MAX_SPAN and capacity & (capacity - 1) == 0
+        if cluster_n == 1:  # one CTA, its keys in registers
+            assert capacity == 0 and n <= K.CTA_COLUMNS
+        else:
+            assert span <= capacity <= K.MAX_SPAN and capacity & (capacity - 1) == 0
 
 
 def test_score_grid_is_one_wave():
@@ -345,7 +352,8 @@ def test_select_reason_explains():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n", _widths(1, 7, 600, 4096, 4097, 16385, 61441, 65536, 65537, 300001, (1 << 20) - 1,
+@pytest.mark.parametrize("n", _widths(1, 7, 600, 1025, 4095, 4096, 4097, 16385, 61441, 65536, 65537, 300001,
+                                     (1 << 20) - 1,
                                      1 << 20),
                          ids=lambda n: f"N{n}")
 def test_select_matches_the_tie_rule(n, kind):
