@@ -137,6 +137,10 @@ class MatchResult:
     alternatives: Callable | None = None
     # per optional output of the pattern: whether the graph reads it outside the region (then it is in `outputs`)
     exposed: tuple = ()
+    # interior nodes that the graph also reads outside the region, each a cast or a layout op of an output
+    # (`x_new.float()` read by the region's collapse and by the next site), which the replacement recomputes from
+    # the op's output for those readers, or of a value from outside, which it leaves in the graph (`recomputable`)
+    recomputed: tuple = ()
 
 
 @dataclass
@@ -957,21 +961,47 @@ class PatternSet:
         optional = [st2.p2t.get(o) for o in exact.outputs[required:]]
         exposed = tuple(isinstance(t, fx.Node) and t in inside and any(u not in inside for u in t.users) for t in optional)
         outputs += [t for t, e in zip(optional, exposed) if e]
+        recomputed = []
         for t in inside:
             if t in outputs:
                 continue
             for user in t.users:
                 if user not in inside:
+                    if recomputable(t, outputs, inside):
+                        recomputed.append(t)
+                        break
                     return MatchFailure(pat.name, anchor.name, total, total, "extra user",
                                         f"{_fmt(t)} inside the pattern is also used by {_fmt(user)}", user.name)
         inputs = [d if isinstance(d, Derived) else st2.p2t.get(p) for p, d in zip(exact.placeholders, bound)]
-        cyclic = next((v for v in leaves(inputs) if _reaches(v, inside)), None)
+        kept = {t for t in recomputed if not of_output(t, outputs)}  # stay in the graph for their outside readers
+        cyclic = next((v for v in leaves(inputs) if _reaches(v, inside - kept)), None)
         if cyclic is not None:
             return MatchFailure(pat.name, anchor.name, total, total, "inconsistent input",
                                 f"input {_fmt(cyclic)} depends on the matched region", cyclic.name)
         nodes = [n for n in anchor.graph.nodes if n in inside]
         found_islands = [(_op_name(p.target), t, why) for p, t, why in st2.islands]
-        return MatchResult(pat, inputs, outputs, nodes, free, found_islands, exposed=exposed)
+        return MatchResult(pat, inputs, outputs, nodes, free, found_islands, exposed=exposed, recomputed=tuple(recomputed))
+
+
+_RECOMPUTABLE = frozenset({torch.ops.prims.convert_element_type.default, aten.view.default, aten.permute.default,
+                           aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.slice.Tensor,
+                           aten.select.int})
+
+
+def recomputable(t: fx.Node, outputs: list, inside: set) -> bool:
+    """t, inside a region and also read outside it, is a cast or a layout op whose tensor operand is one of the
+    region's outputs or a value from outside: the outside readers can take t recomputed from the op's output
+    (`of_output`) or t itself, left in the graph (two equal `x.float()`, one node after common-subexpression
+    elimination, read by a collapse inside and by a GEMM outside)."""
+    if t.op != "call_function" or t.target not in _RECOMPUTABLE:
+        return False
+    operands = [a for a in t.args if isinstance(a, fx.Node)]
+    return len(operands) == 1 and (operands[0] in outputs or operands[0] not in inside)
+
+
+def of_output(t: fx.Node, outputs) -> bool:
+    """The recomputable t's operand is one of the region's outputs (else a value from outside the region)."""
+    return any(a in outputs for a in t.args if isinstance(a, fx.Node))
 
 
 def _views_of_one_root(x, y) -> bool:
