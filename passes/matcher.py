@@ -278,7 +278,7 @@ class _Matcher:
             if isinstance(t, fx.Node):
                 st.t2p[t] = p
             return
-        if self._input_in_layout(p, t, st):
+        if self._input_in_layout(p, t, st) or self._input_in_inverse_layout(p, t, st):
             return
         if not isinstance(t, fx.Node) or t.op != "call_function":
             kind = "graph break" if _is_input(t) and t.op == "placeholder" else "argument"
@@ -348,6 +348,61 @@ class _Matcher:
             except _Fail:
                 return False
         trial.p2t[p] = t
+        st.assign(trial)
+        return True
+
+    def _input_in_inverse_layout(self, p: fx.Node, t, st: _State) -> bool:
+        """Whether p, a chain of permutes and views (each view only splitting dims) of unary pointwise ops of a
+        pattern input read nowhere else, matches a graph input t (or unary pointwise ops of one) in p's layout: a
+        weight the graph stores transposed (`x @ W` for the pattern's `F.linear(x, w)`, a per-group [G, in, out]
+        wo_a, `_grouped_mm(x, W13)` for `w13.transpose(1, 2)`). Then the pointwise ops below the chain match t's,
+        the input binds the graph value at their bottom, and the op takes that value through the inverse chain
+        (`_InverseLayout`: permutes back, then reshapes merging the split dims), so the pattern's chain of it is t
+        again: exact."""
+        if p.target not in _LAYOUT_STEPS or not isinstance(t, fx.Node) or t.target in _LAYOUT_STEPS:
+            return False
+        pv, tv = p.meta.get("val"), t.meta.get("val")
+        if not isinstance(tv, torch.Tensor) or tv.dim() != pv.dim() or (self.exact and list(tv.shape) != list(pv.shape)):
+            return False
+        steps, below = [], p
+        while below.op == "call_function" and below.target in _LAYOUT_STEPS and (below is p or len(below.users) == 1):
+            steps.append(below)
+            below = below.args[0]
+        chain = []
+        while below.op == "call_function" and _unary_pointwise(below) and len(below.users) == 1:
+            chain.append(below)
+            below = next(a for a in below.args if isinstance(a, fx.Node))
+        if below.op != "placeholder" or len(below.users) != 1:
+            return False
+        g = t
+        for c in chain:
+            if not (isinstance(g, fx.Node) and g.op == "call_function" and g.target == c.target and _unary_pointwise(g)):
+                return False
+            g = next(a for a in g.args if isinstance(a, fx.Node))
+        if not _is_input(g) or st.p2t.get(below, g) is not g or (g in st.t2p and st.t2p[g] is not below):
+            return False  # (a graph input: the weight as stored; a computed value in that layout matches op for op)
+        inverse, shape = [], list(tv.shape)
+        for step in steps:
+            if step.target is aten.permute.default:
+                back = sorted(range(len(step.args[1])), key=list(step.args[1]).__getitem__)
+                shape = [shape[i] for i in back]
+                inverse.append((aten.permute.default, back))
+                continue
+            groups = _split_groups(list(step.args[0].meta["val"].shape), list(step.meta["val"].shape))
+            if groups is None:
+                return False
+            shape = [math.prod(shape[lo:hi]) for lo, hi in groups]
+            inverse.append((aten.reshape.default, shape))
+        trial = st.copy()
+        trial.p2t[below], trial.t2p[g] = g, below
+        trial.layouts[below] = _InverseLayout(tuple(inverse))
+        if chain:
+            try:
+                self._match_node(chain[0], t, trial)
+            except _Fail:
+                return False
+        for step in steps:
+            trial.p2t[step] = t
         st.assign(trial)
         return True
 
@@ -1047,6 +1102,41 @@ def _unary_pointwise(n: fx.Node) -> bool:
             and sum(isinstance(a, fx.Node) for a in n.args) == 1 and isinstance(n.args[0], fx.Node))
 
 
+_LAYOUT_STEPS = (aten.view.default, aten.permute.default)
+
+
+def _split_groups(before: list, after: list) -> list | None:
+    """Per dim of `before`, the run [lo, hi) of `after`'s dims it becomes in a view that only splits dims (size-1
+    dims of `after` join the run before them); None when the view merges dims."""
+    groups, j = [], 0
+    for size in before:
+        lo, prod = j, 1
+        while j < len(after) and prod * after[j] <= size and (prod < size or after[j] == 1):
+            prod *= after[j]
+            j += 1
+        if prod != size:
+            return None
+        groups.append([lo, j])
+    if not groups or any(d != 1 for d in after[j:]):
+        return None
+    groups[-1][1] = len(after)
+    return [tuple(g) for g in groups]
+
+
+@dataclass(frozen=True)
+class _InverseLayout:
+    """The steps (op, argument) that take a graph value in a pattern chain's output layout back to the pattern
+    input's layout (`_input_in_inverse_layout`)."""
+
+    steps: tuple
+
+    def derive(self, b: fx.Node) -> "Derived":
+        value = b
+        for op, arg in self.steps:
+            value = Derived(op, (value, list(arg)))
+        return value
+
+
 def _layout_derived(ph: fx.Node, st: _State) -> "Derived | None":
     """The op input that pattern placeholder `ph` stands for when the graph reaches it through a layout chain from
     a value of another shape: `ph` is read only by views in the pattern, each matched to a graph view of the bound
@@ -1055,6 +1145,8 @@ def _layout_derived(ph: fx.Node, st: _State) -> "Derived | None":
     when the bound value already has that shape or no such shape exists."""
     b = st.p2t.get(ph)
     val = b.meta.get("val") if isinstance(b, fx.Node) else None
+    if isinstance(st.layouts.get(ph), _InverseLayout) and isinstance(b, fx.Node):
+        return st.layouts[ph].derive(b)
     if ph in st.layouts and isinstance(val, torch.Tensor):  # the graph has the pattern view's layout without the view
         p_out, g_out = st.layouts[ph]
         kept = iter(d for d, p in zip(g_out, p_out) if p != 1)

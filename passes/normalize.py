@@ -19,10 +19,9 @@
   a cast moves below a strided slice;
 - `where(~m, a, b)` (or `logical_not`) is `where(m, b, a)`, and on integers `where(a >= b, x, y)` is
   `where(a < b, y, x)` (`>` as `<=`, `!=` as `==`); a negation of a view is the view of the negation;
-- fused arithmetic: fp32 `addcmul(a, b, c)` / `addcdiv(a, b, c)` are `a + b * c` / `a + b / c`, `baddbmm(a, b, c)`
+- fused arithmetic: fp32 `addcmul(a, b, c)` / `addcdiv(a, b, c)` are `a + b * c` / `a + b / c` (addcmul up to the
+  FMA contraction eager's CPU kernel makes), `baddbmm(a, b, c)`
   / `addmm(a, b, c)` are `bmm(b, c) + a` / `mm(b, c) + a`, and `scatter_reduce(..., "sum")` is `scatter_add`;
-- common subexpressions: a pure op applied twice to the same arguments is one node (two FP8 roundings of one
-  activation before two GEMMs are one input);
 - overloads: add/sub/mul/div `.Scalar` (`F.rms_norm`'s decomposition adds its eps so) are the `.Tensor` ones;
 - one-element slices: a broadcasting op's operand `x[i:i+1]` of a 1-D x is `x[i]` where the operands share a dtype
   (`scale.tensor_split(3)` pieces are `scale[0]`, ...);
@@ -436,9 +435,11 @@ _FUSED_ARITH = {aten.addcmul.default: aten.mul.Tensor, aten.addcdiv.default: ate
 
 
 def _fused_arith(graph: fx.Graph, node: fx.Node) -> bool:
-    """addcmul(a, b, c) is a + b * c and addcdiv(a, b, c) is a + b / c (value 1) where every operand is fp32: the
-    kernel computes `a + value * b * c` (`a + value * (b / c)`) in the operands' dtype, the product by 1 exact, so
-    the same two roundings. (In bf16/fp16 the kernel computes in fp32 and rounds once: not this form.)"""
+    """addcmul(a, b, c) is a + b * c and addcdiv(a, b, c) is a + b / c (value 1) where every operand is fp32.
+    addcdiv: the same two roundings, bit for bit. addcmul: CPU eager contracts it into one fused multiply-add (one
+    rounding, at most one fp32 ulp of the sum from the two-rounding form) and Inductor chooses either, so its value
+    is the backend's choice as a + b * c's is: the one form takes the op's rounding. (bf16/fp16 compute in fp32
+    and round once: left as they are.)"""
     inner = _FUSED_ARITH.get(node.target)
     if inner is None or len(node.args) != 3 or node.kwargs.get("value", 1) != 1:
         return False
@@ -508,54 +509,11 @@ def _local_forms(graph: fx.Graph) -> int:
     return changed
 
 
-_PURE_NAMESPACES = ("aten", "prims")
-_UNINITIALISED = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
-                            aten.new_empty.default, aten.new_empty_strided.default})
-
-
-def _key(a):
-    """A hashable form of an argument that tells ints, floats and bools apart (x * 1 and x * 1.0 differ on ints)."""
-    if isinstance(a, (list, tuple)):
-        return (type(a).__name__, *(_key(b) for b in a))
-    if isinstance(a, dict):
-        return ("dict", *sorted((k, _key(v)) for k, v in a.items()))
-    if isinstance(a, fx.Node):
-        return a
-    hash(a)
-    return (type(a).__name__, a)
-
-
-def _common_subexpressions(graph: fx.Graph) -> int:
-    """A pure ATen op applied again to the same arguments is the first application's value: later ones are
-    replaced by it (the reference's `linear` rounds its activation to FP8 per call, so wq_a and wkv read two equal
-    roundings of one x). Not for ops with side effects, random or uninitialised outputs, or other namespaces
-    (collectives, the dsv41 ops)."""
-    seen, changed = {}, 0
-    for node in list(graph.nodes):
-        t = node.target
-        if node.op != "call_function" or node.is_impure() or t in _UNINITIALISED:
-            continue
-        if t is not operator.getitem and not (isinstance(t, torch._ops.OpOverload) and t.namespace in _PURE_NAMESPACES
-                                              and torch.Tag.nondeterministic_seeded not in t.tags
-                                              and torch.Tag.nondeterministic_bitwise not in t.tags):
-            continue
-        try:
-            key = (t, _key(node.args), _key(node.kwargs))
-            first = seen.setdefault(key, node)
-        except TypeError:
-            continue
-        if first is not node:
-            node.replace_all_uses_with(first)
-            graph.erase_node(node)
-            changed += 1
-    return changed
-
-
 def normalize_graph(graph: fx.Graph) -> int:
     """Rewrite `graph` in place (to a fixed point); returns the number of nodes changed."""
     total = 0
     for _ in range(4):
-        changed = _local_forms(graph) + _canonical_forms(graph) + _common_subexpressions(graph)
+        changed = _local_forms(graph) + _canonical_forms(graph)
         total += changed
         if not changed:
             break
