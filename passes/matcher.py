@@ -332,11 +332,7 @@ class _Matcher:
             below = next(a for a in below.args if isinstance(a, fx.Node))
         if below.op != "placeholder" or [d for d in below.meta["val"].shape if d != 1] != [d for d in pv.shape if d != 1]:
             return False
-        g = t
-        for c in chain:
-            if not (isinstance(g, fx.Node) and g.op == "call_function" and g.target == c.target and _unary_pointwise(g)):
-                return False
-            g = next(a for a in g.args if isinstance(a, fx.Node))
+        g = _below_chain(t, chain)
         if not isinstance(g, fx.Node) or st.p2t.get(below, g) is not g or (g in st.t2p and st.t2p[g] is not below):
             return False
         trial = st.copy()
@@ -374,11 +370,7 @@ class _Matcher:
             below = next(a for a in below.args if isinstance(a, fx.Node))
         if below.op != "placeholder" or len(below.users) != 1:
             return False
-        g = t
-        for c in chain:
-            if not (isinstance(g, fx.Node) and g.op == "call_function" and g.target == c.target and _unary_pointwise(g)):
-                return False
-            g = next(a for a in g.args if isinstance(a, fx.Node))
+        g = _below_chain(t, chain)
         if not _is_input(g) or st.p2t.get(below, g) is not g or (g in st.t2p and st.t2p[g] is not below):
             return False  # (a graph input: the weight as stored; a computed value in that layout matches op for op)
         inverse, shape = [], list(tv.shape)
@@ -1094,6 +1086,16 @@ def _promoted(ph: fx.Node, b):
                 and u.meta["val"].dtype == want and any(v.dtype == want for v in operands if isinstance(v, torch.Tensor))):
             return b
     return Derived(torch.ops.prims.convert_element_type.default, (b, want))
+
+
+def _below_chain(t, chain: list):
+    """The graph value below t's unary pointwise ops that repeat the pattern's `chain` (top first), or None."""
+    g = t
+    for c in chain:
+        if not (isinstance(g, fx.Node) and g.op == "call_function" and g.target == c.target and _unary_pointwise(g)):
+            return None
+        g = next(a for a in g.args if isinstance(a, fx.Node))
+    return g
 
 
 def _unary_pointwise(n: fx.Node) -> bool:
