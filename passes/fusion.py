@@ -23,8 +23,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from dsv41.passes.matcher import (Derived, MatchFailure, MatchResult, PatternSet, of_output, evaluate, fake_value,
-                                  leaves, quiet_fake_tensor)
+from dsv41.passes.matcher import (Derived, MatchFailure, MatchResult, PatternSet, evaluate, fake_value, leaves,
+                                  quiet_fake_tensor)
 from dsv41.passes.normalize import view_root
 from dsv41.passes.printing import module_path
 
@@ -335,8 +335,6 @@ class FusionPass(GraphPass):
             if key in anchor.meta:
                 fused.meta[key] = anchor.meta[key]
         created = [*derived, fused]
-        recomputed = [t for t in m.recomputed if of_output(t, m.outputs)]  # the others stay for their readers
-        kept = set(m.recomputed) - set(recomputed)
         for pat_out, idx in zip(m.outputs, rep.outputs):
             new = fused
             if idx is not None:
@@ -353,21 +351,12 @@ class FusionPass(GraphPass):
                 new.meta["val"] = pat_out.meta["val"]
                 created.append(new)
             pat_out.replace_all_uses_with(new)
-        inside = set(m.nodes)
-        for t in recomputed:  # an interior cast or view of an output, read outside: recomputed from the op's output
-            source = next(a for a in t.args if isinstance(a, fx.Node))
-            with graph.inserting_after(source):
-                copy = graph.call_function(t.target, tuple(source if a is source else a for a in t.args), dict(t.kwargs))
-            copy.meta.update({k: t.meta[k] for k in ("val", "stack_trace", "nn_module_stack") if k in t.meta})
-            t.replace_all_uses_with(copy, delete_user_cb=lambda user: user not in inside)
-            created.append(copy)
         for n in reversed(m.nodes):
-            if n not in kept:
-                graph.erase_node(n)
+            graph.erase_node(n)
         stable_topological_sort(graph)  # users of an output that preceded the last input move after the op
         return {
             "pattern": m.pattern.name,
-            "erased": [n.name for n in m.nodes if n not in kept],
+            "erased": [n.name for n in m.nodes],
             "created": [n.name for n in created],
             "stack_trace": anchor.meta.get("stack_trace"),
             "module": module_path(anchor.meta.get("nn_module_stack")),

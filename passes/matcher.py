@@ -30,6 +30,9 @@ views binds a graph value of higher rank without its non-leading size-1 dims (a 
 and `view(ids, [M, 1])` of one `[T, k]` ids: `_views_of_one_root`; the other outputs are also searched from the
 root). A pattern output that the graph views with more size-1 dims is viewed back after the op.
 
+A pattern value read twice may be two graph nodes that repeat one op on the same operands (`_repeats`: a scale
+viewed once for the quotient and again for the product); both lie in the region.
+
 A match also fails when an interior node of the pattern has a user outside it ("extra user"; but for a value the
 pattern declares an optional output, which the op then also returns), or when the fusion's own `check` rejects
 the bound inputs (dtype, shape, token limit).
@@ -137,10 +140,6 @@ class MatchResult:
     alternatives: Callable | None = None
     # per optional output of the pattern: whether the graph reads it outside the region (then it is in `outputs`)
     exposed: tuple = ()
-    # interior nodes that the graph also reads outside the region, each a cast or a layout op of an output
-    # (`x_new.float()` read by the region's collapse and by the next site), which the replacement recomputes from
-    # the op's output for those readers, or of a value from outside, which it leaves in the graph (`recomputable`)
-    recomputed: tuple = ()
 
 
 @dataclass
@@ -268,6 +267,9 @@ class _Matcher:
             raise _Fail("budget", f"gave up after {_STEPS} comparisons")
         if p in st.p2t:
             if st.p2t[p] is not t and not (not isinstance(t, fx.Node) and st.p2t[p] == t):
+                if p.op == "call_function" and t not in st.t2p and _repeats(st.p2t[p], t):
+                    st.t2p[t] = p  # a second node of the same op on the same operands: one value, in the region
+                    return
                 raise _Fail("inconsistent input", f"pattern input {p.name} would bind both {_fmt(st.p2t[p])} and {_fmt(t)}",
                             t if isinstance(t, fx.Node) else None)
             return
@@ -1003,52 +1005,61 @@ class PatternSet:
             return MatchFailure(pat.name, anchor.name, exact.progress(st2), total, e.kind, e.reason, e.blocking and e.blocking.name)
         inputs_bound = {t for p, t in st2.p2t.items() if p.op == "placeholder"}  # never inside (`_input_in_layout`)
         inside = {t for p, t in st2.p2t.items() if p.op == "call_function" and t not in inputs_bound} | exact.island_nodes(st2)
+        inside |= {t for t, p in st2.t2p.items() if p.op == "call_function" and st2.p2t.get(p) is not t}  # `_repeats`
         required = len(exact.outputs) - pat.optional_outputs
         outputs = [st2.p2t[o] for o in exact.outputs[:required]]
         optional = [st2.p2t.get(o) for o in exact.outputs[required:]]
         exposed = tuple(isinstance(t, fx.Node) and t in inside and any(u not in inside for u in t.users) for t in optional)
         outputs += [t for t, e in zip(optional, exposed) if e]
-        recomputed = []
         for t in inside:
             if t in outputs:
                 continue
             for user in t.users:
                 if user not in inside:
-                    if recomputable(t, outputs, inside):
-                        recomputed.append(t)
-                        break
                     return MatchFailure(pat.name, anchor.name, total, total, "extra user",
                                         f"{_fmt(t)} inside the pattern is also used by {_fmt(user)}", user.name)
         inputs = [d if isinstance(d, Derived) else st2.p2t.get(p) for p, d in zip(exact.placeholders, bound)]
-        kept = {t for t in recomputed if not of_output(t, outputs)}  # stay in the graph for their outside readers
-        cyclic = next((v for v in leaves(inputs) if _reaches(v, inside - kept)), None)
+        cyclic = next((v for v in leaves(inputs) if _reaches(v, inside)), None)
         if cyclic is not None:
             return MatchFailure(pat.name, anchor.name, total, total, "inconsistent input",
                                 f"input {_fmt(cyclic)} depends on the matched region", cyclic.name)
         nodes = [n for n in anchor.graph.nodes if n in inside]
         found_islands = [(_op_name(p.target), t, why) for p, t, why in st2.islands]
-        return MatchResult(pat, inputs, outputs, nodes, free, found_islands, exposed=exposed, recomputed=tuple(recomputed))
+        return MatchResult(pat, inputs, outputs, nodes, free, found_islands, exposed=exposed)
 
 
-_RECOMPUTABLE = frozenset({torch.ops.prims.convert_element_type.default, aten.view.default, aten.permute.default,
-                           aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.slice.Tensor,
-                           aten.select.int})
+def _repeats(a, b) -> bool:
+    """b applies a's pure ATen op to the very same operands (`s.view(T, 1, 1)` written once for a quotient and again
+    for a product): where the pattern reads one value twice, the graph may read these two nodes."""
+    t = a.target if isinstance(a, fx.Node) else None
+    return (isinstance(b, fx.Node) and a.op == b.op == "call_function" and t == b.target
+            and isinstance(t, torch._ops.OpOverload) and t.namespace in ("aten", "prims")
+            and torch.Tag.nondeterministic_seeded not in t.tags and a.args == b.args and a.kwargs == b.kwargs)
 
 
-def recomputable(t: fx.Node, outputs: list, inside: set) -> bool:
-    """t, inside a region and also read outside it, is a cast or a layout op whose tensor operand is one of the
-    region's outputs or a value from outside: the outside readers can take t recomputed from the op's output
-    (`of_output`) or t itself, left in the graph (two equal `x.float()`, one node after common-subexpression
-    elimination, read by a collapse inside and by a GEMM outside)."""
-    if t.op != "call_function" or t.target not in _RECOMPUTABLE:
-        return False
-    operands = [a for a in t.args if isinstance(a, fx.Node)]
-    return len(operands) == 1 and (operands[0] in outputs or operands[0] not in inside)
+def same_value(a, b, budget: int = 400) -> bool:
+    """a and b are one value: the same node, equal constants, or the same pure ATen op (not random) on arguments
+    that are one value each, recursively up to `budget` comparisons (the reference's `linear` rounds x to FP8 once
+    per call, so two GEMMs of one activation read two equal chains)."""
+    left = [budget]
 
+    def same(x, y) -> bool:
+        left[0] -= 1
+        if x is y:
+            return True
+        if left[0] < 0:
+            return False
+        if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+            return len(x) == len(y) and all(same(p, q) for p, q in zip(x, y))
+        if not (isinstance(x, fx.Node) and isinstance(y, fx.Node)):
+            return type(x) is type(y) and not isinstance(x, fx.Node) and x == y
+        t = x.target
+        return (x.op == y.op == "call_function" and t == y.target and isinstance(t, torch._ops.OpOverload)
+                and t.namespace in ("aten", "prims") and torch.Tag.nondeterministic_seeded not in t.tags
+                and not x.is_impure() and x.kwargs.keys() == y.kwargs.keys()
+                and same(list(x.args), list(y.args)) and all(same(x.kwargs[k], y.kwargs[k]) for k in x.kwargs))
 
-def of_output(t: fx.Node, outputs) -> bool:
-    """The recomputable t's operand is one of the region's outputs (else a value from outside the region)."""
-    return any(a in outputs for a in t.args if isinstance(a, fx.Node))
+    return same(a, b)
 
 
 def _views_of_one_root(x, y) -> bool:

@@ -17,6 +17,8 @@
 - split dims: `select(x.view(..., n, k, ...), d, i)` is a slice of x: the stride-k slice `x[..., i::k]` on the k
   factor (interleaved elements), the run `x[..., i*k:(i+1)*k]` on the n factor (`view(-1, 2, I).unbind(1)` halves);
   a cast moves below a strided slice;
+- an add of a where of two constants is the where of two adds (`s + where(c, 0, -inf)`, an additive mask, is
+  `where(c, s + 0, s - inf)`);
 - `where(~m, a, b)` (or `logical_not`) is `where(m, b, a)`, and on integers `where(a >= b, x, y)` is
   `where(a < b, y, x)` (`>` as `<=`, `!=` as `==`); a negation of a view is the view of the negation;
 - fused arithmetic: fp32 `addcmul(a, b, c)` / `addcdiv(a, b, c)` are `a + b * c` / `a + b / c` (addcmul up to the
@@ -1193,6 +1195,34 @@ def _cast_below_merge(graph: fx.Graph, node: fx.Node) -> bool:
     graph.erase_node(src)
     return True
 
+def _constant(n) -> bool:
+    """n is a 0-d constant tensor node (`scalar_tensor`, the form a number operand of a where takes)."""
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.scalar_tensor.default
+
+
+def _add_of_constant_where(graph: fx.Graph, node: fx.Node) -> bool:
+    """x + where(c, a, b) with constants a and b is where(c, x + a, x + b) (elementwise, the same sums): an additive
+    mask `s + where(visible, 0, -inf)` takes the where form the patterns use, `where(visible, s + 0, s - inf)`,
+    whose branches the match then compares with `s` and `-inf` as parts computed another way; exact."""
+    if node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
+        return False
+    for x, w in (node.args, node.args[::-1]):
+        if isinstance(w, fx.Node) and w.op == "call_function" and w.target is aten.where.self and len(w.users) == 1 \
+                and all(_constant(v) for v in w.args[1:]) and isinstance(_val(x), torch.Tensor):
+            a = _insert(graph, node, aten.add.Tensor, (x, w.args[1]), source=node)
+            b = _insert(graph, node, aten.add.Tensor, (x, w.args[2]), source=node)
+            out = _insert(graph, node, aten.where.self, (w.args[0], a, b), source=node)
+            if _val(out).shape != _val(node).shape or _val(out).dtype != _val(node).dtype:
+                for n in (out, b, a):
+                    graph.erase_node(n)
+                return False
+            node.replace_all_uses_with(out)
+            graph.erase_node(node)
+            graph.erase_node(w)
+            return True
+    return False
+
+
 def _vector_on_the_left(graph: fx.Graph, node: fx.Node) -> bool:
     """A matrix times a vector, bmm(a [B, M, K], v [B, K, 1]) with M > 1, is the transpose of the vector times the
     matrix, bmm(v^T [B, 1, K], a^T [B, K, M]) [B, 1, M] (the same dot products; `einsum('tjd,tj->td', x, pre)` and
@@ -1237,6 +1267,9 @@ def _canonical_forms(graph: fx.Graph) -> int:
             changed += 1
             continue
         elif node.target is aten.bmm.default and _vector_on_the_left(graph, node):
+            changed += 1
+            continue
+        elif node.target is aten.add.Tensor and _add_of_constant_where(graph, node):
             changed += 1
             continue
         elif node.target in _BROADCASTING:

@@ -401,3 +401,4 @@ def test_a_matrix_times_a_vector_is_the_vector_times_the_matrix():
     assert ops(a) == ops(b) and ops(a)[1][0] is aten.bmm.default, (a.code, b.code)
     torch.testing.assert_close(a(*x), matrix_vector(*x), atol=1e-6, rtol=1e-6)
 
+

@@ -1,7 +1,8 @@
 """The DeepSeek-reference-style block (ref_style.py) through the real backend (fx mode): outputs equal to eager (h
 and x_new bf16 within one bf16 ulp of an fp32 reordering: atol=rtol=1.6e-2 on at least 99% of elements, since the
-FP8 round trip may move a bucket; the indexer's indices exactly, ascending, so the index sets agree), and every one
-of the 8 sites that fuse today fused, exactly once each (the three misses are named in ref_style.py)."""
+FP8 round trip may move a bucket; the indexer's indices exactly, ascending, so the index sets agree), every site
+but moe_experts (named in ref_style.py) fused, exactly once each; qkv_norm's FP8 step is still left as glue (a
+strict xfail, so that the fix shows)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ def compiled():
 def test_every_site_is_fused(compiled):
     sites, report = fused_sites(compiled[0])
     assert sites == T_SITES, report.declined
+
+
+@pytest.mark.xfail(strict=True, reason="act_quant's dequantisation views the e4m3 values into blocks again around "
+                   "the cast (view, cast, view back), which no qkv_norm FP8 formulation reads: RoPE fuses, the step stays")
+def test_fp8_step_is_inside_the_op(compiled):
+    """The qkv_norm formulation that fused includes the window KV's FP8 round trip."""
+    _, report = fused_sites(compiled[0])
+    fused = {p.name: [r["pattern"] for r in p.replaced] for p in report.passes}
+    assert fused["qkv_norm"] == ["q_kv_norm_rope_fp8_split"], fused
 
 
 def test_agrees_with_eager(compiled):
