@@ -30,6 +30,9 @@ views binds a graph value of higher rank without its non-leading size-1 dims (a 
 and `view(ids, [M, 1])` of one `[T, k]` ids: `_views_of_one_root`; the other outputs are also searched from the
 root). A pattern output that the graph views with more size-1 dims is viewed back after the op.
 
+A pattern value read twice may be two graph nodes that repeat one op on the same operands (`_repeats`: a scale
+viewed once for the quotient and again for the product); both lie in the region.
+
 A match also fails when an interior node of the pattern has a user outside it ("extra user"; but for a value the
 pattern declares an optional output, which the op then also returns), or when the fusion's own `check` rejects
 the bound inputs (dtype, shape, token limit).
@@ -305,6 +308,9 @@ class _Matcher:
             raise _Fail("budget", f"gave up after {_STEPS} comparisons")
         if p in st.p2t:  # matched before: at t, or at an op below t that t's island stands for p with
             if st.p2t[p] is not t and not (not isinstance(t, fx.Node) and st.p2t[p] == t) and st.t2p.get(t) is not p:
+                if p.op == "call_function" and t not in st.t2p and _repeats(st.p2t[p], t):
+                    st.t2p[t] = p  # a second node of the same op on the same operands: one value, in the region
+                    return
                 raise _Fail("inconsistent input", f"pattern input {p.name} would bind both {_fmt(st.p2t[p])} and {_fmt(t)}",
                             t if isinstance(t, fx.Node) else None)
             return
@@ -315,7 +321,7 @@ class _Matcher:
             if isinstance(t, fx.Node):
                 st.t2p[t] = p
             return
-        if self._input_in_layout(p, t, st):
+        if self._input_in_layout(p, t, st) or self._input_in_inverse_layout(p, t, st):
             return
         if not isinstance(t, fx.Node) or t.op != "call_function":
             kind = "graph break" if _is_input(t) and t.op == "placeholder" else "argument"
@@ -369,11 +375,7 @@ class _Matcher:
             below = next(a for a in below.args if isinstance(a, fx.Node))
         if below.op != "placeholder" or [d for d in below.meta["val"].shape if d != 1] != [d for d in pv.shape if d != 1]:
             return False
-        g = t
-        for c in chain:
-            if not (isinstance(g, fx.Node) and g.op == "call_function" and g.target == c.target and _unary_pointwise(g)):
-                return False
-            g = next(a for a in g.args if isinstance(a, fx.Node))
+        g = _below_chain(t, chain)
         if not isinstance(g, fx.Node) or st.p2t.get(below, g) is not g or (g in st.t2p and st.t2p[g] is not below):
             return False
         trial = st.copy()
@@ -385,6 +387,57 @@ class _Matcher:
             except _Fail:
                 return False
         trial.p2t[p] = t
+        st.assign(trial)
+        return True
+
+    def _input_in_inverse_layout(self, p: fx.Node, t, st: _State) -> bool:
+        """Whether p, a chain of permutes and views (each view only splitting dims) of unary pointwise ops of a
+        pattern input read nowhere else, matches a graph input t (or unary pointwise ops of one) in p's layout: a
+        weight the graph stores transposed (`x @ W` for the pattern's `F.linear(x, w)`, a per-group [G, in, out]
+        wo_a, `_grouped_mm(x, W13)` for `w13.transpose(1, 2)`). Then the pointwise ops below the chain match t's,
+        the input binds the graph value at their bottom, and the op takes that value through the inverse chain
+        (`_InverseLayout`: permutes back, then reshapes merging the split dims), so the pattern's chain of it is t
+        again: exact."""
+        if p.target not in _LAYOUT_STEPS or not isinstance(t, fx.Node) or t.target in _LAYOUT_STEPS:
+            return False
+        pv, tv = p.meta.get("val"), t.meta.get("val")
+        if not isinstance(tv, torch.Tensor) or tv.dim() != pv.dim() or (self.exact and list(tv.shape) != list(pv.shape)):
+            return False
+        steps, below = [], p
+        while below.op == "call_function" and below.target in _LAYOUT_STEPS and (below is p or len(below.users) == 1):
+            steps.append(below)
+            below = below.args[0]
+        chain = []
+        while below.op == "call_function" and _unary_pointwise(below) and len(below.users) == 1:
+            chain.append(below)
+            below = next(a for a in below.args if isinstance(a, fx.Node))
+        if below.op != "placeholder" or len(below.users) != 1:
+            return False
+        g = _below_chain(t, chain)
+        if not _is_input(g) or st.p2t.get(below, g) is not g or (g in st.t2p and st.t2p[g] is not below):
+            return False  # (a graph input: the weight as stored; a computed value in that layout matches op for op)
+        inverse, shape = [], list(tv.shape)
+        for step in steps:
+            if step.target is aten.permute.default:
+                back = sorted(range(len(step.args[1])), key=list(step.args[1]).__getitem__)
+                shape = [shape[i] for i in back]
+                inverse.append((aten.permute.default, back))
+                continue
+            groups = _split_groups(list(step.args[0].meta["val"].shape), list(step.meta["val"].shape))
+            if groups is None:
+                return False
+            shape = [math.prod(shape[lo:hi]) for lo, hi in groups]
+            inverse.append((aten.reshape.default, shape))
+        trial = st.copy()
+        trial.p2t[below], trial.t2p[g] = g, below
+        trial.layouts[below] = _InverseLayout(tuple(inverse))
+        if chain:
+            try:
+                self._match_node(chain[0], t, trial)
+            except _Fail:
+                return False
+        for step in steps:
+            trial.p2t[step] = t
         st.assign(trial)
         return True
 
@@ -1024,6 +1077,7 @@ class PatternSet:
         inputs_bound = {t for p, t in st2.p2t.items() if p.op == "placeholder"}  # never inside (`_input_in_layout`)
         another_way = frozenset(exact.island_nodes(st2))
         inside = {t for p, t in st2.p2t.items() if p.op == "call_function" and t not in inputs_bound} | another_way
+        inside |= {t for t, p in st2.t2p.items() if p.op == "call_function" and st2.p2t.get(p) is not t}  # `_repeats`
         required = len(exact.outputs) - pat.optional_outputs
         outputs = [st2.p2t[o] for o in exact.outputs[:required]]
         optional = [st2.p2t.get(o) for o in exact.outputs[required:]]
@@ -1044,6 +1098,40 @@ class PatternSet:
         nodes = [n for n in anchor.graph.nodes if n in inside]
         found_islands = [(_op_name(p.target), t, why) for p, t, why in st2.islands]
         return MatchResult(pat, inputs, outputs, nodes, free, found_islands, exposed=exposed, another_way=another_way)
+
+
+def _repeats(a, b) -> bool:
+    """b applies a's pure ATen op to the very same operands (`s.view(T, 1, 1)` written once for a quotient and again
+    for a product): where the pattern reads one value twice, the graph may read these two nodes."""
+    t = a.target if isinstance(a, fx.Node) else None
+    return (isinstance(b, fx.Node) and a.op == b.op == "call_function" and t == b.target
+            and isinstance(t, torch._ops.OpOverload) and t.namespace in ("aten", "prims")
+            and torch.Tag.nondeterministic_seeded not in t.tags and a.args == b.args and a.kwargs == b.kwargs)
+
+
+def same_value(a, b, budget: int = 400) -> bool:
+    """a and b are one value: the same node, equal constants, or the same pure ATen op (not random) on arguments
+    that are one value each, recursively up to `budget` comparisons (the reference's `linear` rounds x to FP8 once
+    per call, so two GEMMs of one activation read two equal chains)."""
+    left = [budget]
+
+    def same(x, y) -> bool:
+        left[0] -= 1
+        if x is y:
+            return True
+        if left[0] < 0:
+            return False
+        if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+            return len(x) == len(y) and all(same(p, q) for p, q in zip(x, y))
+        if not (isinstance(x, fx.Node) and isinstance(y, fx.Node)):
+            return type(x) is type(y) and not isinstance(x, fx.Node) and x == y
+        t = x.target
+        return (x.op == y.op == "call_function" and t == y.target and isinstance(t, torch._ops.OpOverload)
+                and t.namespace in ("aten", "prims") and torch.Tag.nondeterministic_seeded not in t.tags
+                and not x.is_impure() and x.kwargs.keys() == y.kwargs.keys()
+                and same(list(x.args), list(y.args)) and all(same(x.kwargs[k], y.kwargs[k]) for k in x.kwargs))
+
+    return same(a, b)
 
 
 def _views_of_one_root(x, y) -> bool:
@@ -1083,10 +1171,55 @@ def _promoted(ph: fx.Node, b):
     return Derived(torch.ops.prims.convert_element_type.default, (b, want))
 
 
+def _below_chain(t, chain: list):
+    """The graph value below t's unary pointwise ops that repeat the pattern's `chain` (top first), or None."""
+    g = t
+    for c in chain:
+        if not (isinstance(g, fx.Node) and g.op == "call_function" and g.target == c.target and _unary_pointwise(g)):
+            return None
+        g = next(a for a in g.args if isinstance(a, fx.Node))
+    return g
+
+
 def _unary_pointwise(n: fx.Node) -> bool:
     """n is a pointwise op of one tensor (a negation, a cast), its other arguments not tensors."""
     return (isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags and not n.kwargs
             and sum(isinstance(a, fx.Node) for a in n.args) == 1 and isinstance(n.args[0], fx.Node))
+
+
+_LAYOUT_STEPS = (aten.view.default, aten.permute.default)
+
+
+def _split_groups(before: list, after: list) -> list | None:
+    """Per dim of `before`, the run [lo, hi) of `after`'s dims it becomes in a view that only splits dims (size-1
+    dims of `after` join the run before them); None when the view merges dims."""
+    groups, j = [], 0
+    for size in before:
+        lo, prod = j, 1
+        while j < len(after) and prod * after[j] <= size and (prod < size or after[j] == 1):
+            prod *= after[j]
+            j += 1
+        if prod != size:
+            return None
+        groups.append([lo, j])
+    if not groups or any(d != 1 for d in after[j:]):
+        return None
+    groups[-1][1] = len(after)
+    return [tuple(g) for g in groups]
+
+
+@dataclass(frozen=True)
+class _InverseLayout:
+    """The steps (op, argument) that take a graph value in a pattern chain's output layout back to the pattern
+    input's layout (`_input_in_inverse_layout`)."""
+
+    steps: tuple
+
+    def derive(self, b: fx.Node) -> "Derived":
+        value = b
+        for op, arg in self.steps:
+            value = Derived(op, (value, list(arg)))
+        return value
 
 
 def _layout_derived(ph: fx.Node, st: _State) -> "Derived | None":
@@ -1097,6 +1230,8 @@ def _layout_derived(ph: fx.Node, st: _State) -> "Derived | None":
     when the bound value already has that shape or no such shape exists."""
     b = st.p2t.get(ph)
     val = b.meta.get("val") if isinstance(b, fx.Node) else None
+    if isinstance(st.layouts.get(ph), _InverseLayout) and isinstance(b, fx.Node):
+        return st.layouts[ph].derive(b)
     if ph in st.layouts and isinstance(val, torch.Tensor):  # the graph has the pattern view's layout without the view
         p_out, g_out = st.layouts[ph]
         kept = iter(d for d, p in zip(g_out, p_out) if p != 1)

@@ -14,10 +14,16 @@
   root (one-step and two-step reshapes, `x[:, None]` and `x.unsqueeze(1)` are one form);
 - broadcasting: an operand viewed only to add leading size-1 dims is the operand itself, and a `full` operand the
   others already broadcast to the output's shape is a 0-d `scalar_tensor`;
-- interleaved elements: `select(x.view(..., n, k), -1, i)` is the stride-k slice `x[..., i::k]`, and a cast moves
-  below a strided slice;
+- split dims: `select(x.view(..., n, k, ...), d, i)` is a slice of x: the stride-k slice `x[..., i::k]` on the k
+  factor (interleaved elements), the run `x[..., i*k:(i+1)*k]` on the n factor (`view(-1, 2, I).unbind(1)` halves);
+  a cast moves below a strided slice;
+- an add of a where of two constants is the where of two adds (`s + where(c, 0, -inf)`, an additive mask, is
+  `where(c, s + 0, s - inf)`);
 - `where(~m, a, b)` (or `logical_not`) is `where(m, b, a)`, and on integers `where(a >= b, x, y)` is
   `where(a < b, y, x)` (`>` as `<=`, `!=` as `==`); a negation of a view is the view of the negation;
+- fused arithmetic: fp32 `addcmul(a, b, c)` / `addcdiv(a, b, c)` are `a + b * c` / `a + b / c` (addcmul up to the
+  FMA contraction eager's CPU kernel makes), `baddbmm(a, b, c)`
+  / `addmm(a, b, c)` are `bmm(b, c) + a` / `mm(b, c) + a`, and `scatter_reduce(..., "sum")` is `scatter_add`;
 - overloads: add/sub/mul/div `.Scalar` (`F.rms_norm`'s decomposition adds its eps so) are the `.Tensor` ones;
 - one-element slices: a broadcasting op's operand `x[i:i+1]` of a 1-D x is `x[i]` where the operands share a dtype
   (`scale.tensor_split(3)` pieces are `scale[0]`, ...);
@@ -34,6 +40,8 @@
 - block rows: pointwise ops and keepdim last-dim reductions on `x.reshape(-1, k)` rows of blocks of x's last dim
   run at `x.unflatten(-1, (-1, k))` (`_split_rows`), and the cast where they end moves below the view merging the
   blocks back, so the reference's `view(-1, block)` quantisation and the model's unflatten form are one form;
+- contractions: a batched matrix times a vector, `bmm(a, v)` with v [B, K, 1], is the vector times the matrix
+  transposed, `bmm(v^T, a^T)^T`;
 - unit dims: a non-leading size-1 dim that a graph input or a view of a GEMM output adds (HF's `[B, S=1, ...]`
   decode layout) sinks below the ops that do not touch it (`_sink_units`: pointwise ops, lookups, reductions,
   slices, softmax, top-k, sort, gather, scatter, cat), so they run at `[B, ...]`; a bmm output's unit dims (an
@@ -424,12 +432,65 @@ def _times_reciprocal(graph: fx.Graph, node: fx.Node) -> bool:
     return False
 
 
+# addcmul / addcdiv -> the op that joins the product or quotient to the input
+_FUSED_ARITH = {aten.addcmul.default: aten.mul.Tensor, aten.addcdiv.default: aten.div.Tensor}
+
+
+def _fused_arith(graph: fx.Graph, node: fx.Node) -> bool:
+    """addcmul(a, b, c) is a + b * c and addcdiv(a, b, c) is a + b / c (value 1) where every operand is fp32.
+    addcdiv: the same two roundings, bit for bit. addcmul: CPU eager contracts it into one fused multiply-add (one
+    rounding, at most one fp32 ulp of the sum from the two-rounding form) and Inductor chooses either, so its value
+    is the backend's choice as a + b * c's is: the one form takes the op's rounding. (bf16/fp16 compute in fp32
+    and round once: left as they are.)"""
+    inner = _FUSED_ARITH.get(node.target)
+    if inner is None or len(node.args) != 3 or node.kwargs.get("value", 1) != 1:
+        return False
+    if not all(isinstance(_val(a), torch.Tensor) and _val(a).dtype == torch.float32 for a in (*node.args, node)):
+        return False
+    a, b, c = node.args
+    node.target, node.args, node.kwargs = aten.add.Tensor, (a, _insert(graph, node, inner, (b, c), source=node)), {}
+    return True
+
+
+# a GEMM that adds its input -> the GEMM (`baddbmm(a, b, c)` is a + bmm(b, c), `addmm(a, b, c)` a + mm(b, c))
+_GEMM_PLUS = {aten.baddbmm.default: aten.bmm.default, aten.addmm.default: aten.mm.default}
+
+
+def _gemm_plus_input(graph: fx.Graph, node: fx.Node) -> bool:
+    """baddbmm(a, b, c) is bmm(b, c) + a, addmm(a, b, c) is mm(b, c) + a (beta = alpha = 1), the sum in the output's
+    dtype: one value (the product rounded once, then the add), up to where the GEMM library adds a (after the
+    K-sum, or into its first K block), as one product's K order is the library's choice anyway."""
+    gemm = _GEMM_PLUS.get(node.target)
+    if gemm is None or len(node.args) != 3 or any(node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")):
+        return False
+    if set(node.kwargs) - {"beta", "alpha"}:
+        return False
+    a, b, c = node.args
+    out, va = _val(node), _val(a)
+    if not (isinstance(out, torch.Tensor) and isinstance(va, torch.Tensor) and va.dtype == out.dtype):
+        return False
+    node.target, node.args, node.kwargs = aten.add.Tensor, (_insert(graph, node, gemm, (b, c), source=node), a), {}
+    return True
+
+
+def _scatter_reduce_sum(node: fx.Node) -> bool:
+    """scatter_reduce(x, d, idx, src, "sum") with include_self is scatter_add(x, d, idx, src): the same sums in the
+    same order (`scatter_reduce_(..., "sum")` counts and combines)."""
+    if node.target is not aten.scatter_reduce.two or len(node.args) != 5 or node.args[4] != "sum":
+        return False
+    if not node.kwargs.get("include_self", True) or set(node.kwargs) - {"include_self"}:
+        return False
+    node.target, node.args, node.kwargs = aten.scatter_add.default, node.args[:4], {}
+    return True
+
+
 def _local_forms(graph: fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        changed += _scalar_overload(node)
+        changed += _scalar_overload(node) + _fused_arith(graph, node) + _gemm_plus_input(graph, node)
+        changed += _scatter_reduce_sum(node)
         changed += _piece_of_split(graph, node) + _implicit_promotion(graph, node)
         changed += _fill_defaults(node)
         if node.target is aten._unsafe_view.default:
@@ -711,20 +772,34 @@ def _full_as_scalar(graph: fx.Graph, node: fx.Node) -> bool:
 
 
 def _select_as_strided_slice(graph: fx.Graph, node: fx.Node) -> bool:
-    """select(x.view(..., n, k), -1, i) = x[..., i::k]: the i-th of each k adjacent elements of the last dim, as a
-    stride-k slice (unflatten + select and stride-2 slicing of interleaved pairs are one form); exact."""
+    """A select of one factor of a dim that a view splits in two, x.view(..., n, k, ...), is a slice of x along that
+    dim: the i-th of each k adjacent elements (select on the k factor) is the stride-k slice `x[..., i::k]`
+    (unflatten + select and stride-2 slicing of interleaved pairs are one form), the i-th run of k (select on the n
+    factor) is `x[..., i*k:(i+1)*k]` (`gu.view(-1, 2, I).unbind(1)` and `gu[:, :I]`, `gu[:, I:]` are one form);
+    exact."""
     src = node.args[0]
     if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target is aten.view.default
             and len(node.args) == 3 and isinstance(node.args[2], int)):
         return False
     x, v = _val(src.args[0]), _val(src)
-    if not (_static(x) and _static(v)) or v.dim() != x.dim() + 1 or node.args[1] != v.dim() - 1:
+    if not (_static(x) and _static(v)) or v.dim() != x.dim() + 1:
         return False
-    n, k = v.shape[-2], v.shape[-1]
-    if list(v.shape[:-2]) != list(x.shape[:-1]) or n * k != x.shape[-1] or k < 2 or not 0 <= node.args[2] < k:
+    xs, vs, dim, i = list(x.shape), list(v.shape), node.args[1], node.args[2]
+    d = next((j for j in range(x.dim()) if xs[:j] == vs[:j] and xs[j + 1:] == vs[j + 2:] and vs[j] * vs[j + 1] == xs[j]),
+             None)
+    if d is None or dim not in (d, d + 1) or not 0 <= i < vs[dim]:
         return False
-    strided = _insert(graph, node, aten.slice.Tensor, (src.args[0], x.dim() - 1, node.args[2], _END, k), source=node)
-    node.replace_all_uses_with(strided)
+    n, k = vs[d], vs[d + 1]
+    if dim == d + 1:  # the inner factor: every k-th element
+        if k < 2:
+            return False
+        args = (src.args[0], d, i, _END, k)
+    else:             # the outer factor: one run of k
+        if n < 2:
+            return False
+        args = (src.args[0], d, i * k, _END if i == n - 1 else (i + 1) * k)
+    piece = _insert(graph, node, aten.slice.Tensor, args, source=node)
+    node.replace_all_uses_with(piece)
     graph.erase_node(node)
     return True
 
@@ -1120,6 +1195,52 @@ def _cast_below_merge(graph: fx.Graph, node: fx.Node) -> bool:
     graph.erase_node(src)
     return True
 
+def _constant(n) -> bool:
+    """n is a 0-d constant tensor node (`scalar_tensor`, the form a number operand of a where takes)."""
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.scalar_tensor.default
+
+
+def _add_of_constant_where(graph: fx.Graph, node: fx.Node) -> bool:
+    """x + where(c, a, b) with constants a and b is where(c, x + a, x + b) (elementwise, the same sums): an additive
+    mask `s + where(visible, 0, -inf)` takes the where form the patterns use, `where(visible, s + 0, s - inf)`,
+    whose branches the match then compares with `s` and `-inf` as parts computed another way; exact."""
+    if node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
+        return False
+    for x, w in (node.args, node.args[::-1]):
+        if isinstance(w, fx.Node) and w.op == "call_function" and w.target is aten.where.self and len(w.users) == 1 \
+                and all(_constant(v) for v in w.args[1:]) and isinstance(_val(x), torch.Tensor):
+            a = _insert(graph, node, aten.add.Tensor, (x, w.args[1]), source=node)
+            b = _insert(graph, node, aten.add.Tensor, (x, w.args[2]), source=node)
+            out = _insert(graph, node, aten.where.self, (w.args[0], a, b), source=node)
+            if _val(out).shape != _val(node).shape or _val(out).dtype != _val(node).dtype:
+                for n in (out, b, a):
+                    graph.erase_node(n)
+                return False
+            node.replace_all_uses_with(out)
+            graph.erase_node(node)
+            graph.erase_node(w)
+            return True
+    return False
+
+
+def _vector_on_the_left(graph: fx.Graph, node: fx.Node) -> bool:
+    """A matrix times a vector, bmm(a [B, M, K], v [B, K, 1]) with M > 1, is the transpose of the vector times the
+    matrix, bmm(v^T [B, 1, K], a^T [B, K, M]) [B, 1, M] (the same dot products; `einsum('tjd,tj->td', x, pre)` and
+    `einsum('tj,tjd->td', pre, x)` are one form): the transposes are permutes, which the layout chains absorb."""
+    a, v = node.args
+    va, vv, out = _val(a), _val(v), _val(node)
+    if not (_static(va) and _static(vv) and _static(out)) or out.shape[2] != 1 or out.shape[1] < 2:
+        return False
+    swap = [0, 2, 1]
+    vt = _insert(graph, node, aten.permute.default, (v, swap), source=node)
+    at = _insert(graph, node, aten.permute.default, (a, swap), source=node)
+    row = _insert(graph, node, aten.bmm.default, (vt, at), source=node)
+    col = _insert(graph, node, aten.permute.default, (row, swap), source=node)
+    node.replace_all_uses_with(col)
+    graph.erase_node(node)
+    return True
+
+
 def _canonical_forms(graph: fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
@@ -1143,6 +1264,12 @@ def _canonical_forms(graph: fx.Graph) -> int:
             changed += 1
             continue
         elif _sink_units(graph, node):
+            changed += 1
+            continue
+        elif node.target is aten.bmm.default and _vector_on_the_left(graph, node):
+            changed += 1
+            continue
+        elif node.target is aten.add.Tensor and _add_of_constant_where(graph, node):
             changed += 1
             continue
         elif node.target in _BROADCASTING:

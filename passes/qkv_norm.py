@@ -20,7 +20,7 @@ import torch.fx as fx
 from dsv41.models import functional as fn
 from dsv41.passes.complex_arith import left_after, per_token, restate_failure
 from dsv41.passes.fusion import Derived, FusionPass, Replacement
-from dsv41.passes.matcher import Pattern
+from dsv41.passes.matcher import Pattern, same_value
 from dsv41.passes.mhc_post_pre import BF16_NORM, norm_rounding, rms_norm_bf16_then_weight, rms_norm_functional
 
 T, QD, KVD, RD = 3, 32, 64, 16
@@ -33,10 +33,12 @@ def _inputs():
 
 
 def _one_activation(inputs) -> str | None:
-    """Two GEMM outputs qualify only as the q and kv projections of one activation (mm of the same input)."""
+    """Two GEMM outputs qualify only as the q and kv projections of one activation (mm of one input value: one node,
+    or two equal computations of it, `same_value`)."""
     q, kv = inputs[:2]
     gemm = torch.ops.aten.mm.default
-    if isinstance(q, fx.Node) and isinstance(kv, fx.Node) and q.target == kv.target == gemm and q.args[0] is kv.args[0]:
+    if isinstance(q, fx.Node) and isinstance(kv, fx.Node) and q.target == kv.target == gemm \
+            and same_value(q.args[0], kv.args[0]):
         return None
     return "q and kv are not two GEMMs of one activation"
 

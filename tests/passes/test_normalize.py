@@ -314,3 +314,91 @@ def test_cast_of_blocked_rows_moves_below_a_merge_view_with_unit_dims():
                 and n.args[1] == torch.bfloat16)
     assert list(cast.meta["val"].shape) == [3, 64] and [u.target for u in cast.users] == [aten.view.default]
     assert torch.equal(gm(x), rows(x))
+
+
+def test_fp32_addcmul_and_addcdiv_are_the_add_of_a_product_and_a_quotient():
+    """fp32 addcmul(a, b, c) is a + b * c (within one fp32 ulp: eager's CPU kernel contracts it into an FMA) and
+    addcdiv(a, b, c) is a + b / c (bit for bit); a bf16 addcmul (computed in fp32, rounded once) and a value other
+    than 1 stay."""
+    def f(a, b, c):
+        return (torch.addcmul(a, b, c), torch.addcdiv(a, b, c), torch.addcmul(a, b, c, value=0.5),
+                torch.addcmul(a.bfloat16(), b.bfloat16(), c.bfloat16()))
+
+    g = gen(0)
+    x = [torch.randn(4, 8, generator=g) for _ in range(3)]
+    gm = normalized(f, *x)
+    ops = op_counts(gm)
+    assert ops["aten.addcmul"] == 2 and ops["aten.addcdiv"] == 0 and ops["aten.div.Tensor"] == 1, ops
+    got, want = gm(*x), f(*x)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+    a, b, c = x
+    assert ((got[0] - want[0]).abs() <= 2.0**-23 * (a.abs() + (b * c).abs())).all()  # one rounding of the sum
+
+
+def test_a_gemm_adding_its_input_is_the_gemm_plus_the_input():
+    """baddbmm(a, b, c) is bmm(b, c) + a and addmm(a, b, c) is mm(b, c) + a (beta = alpha = 1); another beta stays.
+    Values within one fp32 rounding of the sum (the library may add a before its last K block)."""
+    def f(a3, b3, c3, a2, b2, c2):
+        return torch.baddbmm(a3, b3, c3), torch.addmm(a2, b2, c2), torch.addmm(a2, b2, c2, beta=0.5)
+
+    g = gen(0)
+    x = [torch.randn(2, 3, 4, generator=g), torch.randn(2, 3, 5, generator=g), torch.randn(2, 5, 4, generator=g),
+         torch.randn(3, 4, generator=g), torch.randn(3, 5, generator=g), torch.randn(5, 4, generator=g)]
+    gm = normalized(f, *x)
+    ops = op_counts(gm)
+    assert ops["aten.baddbmm"] == 0 and ops["aten.addmm"] == 1 and ops["aten.bmm"] == 1 and ops["aten.mm"] == 1, ops
+    for got, want in zip(gm(*x), f(*x), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_scatter_reduce_sum_is_scatter_add():
+    """scatter_reduce(..., "sum") (include_self) is scatter_add, bit for bit; "amax" and include_self=False stay."""
+    def f(z, idx, src):
+        return (z.scatter_reduce(0, idx, src, "sum"), z.scatter_reduce(0, idx, src, "amax"),
+                z.scatter_reduce(0, idx, src, "sum", include_self=False))
+
+    g = gen(0)
+    x = (torch.randn(4, 8, generator=g), torch.randint(0, 4, (6, 8), generator=g), torch.randn(6, 8, generator=g))
+    gm = normalized(f, *x)
+    ops = op_counts(gm)
+    assert ops["aten.scatter_add"] == 1 and ops["aten.scatter_reduce.two"] == 2, ops
+    for got, want in zip(gm(*x), f(*x), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_select_of_a_split_dims_outer_factor_is_a_run():
+    """x.view(T, 2, I).unbind(1) halves are x[:, :I] and x[:, I:] (the inner factor stays a stride-k slice, on any
+    dim); bit for bit."""
+    def f(x):
+        g, u = x.view(3, 2, 4).unbind(1)
+        even = x.view(3, 4, 2)[:, :, 0]
+        mid = x.view(3, 2, 2, 2)[:, :, 1]  # the inner factor of the middle dim
+        return g, u, even, mid
+
+    x = torch.randn(3, 8, generator=gen(0))
+    gm = normalized(f, x)
+    slices = [n for n in gm.graph.nodes if n.target is aten.slice.Tensor]
+    assert op_counts(gm)["aten.select.int"] == 1 and len(slices) == 3, op_counts(gm)
+    assert sorted(tuple(n.args[1:]) for n in slices) == [(1, 0, 4), (1, 0, 2**63 - 1, 2), (1, 4, 2**63 - 1)]
+    for got, want in zip(gm(x), f(x), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_matrix_times_a_vector_is_the_vector_times_the_matrix():
+    """einsum('tjd,tj->td', x, pre) (a bmm of [T, D, hc] by [T, hc, 1]) becomes the [T, 1, hc] by [T, hc, D] bmm
+    that einsum('tj,tjd->td', pre, x) traces to: one graph, equal values."""
+    def matrix_vector(x, pre):
+        return torch.einsum("tjd,tj->td", x, pre)
+
+    def vector_matrix(x, pre):
+        return torch.einsum("tj,tjd->td", pre, x)
+
+    g = gen(0)
+    x = (torch.randn(3, 4, 16, generator=g), torch.randn(3, 4, generator=g))
+    a, b = normalized(matrix_vector, *x), normalized(vector_matrix, *x)
+    def ops(gm):
+        return [(n.target, tuple(n.meta["val"].shape)) for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops(a) == ops(b) and ops(a)[1][0] is aten.bmm.default, (a.code, b.code)
+    torch.testing.assert_close(a(*x), matrix_vector(*x), atol=1e-6, rtol=1e-6)
+
+

@@ -15,7 +15,10 @@ rewritten by a random mix of exact identities, the spellings another author coul
   rank >= 1 (implicit promotion);
 - a value reshaped in two steps (through its flat shape), or given a leading unit dim that is squeezed away again;
 - `x + 2.0` by the Scalar overload (`add.Scalar`, as `F.rms_norm`'s decomposition writes its eps);
-- `scale[i]` as the one-element slice `scale[i:i+1]` where only same-dtype arithmetic reads it (`tensor_split`).
+- `scale[i]` as the one-element slice `scale[i:i+1]` where only same-dtype arithmetic reads it (`tensor_split`);
+- `scatter_add` as `scatter_reduce(..., "sum")`, an fp32 `a + b / c` as `addcdiv(a, b, c)`;
+- a slice of whole runs `x[..., i*k:(i+1)*k]` as a select of the split dim (`x.view(..., n, k).unbind(d)[i]`);
+- a view read by several ops written once per reader.
 
 Each rewritten graph must still fuse exactly once, with the formulation the traced one fused (RoPE + FP8, not RoPE
 alone with the step left as glue; the scaled or sorted indexer formulation, not another whose semantic check its
@@ -61,7 +64,8 @@ def _is_tensor_node(arg) -> bool:
 
 KINDS = ("commute", "sub as add of neg", "flip", "where swapped", "square as product", "neg as product",
          "clamp_min as clamp", "amax as max", "keepdim as unsqueeze", "slice as split piece", "select as unbind",
-         "implicit promotion", "two-step view", "unit dim round trip", "Scalar overload", "select as unit slice")
+         "implicit promotion", "two-step view", "unit dim round trip", "Scalar overload", "select as unit slice",
+         "scatter_add as scatter_reduce", "addcdiv", "slice as split-dim select", "repeated view")
 _SCALAR_OVERLOADS = {aten.add.Tensor: aten.add.Scalar, aten.sub.Tensor: aten.sub.Scalar, aten.mul.Tensor: aten.mul.Scalar,
                      aten.div.Tensor: aten.div.Scalar}
 _PROMOTING = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor)
@@ -116,6 +120,53 @@ def _select_as_unit_slice(node: fx.Node) -> bool:
     return True
 
 
+def _static_contiguous(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() >= 1 and v.is_contiguous() and all(isinstance(d, int) for d in v.shape)
+
+
+def _as_addcdiv(graph: fx.Graph, node: fx.Node) -> bool:
+    """An fp32 a + b / c (the quotient read only there) as addcdiv(a, b, c): the same two roundings."""
+    if node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
+        return False
+    for a, d in (node.args, node.args[::-1]):
+        if isinstance(d, fx.Node) and d.target is aten.div.Tensor and len(d.users) == 1 and not d.kwargs \
+                and all(_is_tensor_node(x) and _val(x).dtype is torch.float32 for x in (a, *d.args, node)):
+            node.target, node.args = aten.addcdiv.default, (a, *d.args)
+            graph.erase_node(d)
+            return True
+    return False
+
+
+def _slice_as_split_select(graph: fx.Graph, node: fx.Node) -> bool:
+    """x[..., s:s+k] (step 1) with k dividing s and the dim's size (n >= 2 runs) as x.view(..., n, k)[..., s//k, :]."""
+    a = node.args
+    x = _val(a[0])
+    if len(a) < 4 or (len(a) > 4 and a[4] != 1) or not all(isinstance(b, int) for b in a[1:4]) or not _static_contiguous(x):
+        return False
+    d, size = a[1], x.shape[a[1]]
+    start, end = min(a[2], size), min(a[3], size)
+    k = end - start
+    if k <= 0 or size % k or start % k or size // k < 2:
+        return False
+    shape = list(x.shape[:d]) + [size // k, k] + list(x.shape[d + 1:])
+    with graph.inserting_before(node):
+        view = graph.call_function(aten.view.default, (a[0], shape))
+    node.target, node.args = aten.select.int, (view, d, start // k)
+    return True
+
+
+def _repeated_view(graph: fx.Graph, node: fx.Node) -> bool:
+    """A view read by several ops as one view per reader."""
+    users = list(node.users)
+    if len(users) < 2:
+        return False
+    for user in users[1:]:
+        with graph.inserting_after(node):
+            again = graph.call_function(node.target, node.args, dict(node.kwargs))
+        user.replace_input_with(node, again)
+    return True
+
+
 def rewrite(graph: fx.Graph, rng: random.Random, p: float = 0.5, kinds=KINDS) -> list[str]:
     """Apply exact identities of `kinds` to about a fraction `p` of the eligible nodes of `graph` (in place); the
     rewrites made, by kind and node."""
@@ -124,7 +175,12 @@ def rewrite(graph: fx.Graph, rng: random.Random, p: float = 0.5, kinds=KINDS) ->
         if node.op != "call_function" or rng.random() >= p:
             continue
         a = node.args
-        if "commute" in kinds and node.target in (aten.add.Tensor, aten.mul.Tensor) and not node.kwargs \
+        if "addcdiv" in kinds and node.target is aten.add.Tensor and rng.random() < 0.5 and _as_addcdiv(graph, node):
+            made.append(f"addcdiv {node.name}")  # (before the commute, which takes every add of two tensors)
+        elif "slice as split-dim select" in kinds and node.target is aten.slice.Tensor and rng.random() < 0.5 \
+                and _slice_as_split_select(graph, node):
+            made.append(f"slice as split-dim select {node.name}")
+        elif "commute" in kinds and node.target in (aten.add.Tensor, aten.mul.Tensor) and not node.kwargs \
                 and len(a) == 2 and _is_tensor_node(a[0]) and _is_tensor_node(a[1]):
             node.args = (a[1], a[0])
             made.append(f"commute {node.name}")
@@ -176,6 +232,11 @@ def rewrite(graph: fx.Graph, rng: random.Random, p: float = 0.5, kinds=KINDS) ->
             made.append(f"select as unit slice {node.name}")
         elif "implicit promotion" in kinds and _implicit_promotion(node):
             made.append(f"implicit promotion {node.name}")
+        elif "scatter_add as scatter_reduce" in kinds and node.target is aten.scatter_add.default and not node.kwargs:
+            node.target, node.args = aten.scatter_reduce.two, (*a, "sum")
+            made.append(f"scatter_add as scatter_reduce {node.name}")
+        elif "repeated view" in kinds and node.target is aten.view.default and _repeated_view(graph, node):
+            made.append(f"repeated view {node.name}")
         elif {"two-step view", "unit dim round trip"} & set(kinds) and _is_tensor_node(node) and _val(node).dim() >= 1 and _val(node).is_contiguous() \
                 and all(isinstance(d, int) for d in _val(node).shape) and node.users:
             shape = list(_val(node).shape)

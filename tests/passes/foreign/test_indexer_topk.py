@@ -38,6 +38,15 @@ def validity_by_index(q, w, keys, n_c):
     return select(scores(q, w, keys, n_c), lambda s, sel: sel < n_c.unsqueeze(-1))
 
 
+def additive_mask(q, w, keys, n_c):
+    """equal math written differently: the visibility as an additive 0 / -inf mask, s + where(visible, 0, -inf)
+    (equal to where(visible, s, -inf) but where s is +inf or NaN), with the validity as sel < n_c (the reference's
+    `index_score += mask`)."""
+    s = (torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu() * w.unsqueeze(-1)).sum(dim=1)
+    s = s + torch.where(torch.arange(keys.shape[1]).unsqueeze(0) < n_c.unsqueeze(1), 0.0, -math.inf)
+    return select(s, lambda s, sel: sel < n_c.unsqueeze(-1))
+
+
 def weights_first(q, w, keys, n_c):
     """operand order: head weights times the relu scores."""
     s = (w.unsqueeze(-1) * torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu()).sum(dim=1)
@@ -137,7 +146,7 @@ def scores_also_read(q, w, keys, n_c):
     return select(s, gathered), keep.repeat_interleave(4, dim=-1)
 
 
-CASES = {f.__name__: f for f in (scores_also_read, spare_column_full_like, validity_by_index, weights_first, where_fill, take_along_dim, sorted_by_values,
+CASES = {f.__name__: f for f in (additive_mask, scores_also_read, spare_column_full_like, validity_by_index, weights_first, where_fill, take_along_dim, sorted_by_values,
                                  bmm_scores, mask_by_visibility, mask_in_place, mask_spare_column, hidden_by_ge,
                                  scale_before_head_weights)}
 

@@ -74,3 +74,22 @@ def test_found_once_and_equal_to_eager(name):
     assert report.matches == {FUSION: 1}, report.declined
     x = inputs(1)
     assert_same_routing(gm(*x), f(*x), *x)
+
+
+def weight_stored_transposed(h, gate_w_t, bias):
+    """layout: the gate weight stored transposed, [D, E], read as `x @ W` with no transpose in the graph (the
+    pattern's weight binds through the inverse of its transpose)."""
+    scores = F.softplus(h.float() @ gate_w_t.float()).sqrt()
+    experts = scores.add(bias).topk(K, dim=-1)[1]
+    return normalise(scores.gather(1, experts)), experts
+
+
+def test_weight_stored_transposed_is_found_once_and_equal_to_eager():
+    def transposed(seed):
+        h, gate_w, bias = inputs(seed)
+        return [h, gate_w.t().contiguous(), bias]
+
+    gm, report = run_passes(weight_stored_transposed, transposed(0), FUSION)
+    assert report.matches == {FUSION: 1}, report.declined
+    x, (h, gate_w, bias) = transposed(1), inputs(1)
+    assert_same_routing(gm(*x), weight_stored_transposed(*x), h, gate_w, bias)

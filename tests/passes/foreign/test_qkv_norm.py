@@ -82,6 +82,13 @@ def two_gemm_outputs(x, wq, wkv, q_w, kv_w, cos, sin):
     return norm(q, q_w), fp8_exp2(rope_stride2(norm(kv, kv_w), cos, sin))
 
 
+def two_gemms_of_requantised_input(x, wq, wkv, q_w, kv_w, cos, sin):
+    """op contract: q and kv from two GEMMs whose inputs are two equal FP8 roundings of x (DeepSeek's reference
+    `linear` quantises its activation per call): one activation by value, though two nodes."""
+    q, kv = F.linear(fp8_exp2(x), wq), F.linear(fp8_exp2(x), wkv)
+    return norm(q, q_w), fp8_exp2(rope_stride2(norm(kv, kv_w), cos, sin))
+
+
 def unit_seq_dim(qkv, q_w, kv_w, cos, sin):
     """layout: HF's [B, S=1, ...]: qkv, cos and sin carry the sequence dim of one decode step, the norms, RoPE and
     FP8 tail run at [B, 1, ...] and return [B, 1, ...] (the op computes at [T, ...], T = B)."""
@@ -112,6 +119,7 @@ CASES = {
     "weight_times_normalised": (weight_times_normalised, inputs, EXACT),
     "split_with_sizes": (split_with_sizes, inputs, EXACT),
     "two_gemm_outputs": (two_gemm_outputs, split_inputs, EXACT),
+    "two_gemms_of_requantised_input": (two_gemms_of_requantised_input, split_inputs, EXACT),
     "unit_seq_dim": (unit_seq_dim, unit_seq_inputs, EXACT),
     "mean_as_sum": (mean_as_sum, lambda seed: inputs(seed, rope=False), BF16_ULP),
 }
