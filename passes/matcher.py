@@ -428,6 +428,9 @@ class _Matcher:
                 return False
             shape = [math.prod(shape[lo:hi]) for lo, hi in groups]
             inverse.append((aten.reshape.default, shape))
+        if not _views_only(tv, inverse):
+            raise _Fail("check", f"{_fmt(g)} is stored in the layout of the pattern's {_op_name(p.target)} chain, and "
+                                 "taking it back to the op's layout would copy it on every call", t)
         trial = st.copy()
         trial.p2t[below], trial.t2p[g] = g, below
         trial.layouts[below] = _InverseLayout(tuple(inverse))
@@ -1206,6 +1209,18 @@ def _split_groups(before: list, after: list) -> list | None:
         return None
     groups[-1][1] = len(after)
     return [tuple(g) for g in groups]
+
+
+def _views_only(value: torch.Tensor, steps) -> bool:
+    """Whether the (permute, reshape) `steps` of `_InverseLayout` take a tensor of `value`'s shape and strides to
+    their result as views (no copy): a weight stored transposed is then read in place by the op or its reference."""
+    probe = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device="meta")
+    try:
+        for op, arg in steps:
+            probe = probe.permute(arg) if op is aten.permute.default else probe.view(arg)
+    except (RuntimeError, ValueError):  # torch: "view size is not compatible ..." / "Cannot view a tensor ..."
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,9 @@ Measured when the block was written (fx mode, 3 tokens): 1 of the 11 sites fused
 - moe_metadata and moe_finalize: counts and combine by `scatter_reduce_(..., "sum")`, which is `scatter_add`.
 - moe_route and wo_a: the router's `x @ W` with W [D, E] and the per-group [G, in, out] wo_a under `bmm`. A pattern
   input read through permutes and splitting views (a weight the pattern transposes) binds a graph input already in
-  that layout; the op takes it through the inverse chain.
+  that layout; the op takes it through the inverse chain, where that chain is views only (the router's [D, E] gate
+  as its transpose, read in place). wo_a's [G, in, out] weight would have to be copied into the op's [G * R, in]
+  layout on every call, so that site is declined with that reason (a fused wo_a slower than the user's bmm).
 - indexer_topk (no record): the visibility as an additive 0 / -inf mask, `s + where(n < n_c, 0, -inf)`, with the
   validity as `sel < n_c`. An add of a where of two constants is the where of two adds, `where(visible, s + 0,
   s - inf)`, whose branches the match takes as parts computed another way (islands) beside the validity test.
@@ -54,8 +56,9 @@ Measured when the block was written (fx mode, 3 tokens): 1 of the 11 sites fused
   slice), the scale viewed twice for the quotient and the product (a pattern value read twice may be two nodes
   repeating one op on the same operands), w13 / w2 as `_grouped_mm`'s [E, K, N] operands (the inverse layout,
   above).
-After: 10 of the 11 fused, outputs equal to eager (test_ref_style.py); the semantic check accepted the islands
-(the indexer's mask and validity). Still missed: moe_experts, and qkv_norm's FP8 step (qkv_norm fuses its norms and
+After: 10 of the 11 fused, then 9 with wo_a declined for the weight copy; outputs equal to eager
+(test_ref_style.py); the semantic check accepted the islands (the indexer's mask and validity). Still missed:
+moe_experts, and qkv_norm's FP8 step (qkv_norm fuses its norms and
 RoPE, the step stays glue), both at the dequantisation of `act_quant`'s flat e4m3 values, which views them into
 blocks again around the cast (view, cast, view back). Rewriting that round trip as the cast fused both (11 of
 11, the step inside qkv_norm) but stopped the model's own wo_a fusing in the tiny model once another fusion had
@@ -73,8 +76,8 @@ from torch import nn
 
 from .params import param_factory
 
-# every site but moe_experts (the miss named above)
-T_SITES = {"mhc_coeffs": 2, "qkv_norm": 1, "indexer_topk": 1, "wo_a": 1, "mhc_post_pre": 2, "moe_route": 1,
+# every site but moe_experts (the miss named above) and wo_a (declined: its weight would be copied every call)
+T_SITES = {"mhc_coeffs": 2, "qkv_norm": 1, "indexer_topk": 1, "mhc_post_pre": 2, "moe_route": 1,
            "moe_metadata": 1, "moe_finalize": 1}
 
 

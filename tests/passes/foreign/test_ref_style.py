@@ -1,7 +1,8 @@
 """The DeepSeek-reference-style block (ref_style.py) through the real backend (fx mode): outputs equal to eager (h
 and x_new bf16 within one bf16 ulp of an fp32 reordering: atol=rtol=1.6e-2 on at least 99% of elements, since the
 FP8 round trip may move a bucket; the indexer's indices exactly, ascending, so the index sets agree), every site
-but moe_experts (named in ref_style.py) fused, exactly once each; qkv_norm's FP8 step is still left as glue (a
+but moe_experts (named in ref_style.py) and wo_a fused, exactly once each; wo_a declined because its weight, stored
+[G, in, out], would be copied into the op's layout on every call; qkv_norm's FP8 step is still left as glue (a
 strict xfail, so that the fix shows)."""
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ def compiled():
 def test_every_site_is_fused(compiled):
     sites, report = fused_sites(compiled[0])
     assert sites == T_SITES, report.declined
+
+
+def test_wo_a_declined_for_the_weight_copy(compiled):
+    """The transposed wo_a weight binds only through views: the site is declined, naming the weight and the copy."""
+    _, report = fused_sites(compiled[0])
+    (why,) = report.declined["wo_a"]
+    assert "is stored in the layout of the pattern's" in why and "would copy it on every call" in why, why
 
 
 @pytest.mark.xfail(strict=True, reason="act_quant's dequantisation views the e4m3 values into blocks again around "
