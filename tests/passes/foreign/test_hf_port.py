@@ -6,8 +6,8 @@ Asserted: no graph falls back, the exact matches per fusion summed over the comp
 with eager (bf16 model: atol=rtol=2e-2; the argmax exactly).
 
 Measured on 2026-12-01 with the port's source from the transformers repository dropped into transformers 5.24.0
-(plus its cache-type registration in cache_utils), not committed; logits bit-equal to eager before mhc_coeffs fused
-at the attention site (session 9; since then within the asserted tolerance, bit-equality not re-measured). Dynamo compiles one
+(plus its cache-type registration in cache_utils), not committed; logits bit-equal to eager (last measured on
+2026-12-02 with the modeling file at transformers commit 0a2080b: the same counts). Dynamo compiles one
 graph per attention layer (7) and one MoE-gate graph that all 7 layers reuse. Per attention graph, qkv_norm,
 mhc_post_pre and wo_a fuse once each and mhc_coeffs twice (both sites; the attention site's since its [B, 1, hc, D]
 hidden state, a graph input read only through views, binds without its unit dim) (the port computes at [B, S=1, ...], which the normalisation's
