@@ -1,8 +1,8 @@
 #!/bin/bash
 # The H200 runs behind benchmarks/results/truth_*: `bash benchmarks/run_h200_truth.sh PART` on the device machine,
 # writing JSON, plots and logs to $OUT. Benchmark processes of one part run at the same time, each with its own
-# cold caches (TORCHINDUCTOR_CACHE_DIR, DSV41_CACHE_DIR); they share a GPU lock, so each compiles freely but
-# captures, checks and times alone.
+# cold caches (TORCHINDUCTOR_CACHE_DIR, DSV41_CACHE_DIR); they share a GPU lock (bench_decode.gpu_turn): compiles run
+# side by side, and each capture, check and timing waits until no other process runs anything on the GPU.
 #   PART=short: layers 2,3,20,24: batch 1 and batch 8 at context 4096, batch 1 at 131072 (three processes, cold
 #               starts); then batch 1 at 4096 again in a second process on its caches (warm start).
 #   PART=long:  layers 2,3,20,24, batch 1 at context 524288, alone (cold starts); then Inductor and dsv41 again in a second process
@@ -11,6 +11,7 @@
 #               of model and caches, and the agreement checks at 4096 and 524288 could not allocate their 1.23 GiB.
 #   PART=now:   layers 2,3,20,24: batch 1 and batch 8 at context 4096 and batch 1 at 524288, three processes side by
 #               side (cold starts; 524288 without a profile): the rows the open issues quote before/after a change.
+#   PART=b1:    the two batch-1 rows of PART=now (contexts 4096 and 524288), two processes side by side.
 #   PART=deep:  all 40 layers at context 4096, batch $BATCH (default 1): eager + inductor in one process, dsv41 in
 #               another. Alone on the machine, batch 1 took 474 s and 461 s on 2026-12-01 (cold compile of the step
 #               about 300 s, then the per-layer graphs). If a call is cut short, call it again at once (the machine
@@ -20,12 +21,12 @@
 #               cold compile of the step took 444 s on 2026-12-01 and the shared deep call cut it at 540 s.
 # Every compiled variant is checked by dsv41.models.agreement with all three tiers (per fused op, per layer teacher
 # forced, logits): its rows carry layer_rel_l2_max / layer_rel_l2_at and check.forced_rel_l2 per layer. The per-layer
-# tier compiles one more graph per layer kind (4 at layers 2,3,20,24, 7 at 40 layers), outside the GPU lock.
+# tier compiles one more graph per layer kind (4 at layers 2,3,20,24, 7 at 40 layers), on a shared GPU turn.
 # $OUT gets one archive, truth_PART.tgz (JSON, plots, logs, replay traces), refreshed every 30 s so that a call cut
 # short at its limit still brings back what was measured, and the logs' summary is printed.
 source .device/bootstrap.sh >/dev/null 2>&1
 export PYTHONUNBUFFERED=1
-part=${1:?usage: run_h200_truth.sh short|long|now|deep|deep_inductor}
+part=${1:?usage: run_h200_truth.sh short|long|now|b1|deep|deep_inductor}
 work=/tmp/truth_$part
 start_kind=cold
 warm_dir=$work/all_b${BATCH:-1}_dsv41/inductor && [ "$part" = deep_inductor ] && warm_dir=$work/all_b${BATCH:-1}_inductor/inductor
@@ -67,10 +68,10 @@ elif [ "$part" = long ]; then
   mkdir -p "$work/b1_ctx524288_warm" && cp -r "$work/b1_ctx524288/." "$work/b1_ctx524288_warm/"
   bench b1_ctx524288_warm $((budget - (SECONDS - start) - 10)) --layers $L --batch 1 --context 524288 --variants inductor,dsv41 \
     --start warm --no-profile
-elif [ "$part" = now ]; then
+elif [ "$part" = now ] || [ "$part" = b1 ]; then
   L=2,3,20,24 V=eager,inductor,dsv41
   bench b1_ctx4096 $((budget - 30)) --layers $L --batch 1 --context 4096 --variants $V & others=$!
-  bench b8_ctx4096 $((budget - 30)) --layers $L --batch 8 --context 4096 --variants $V & others+=" $!"
+  [ "$part" = now ] && { bench b8_ctx4096 $((budget - 30)) --layers $L --batch 8 --context 4096 --variants $V & others+=" $!"; }
   bench b1_ctx524288 $((budget - 30)) --layers $L --batch 1 --context 524288 --variants $V --no-profile & others+=" $!"
   wait $others
 elif [ "$part" = deep ]; then

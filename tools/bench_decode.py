@@ -262,16 +262,29 @@ def profile_breakdown(step, tokens, positions, model, top=8) -> list[dict]:
 
 
 @contextlib.contextmanager
-def gpu_turn(lock_path: str | None):
-    """Hold the file lock `lock_path` (flock; nothing when None): processes that compile at the same time capture,
-    check and time one at a time, so no timing shares the GPU."""
+def gpu_turn(lock_path: str | None, shared: bool = False):
+    """Hold the file lock `lock_path` (flock; nothing when None), shared by benchmark processes on one GPU: a
+    process holds it exclusively to measure (copy bandwidth, capture, check, time, profile) and shared for any other
+    GPU work (building the model, the first call that compiles and runs the step, the per-layer step's compile), so
+    compiles still run side by side but no measurement shares the GPU with another process's work. (Until
+    2026-12-02 the compiles held no lock: session 10's timings overlapped another process's per-layer check.) A
+    process waiting to measure takes the gate ``<lock_path>.gate`` first, so later shared holders queue behind it
+    rather than starve it."""
     if lock_path is None:
         yield
         return
     import fcntl
 
-    with open(lock_path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    with open(lock_path + ".gate", "a") as gate, open(lock_path, "a") as f:
+        asked = time.perf_counter()
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        waited = time.perf_counter() - asked
+        if waited > 1:
+            _log(f"waited {waited:.0f} s for a {'shared' if shared else 'measuring'} GPU turn")
         try:
             yield
         finally:
@@ -307,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                              "and DSV41_CACHE_DIR) or warm (a second process on the caches a first one filled)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiler breakdown and replay traces")
     parser.add_argument("--gpu-lock", metavar="FILE",
-                        help="a lock file shared by benchmark processes that run at once: each compiles freely and holds "
-                             "the lock to capture, check and time")
+                        help="a lock file shared by benchmark processes that run at once on one GPU: each holds it "
+                             "exclusively to capture, check and time, and shared for its other GPU work (gpu_turn)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="decode")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
@@ -350,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     max_context = args.context + 128
     max_context += max_context % 2
-    with progress(f"building {args.config} layers {layers}, max batch {max(batches)}, context {args.context}"):
+    with progress(f"building {args.config} layers {layers}, max batch {max(batches)}, context {args.context}"), \
+            gpu_turn(args.gpu_lock, shared=True):
         model = DSV41Model(cfg, layers, max_batch=max(batches), max_context=max_context, device=device,
                            share_routed_experts=True)
         gen = torch.Generator(device=device)
@@ -388,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     for batch in batches:
         positions = torch.full((batch,), args.context, dtype=torch.int64, device=device)
         tokens_pool = [torch.randint(0, cfg.vocab_size, (batch,), generator=gen, device=device) for _ in range(8)]
-        floor_bytes, parts = step_bytes(model, tokens_pool[0], positions)
+        with gpu_turn(args.gpu_lock, shared=True):
+            floor_bytes, parts = step_bytes(model, tokens_pool[0], positions)
         floor_us = floor_bytes / bandwidth * 1e6
         with gpu_turn(args.gpu_lock):
             outside_us = outside_layers_us(model, batch)
@@ -407,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 compile_fn = compiler(name)
                 step = model if compile_fn is None else compile_fn(model)
-                with progress(f"batch {batch}: {name}: compiling ({args.start} start)"), torch.no_grad():
+                with progress(f"batch {batch}: {name}: compiling ({args.start} start)"), torch.no_grad(), \
+                        gpu_turn(args.gpu_lock, shared=True):
                     step(tokens_pool[0], positions)  # the first call compiles
                     torch.cuda.synchronize()
                 compile_s = time.perf_counter() - t0
@@ -415,9 +431,10 @@ def main(argv: list[str] | None = None) -> int:
                 row["cache_counters"] = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
                 layer_step = None if compile_fn is None else agreement.CompiledLayers(compile_fn)
                 layer_failure = None
-                if layer_step is not None:  # compile the per-layer graphs now, outside the GPU lock (a check discarded)
+                if layer_step is not None:  # compile the per-layer graphs now, on a shared GPU turn (a check discarded)
                     try:
-                        with progress(f"batch {batch}: {name}: compiling the per-layer step"), torch.no_grad():
+                        with progress(f"batch {batch}: {name}: compiling the per-layer step"), torch.no_grad(), \
+                                gpu_turn(args.gpu_lock, shared=True):
                             agreement.check(model, step, tokens_pool[0], layers=layer_step)
                         row["layer_graphs"] = layer_step.graphs
                     except Exception as e:  # the step is still checked by the other tiers, timed, and marked

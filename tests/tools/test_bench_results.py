@@ -142,3 +142,52 @@ def test_kernel_profiler_launches_need_cuda(capsys):
 
     assert main(["--profiler-launches", "--op", "mhc_coeffs", "--tokens", "1"]) == 1
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_gpu_turn_measures_alone_and_lets_compiles_share(tmp_path):
+    """Shared turns (compiles) overlap; an exclusive turn (a measurement) waits for every shared holder, and a shared
+    turn asked for while a measurement waits queues behind it (writer preference), so a measurement is never starved
+    and never shares the GPU. Each turn opens the lock file itself, as another process would (flock is per open file)."""
+    import threading
+
+    from dsv41.tools.bench_decode import gpu_turn
+
+    lock = str(tmp_path / "gpu.lock")
+    order, entered, release = [], {}, {}
+
+    def turn(name, shared):
+        entered[name], release[name] = threading.Event(), threading.Event()
+
+        def run():
+            with gpu_turn(lock, shared=shared):
+                order.append(name)
+                entered[name].set()
+                release[name].wait(10)
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    threads = [turn("compile_a", True), turn("compile_b", True)]
+    assert entered["compile_a"].wait(5) and entered["compile_b"].wait(5)  # two compiles at once
+    threads.append(turn("measure", False))
+    assert not entered["measure"].wait(0.3)  # waits for both compiles
+    threads.append(turn("compile_c", True))
+    assert not entered["compile_c"].wait(0.3)  # queues behind the waiting measurement
+    release["compile_a"].set()
+    assert not entered["measure"].wait(0.3)  # compile_b still holds its turn
+    release["compile_b"].set()
+    assert entered["measure"].wait(5)
+    assert not entered["compile_c"].wait(0.3)  # no compile while a measurement runs
+    release["measure"].set()
+    assert entered["compile_c"].wait(5)
+    release["compile_c"].set()
+    for thread in threads:
+        thread.join(5)
+    assert sorted(order[:2]) == ["compile_a", "compile_b"] and order[2:] == ["measure", "compile_c"]
+
+
+def test_gpu_turn_without_a_lock_file_is_free():
+    from dsv41.tools.bench_decode import gpu_turn
+
+    with gpu_turn(None), gpu_turn(None, shared=True):
+        pass
