@@ -67,23 +67,24 @@ The sampled path (``topk_indices``' default for N > 4096; path="cluster" forces 
 over the whole GPU before the select, so the select sees a few thousand candidates instead of the row (the cluster
 select is instruction-bound on its 16 SMs: ncu, about 25 SASS a key in pass 1 and 60 in the collection):
 - Threshold: tau = the lowest key of the bin the register select (the one-CTA rounds, ``_register_select``) stops
-  at for the j-th largest of SAMPLES = 4096 sampled keys, columns i * floor(N / 4096), i < 4096; tau <= that
-  sampled key (equal after 4 rounds), and tau is raised above -inf's key, so -inf and NaN are never candidates.
-  j = ``sample_rank(N, K)`` makes the expected candidate count j * N / 4096 a few K: treating the sample as 4096
-  independent draws, the path misses when j samples fall among the K - 1 keys above the row's K-th largest
-  (P(Bin(4096, (K - 1) / N) >= j): too few candidates) or fewer than j among its CANDIDATES = 8192 largest
-  (P(Bin(4096, 8192 / N) < j): too many); j is the smallest with the sum <= MISS_TARGET = 1e-9, else the j of the
-  smallest sum (``sample_miss``): K = 512: j = 72 at 65536 columns (expected 1152 candidates), 22 at 524288 (2816,
-  miss 6e-10), 11 at 2^20 (2816, miss 1.3e-5: the sample holds about 2 of the top 512); K = 2048 at 131072 blocks:
-  118 (3776). Rows whose order follows the stride (or constant rows, crowded ties) miss more often; they only cost
-  the fallback's time.
+  at for the j-th largest of M sampled keys, columns i * floor(N / M), i < M; tau <= that sampled key (equal after
+  4 rounds), and tau is raised above -inf's key, so -inf and NaN are never candidates. ``sample_plan(N, K)``
+  picks M in SAMPLE_SIZES (1024, 2048, 4096) and j so that the expected candidate count j * N / M is a few K:
+  treating the sample as M independent draws, the path misses when j samples fall among the K - 1 keys above the
+  row's K-th largest (P(Bin(M, (K - 1) / N) >= j): too few candidates) or fewer than j among its CANDIDATES = 8192
+  largest (P(Bin(M, 8192 / N) < j): too many); the fewest samples, then the smallest j, with the sum <=
+  MISS_TARGET = 1e-9, else M = 4096 and the j of the smallest sum (``sample_miss``). K = 512: M = 1024, j = 31 at
+  65536 columns (expected 1984 candidates); M = 4096, j = 22 at 524288 (2816, miss 6e-10); M = 4096, j = 11 at
+  2^20 (2816, miss 1.3e-5: the sample holds about 2 of the top 512). K = 2048 at 131072 blocks: M = 4096, j = 118
+  (3776). Rows whose order follows the stride (or constant rows, crowded ties) miss more often; they only cost the
+  fallback's time.
 - ``CandidateFilter`` (launch 2 of 3): grid T x P CTAs of 1024 threads (``sampled_plan``: P = one CTA an SM shared
   by the rows, at most one a 8192-column chunk; P = 64 at 524288 columns, 128 at 2^20, 1 CTA a row when T >= the
-  SMs). Every CTA computes the row's tau itself from the same sample, so all agree bit for bit: its 4 sample loads
-  a thread and its first chunk's 8 loads are issued before the rounds, which thus overlap the CTA's own reads,
+  SMs). Every CTA computes the row's tau itself from the same sample, so all agree bit for bit: its M / 1024 sample
+  loads a thread and its first chunk's 8 loads are issued before the rounds, which thus overlap the CTA's own reads,
   where a separate tau launch (one CTA a row) would add a launch boundary (the filter's griddepcontrol.wait on it)
-  and could not overlap the row's reads with the rounds; the price is 4096 scattered L2 reads a CTA (a wave of
-  CTAs: P x 4096 32-byte sectors, 8 MB at P = 64), not measured yet against the alternative. A chunk: 8 consecutive
+  and could not overlap the row's reads with the rounds; the price is M scattered L2 reads a CTA (a wave of CTAs:
+  P x M 32-byte sectors, 8 MB at P = 64 and M = 4096), not measured yet against the alternative. A chunk: 8 consecutive
   columns a thread, their keys >= tau counted, one block scan, each candidate's column and key to slot (candidates
   of the CTA before it) of the CTA's segment of mCols, mKeys [T, P * seg] (no atomics: the CTA owns its segment,
   written in column order); slots past seg = min(width, 8192) are dropped (that CTA alone exceeds CANDIDATES, so
@@ -157,10 +158,10 @@ _CHUNK = _GROUP * THREADS  # elements per select pass step
 _INT_MIN = -(2**31)
 _PAD = _INT_MIN  # the key of an element past a CTA's columns: below every score's key
 _KEY_NEG_INF = -(0x7F800000) - 1  # the key of -inf (and NaN): the float bits 0xFF800000 ^ 0x7FFFFFFF
-SAMPLES = 4 * THREADS  # strided scores a row's sampled threshold is taken from (4 a filter thread)
+SAMPLE_SIZES = (THREADS, 2 * THREADS, 4 * THREADS)  # strided scores a row's sampled threshold may take (sample_plan)
 CANDIDATES = _GROUP * THREADS  # the most candidates the sampled path selects from (8 a thread of one CTA)
 MAX_SEGMENTS = MAX_COLUMNS // _CHUNK  # filter CTAs a row: each at least one chunk of _CHUNK columns
-MISS_TARGET = 1e-9  # sample_rank: the binomial miss probability below which a smaller candidate count wins
+MISS_TARGET = 1e-9  # sample_plan: the binomial miss probability under which fewer samples and candidates win
 
 
 class IndexScore:
@@ -503,23 +504,24 @@ class TopkSelect:
 
 class CandidateFilter:
     """The sampled path's first launch (module docstring): CTA (t, p) of ``ctas_per_row`` a row computes the row's
-    threshold tau from its SAMPLES strided scores (every CTA of the row the same), then writes the columns of
+    threshold tau from its ``samples`` strided scores (every CTA of the row the same), then writes the columns of
     [p * width, min((p + 1) * width, N)) whose key is >= tau and above -inf's, in column order, and their keys to
     the first ``seg`` slots of segment p of mCols, mKeys [T, P * seg] int32, and how many there are (all of them,
-    also past seg) to mCounts [T, P] int32. ``take``: the rank j of tau among the sample (``sample_rank``)."""
+    also past seg) to mCounts [T, P] int32. ``samples``, ``take``: the sample's size and the rank j of tau in it
+    (``sample_plan``)."""
 
     def __init__(self, pdl: bool):
         self.pdl = pdl
 
     @cute.jit
     def __call__(self, mScores: cute.Tensor, mCols: cute.Tensor, mKeys: cute.Tensor, mCounts: cute.Tensor,
-                 take: Int32, width: Int32, seg: Int32, ctas_per_row: Int32, n_ctas: Int32, stream):
-        self.kernel(mScores, mCols, mKeys, mCounts, take, width, seg, ctas_per_row).launch(
+                 samples: Int32, take: Int32, width: Int32, seg: Int32, ctas_per_row: Int32, n_ctas: Int32, stream):
+        self.kernel(mScores, mCols, mKeys, mCounts, samples, take, width, seg, ctas_per_row).launch(
             grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mScores: cute.Tensor, mCols: cute.Tensor, mKeys: cute.Tensor, mCounts: cute.Tensor,
-               take: Int32, width: Int32, seg: Int32, ctas_per_row: Int32):
+               samples: Int32, take: Int32, width: Int32, seg: Int32, ctas_per_row: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()
@@ -533,13 +535,20 @@ class CandidateFilter:
         gRow = mScores[t, None]
         first = p * width  # the CTA's first column
         count = cutlass.min(n - first, width)  # its columns (>= 1: sampled_plan)
-        # the sample's loads and the first chunk's, all in flight before tau's rounds
-        stride = n // SAMPLES
-        sample = [gRow[(j * THREADS + tidx) * stride] for j in range(SAMPLES // THREADS)]
+        # the sample's loads (sample i = j * THREADS + thread, column i * stride; CTA-uniform predicates) and the
+        # first chunk's, all in flight before tau's rounds
+        stride = n // samples
+        sample = []
+        for j in cutlass.range_constexpr(SAMPLE_SIZES[-1] // THREADS):
+            raw = Float32(0.0)
+            if j * THREADS < samples:
+                raw = gRow[(j * THREADS + tidx) * stride]
+            sample.append(raw)
         e0 = tidx * _GROUP
         raws = [gRow[first + cutlass.min(e0 + j, count - 1)] for j in range(_GROUP)]
         cute.arch.barrier()
-        lo, _, _ = _register_select([_order_key(x) for x in sample], take, sHist, sPick, tidx, warp, lane)
+        sample_keys = [cutlass.select_(j * THREADS < samples, _order_key(x), Int32(_PAD)) for j, x in enumerate(sample)]
+        lo, _, _ = _register_select(sample_keys, take, sHist, sPick, tidx, warp, lane)
         tau = cutlass.max(lo, Int32(_KEY_NEG_INF + 1))  # never an -inf (or NaN) score
         dest = p * seg
         written = self.compact([_order_key(x) for x in raws], e0, count, tau, Int32(0), Int32(0), mCols, mKeys, t,
@@ -816,27 +825,31 @@ def _binomial_pmf(m: int, p: float) -> list[float]:
 
 
 @functools.lru_cache(maxsize=None)
-def sample_miss(n: int, k: int) -> list[float]:
-    """miss[j - 1] for j = 1..SAMPLES: the binomial probability that the sampled path misses on a row of n distinct
-    scores when tau is the j-th largest of the SAMPLES sampled keys (the sample taken as independent uniform draws):
-    too few candidates, P(Bin(SAMPLES, (k - 1) / n) >= j) (j samples among the k - 1 keys above the k-th largest),
-    plus too many, P(Bin(SAMPLES, CANDIDATES / n) < j) (fewer than j samples among the CANDIDATES largest keys).
+def sample_miss(n: int, k: int, samples: int) -> list[float]:
+    """miss[j - 1] for j = 1..samples: the binomial probability that the sampled path misses on a row of n distinct
+    scores when tau is the j-th largest of ``samples`` sampled keys (the sample taken as independent uniform draws):
+    too few candidates, P(Bin(samples, (k - 1) / n) >= j) (j samples among the k - 1 keys above the k-th largest),
+    plus too many, P(Bin(samples, CANDIDATES / n) < j) (fewer than j samples among the CANDIDATES largest keys).
     For tau below the j-th largest sample (the early stop, module docstring) the second term is a lower bound."""
-    low = _binomial_pmf(SAMPLES, (k - 1) / n)
-    high = _binomial_pmf(SAMPLES, min(1.0, CANDIDATES / n)) if n > CANDIDATES else [0.0] * (SAMPLES + 1)
+    low = _binomial_pmf(samples, (k - 1) / n)
+    high = _binomial_pmf(samples, min(1.0, CANDIDATES / n)) if n > CANDIDATES else [0.0] * (samples + 1)
     at_least = list(itertools.accumulate(reversed(low)))[::-1]  # at_least[j] = P(X >= j)
     below = [0.0, *itertools.accumulate(high)]  # below[j] = P(Y < j)
-    return [min(1.0, at_least[j] + below[j]) for j in range(1, SAMPLES + 1)]
+    return [min(1.0, at_least[j] + below[j]) for j in range(1, samples + 1)]
 
 
 @functools.lru_cache(maxsize=None)
-def sample_rank(n: int, k: int) -> int:
-    """j, the rank of the sampled threshold tau among the SAMPLES sampled keys of a row of n scores, for the top k:
-    the smallest j whose miss probability (``sample_miss``) is at most MISS_TARGET (fewer candidates: the expected
-    count is about j * n / SAMPLES), else the j of the smallest miss probability."""
-    miss = sample_miss(n, k)
-    fine = [j for j, m in enumerate(miss, 1) if m <= MISS_TARGET]
-    return fine[0] if fine else 1 + min(range(SAMPLES), key=miss.__getitem__)
+def sample_plan(n: int, k: int) -> tuple[int, int]:
+    """(samples, j) of the sampled threshold of a row of n scores, for the top k: tau is the j-th largest of the keys
+    at columns i * floor(n / samples), i < samples. The fewest samples of SAMPLE_SIZES and then the smallest j whose
+    miss probability (``sample_miss``) is at most MISS_TARGET (fewer scattered reads; fewer candidates: the expected
+    count is about j * n / samples); else all of them and the j of the smallest miss probability."""
+    for samples in SAMPLE_SIZES:
+        miss = sample_miss(n, k, samples)
+        fine = [j for j, m in enumerate(miss, 1) if m <= MISS_TARGET]
+        if fine:
+            return samples, fine[0]
+    return samples, 1 + min(range(samples), key=miss.__getitem__)
 
 
 def sampled_plan(t: int, n: int, sms: int) -> tuple[int, int, int]:
@@ -869,7 +882,7 @@ def _compile_candidate_filter(pdl: bool):
         CandidateFilter(pdl), fake_tensor(Float32, (cute.sym_int(), cute.sym_int()), 4),
         fake_tensor(Int32, (t, m), 4), fake_tensor(Int32, (t, m), 4),
         fake_tensor(Int32, (cute.sym_int(), cute.sym_int()), 4), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1),
-        env_stream(),
+        Int32(1), env_stream(),
     )
 
 
@@ -952,7 +965,7 @@ def filter_candidates(scores: torch.Tensor, k: int, pdl: bool = True):
     counts = scores.new_empty((t, ctas), dtype=torch.int32)
     cols = scores.new_empty((t, ctas * seg), dtype=torch.int32)
     keys = scores.new_empty((t, ctas * seg), dtype=torch.int32)
-    filter_launch(pdl)(scores, cols, keys, counts, sample_rank(n, k), width, seg, ctas, t * ctas)
+    filter_launch(pdl)(scores, cols, keys, counts, *sample_plan(n, k), width, seg, ctas, t * ctas)
     return counts, cols, keys, seg
 
 

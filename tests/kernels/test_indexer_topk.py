@@ -1,19 +1,19 @@
 """The indexer kernels (dsv41.kernels.indexer_topk): the score kernel and the exact top-K select.
 
-CPU: every kind of launch compiles for sm_90a (score: plain, candidate-masked, block maxima, without PDL;
-select: the one-CTA register build and the smallest and largest shared capacity at k = 512 and 2048, without
-PDL, the sampled path's cluster build and its candidate filter); `score_grid` fills one wave and covers the rows;
-`select_plan`'s clusters and `sampled_plan`'s filter CTAs cover every width; `sample_rank`'s miss probability and
-expected candidate count; a numpy model of the select's steps (one CTA holding a row's full keys up to 4096
-columns, else a cluster of CTAs a row, 16-bit prefixes on chip, the full key re-read where a prefix does not decide,
-the histograms summed over the cluster with the earlier CTAs' counts, the collection from those counts; on the
-sampled path tau from the strided sample, the filter's segments, the gather by prefix sums and the candidates'
-select, else the cluster) equals the tie rule and torch.topk's values on every score pattern below at N = 1 to
-2^20 on both paths, writes every output position once, and reaches the early stop, all 4 rounds, few re-reads for
-random scores and all of a CTA's for a constant row, the candidates' select on random rows and the fallback on the
-forced misses (constant rows wider than CANDIDATES, ties at tau, the sample holding the largest scores, few valid
-scores); `supports` and `select_reason` explain what they reject; the bench rows per width (the op's NaN and tie
-rules and `compare_kernel` are tested in tests/lowerings/test_indexer_topk.py).
+CPU: every kind of launch compiles for sm_90a (score: plain, candidate-masked, block maxima, without PDL; select:
+the one-CTA register build and the smallest and largest shared capacity at k = 512 and 2048, without PDL, the
+sampled path's cluster build and its candidate filter); `score_grid` fills one wave and covers the rows;
+`select_plan`'s clusters and `sampled_plan`'s filter CTAs cover every width; `sample_plan`'s sample sizes, miss
+probabilities and expected candidate counts; a numpy model of the select's steps (one CTA holding a row's full keys
+up to 4096 columns, else a cluster of CTAs a row, 16-bit prefixes on chip, the full key re-read where a prefix does
+not decide, the histograms summed over the cluster with the earlier CTAs' counts, the collection from those counts;
+on the sampled path tau from the strided sample, the filter's segments, the gather by prefix sums and the
+candidates' select, else the cluster) equals the tie rule and torch.topk's values on every score pattern below at N
+= 1 to 2^20 on both paths, writes every output position once, and reaches the early stop, all 4 rounds, few re-reads
+for random scores and all of a CTA's for a constant row, the candidates' select on random rows and the fallback on
+the forced misses (constant rows wider than CANDIDATES, ties at tau, the sample holding the largest scores, few
+valid scores); `supports` and `select_reason` explain what they reject; the bench rows per width (the op's NaN and
+tie rules and `compare_kernel` are tested in tests/lowerings/test_indexer_topk.py).
 GPU (H200), outputs poisoned (-7) before each call:
 - the select (`topk_indices`, path "cluster" and, above 4096 columns, "sampled") on given scores equals the tie rule
   exactly (a stable descending sort: equal scores, -inf ones included, taken lower index first; NaN as -inf; then
@@ -111,7 +111,7 @@ def _score_rows(kind, t, n, g):
         s[:, -min(n, 700):] += 100.0
         return s
     if kind == "sample-high":  # the sampled columns hold the largest scores: tau is above every other column, so
-        # the candidates are the sample_rank(n, k) largest sampled columns, fewer than k on wide rows (the fallback)
+        # the candidates are the j (sample_plan) largest sampled columns, fewer than k on wide rows (the fallback)
         s = torch.randn(t, n, generator=g)
         s[:, _sample_columns(n)] += 100.0
         return s
@@ -135,8 +135,10 @@ KINDS = ["random", "constant", "rising", "four-levels", "ulp-apart", "nan-inf", 
 
 
 def _sample_columns(n):
-    """The columns of a row of n the sampled path's threshold reads (all of them below SAMPLES columns)."""
-    return np.arange(min(n, K.SAMPLES)) * max(1, n // K.SAMPLES)
+    """The columns of a row of n the sampled path's threshold reads for the top TOPK (all of them in a row narrower than
+    the sample)."""
+    samples = K.sample_plan(n, min(n, TOPK))[0]
+    return np.arange(min(n, samples)) * max(1, n // samples)
 
 
 def _op_inputs(t, n_cap, seed, candidates=False, device="cuda"):
@@ -272,8 +274,8 @@ def _model_candidates(row, k, t, sms):
     """(counts [P], cols [P * seg], keys [P * seg]) of one row as CandidateFilter writes them (POISON in the slots
     it leaves): tau from the row's strided sample by the register select, the keys >= tau and above -inf's."""
     n = len(row)
-    sample = row[np.arange(K.SAMPLES) * (n // K.SAMPLES)]
-    prefix, _, level, _, _ = _model_rounds(sample, K.sample_rank(n, k), 1, K.SAMPLES, True,
+    samples, j = K.sample_plan(n, k)
+    prefix, _, level, _, _ = _model_rounds(row[np.arange(samples) * (n // samples)], j, 1, samples, True,
                                            {"levels": set(), "reread": 0})
     tau = max(_bin_edges(prefix, level)[0], _KEY_NEG_INF + 1)
     ctas, width, seg = K.sampled_plan(t, n, sms)
@@ -362,9 +364,9 @@ def test_select_model_paths():
 
 
 def test_sampled_model_paths():
-    """The sampled path selects from its candidates on random rows (within 2x of j * N / SAMPLES) and falls back to the
+    """The sampled path selects from its candidates on random rows (within 2x of j * N / samples) and falls back to the
     cluster where the sample misses or the row has no useful threshold: a constant row wider than CANDIDATES (every
-    column ties at tau), the sampled columns holding the largest scores (sample_rank(n, 512) < 512 candidates), too
+    column ties at tau), the sampled columns holding the largest scores (j < 512 candidates, sample_plan), too
     few valid scores; a constant row of at most CANDIDATES columns is all candidates. On 2 SMs the filter's CTAs
     take half a row each, their segments capped at CANDIDATES slots (a constant row: the fallback)."""
     g = torch.Generator().manual_seed(3)
@@ -381,25 +383,31 @@ def test_sampled_model_paths():
         assert torch.equal(got, _tie_rule(s, TOPK, OFFSET)), (n, kind, sms)
         if kind == "random":
             counts = _model_candidates(_order_keys(s)[0], TOPK, 1, sms)[0]
-            expected = K.sample_rank(n, TOPK) * n / K.SAMPLES  # j sampled keys, each standing for n / SAMPLES
+            samples, j = K.sample_plan(n, TOPK)
+            expected = j * n / samples  # j sampled keys, each standing for n / samples
             assert expected / 2 <= counts.sum() <= 2 * expected, (n, counts.sum(), expected)
 
 
-def test_sample_rank_and_plan():
-    """sample_rank's tau leaves a miss probability of at most MISS_TARGET up to 2^19 columns at k = 512 (2^20:
-    1.3e-5, the sample's 4096 keys hold about 2 of the row's top 512) and the expected candidate count j * N /
-    SAMPLES between k and CANDIDATES; sampled_plan's CTAs cover the row in whole chunks, at most MAX_SEGMENTS a row,
-    one an SM for few rows, never an empty one."""
-    for n in (4097, 8192, 65536, 131072, 524288, 1 << 20):
+def test_sample_and_filter_plans():
+    """sample_plan takes the fewest samples (1024 up to 2^17 columns at k = 512, 2048 at 2^18, 4096 from 2^19) with
+    a miss probability of at most MISS_TARGET, which holds up to 2^19 columns at k = 512 (2^20: 1.3e-5 with 4096,
+    which hold about 2 of the top 512), and puts the expected candidate count j * N / samples between k and
+    CANDIDATES; sampled_plan's CTAs cover the row in whole chunks, at most MAX_SEGMENTS a row, one an SM for few
+    rows, never an empty one."""
+    for n in (4097, 8192, 65536, 131072, 262144, 524288, 1 << 20):
         for k in (1, 512, 2048):
-            j = K.sample_rank(n, k)
-            miss = K.sample_miss(n, k)[j - 1]
-            assert 1 <= j <= K.SAMPLES and (miss <= K.MISS_TARGET or miss == min(K.sample_miss(n, k)))
+            samples, j = K.sample_plan(n, k)
+            miss = K.sample_miss(n, k, samples)
+            assert samples in K.SAMPLE_SIZES and 1 <= j <= samples
+            assert miss[j - 1] <= K.MISS_TARGET or (samples == K.SAMPLE_SIZES[-1] and miss[j - 1] == min(miss))
+            smaller = [m for m in K.SAMPLE_SIZES if m < samples]
+            assert all(min(K.sample_miss(n, k, m)) > K.MISS_TARGET for m in smaller)
             if k == 512 and n <= 524288:
-                assert miss <= K.MISS_TARGET
+                assert miss[j - 1] <= K.MISS_TARGET
             if k > 1:
-                assert k < j * n / K.SAMPLES < K.CANDIDATES, (n, k, j)
-    assert K.sample_rank(1 << 20, 512) == 11 and 1e-5 < K.sample_miss(1 << 20, 512)[10] < 2e-5
+                assert k < j * n / samples < K.CANDIDATES, (n, k, j)
+    assert [K.sample_plan(n, 512)[0] for n in (65536, 131072, 262144, 524288)] == [1024, 1024, 2048, 4096]
+    assert K.sample_plan(1 << 20, 512) == (4096, 11) and 1e-5 < K.sample_miss(1 << 20, 512, 4096)[10] < 2e-5
     assert K.sampled_plan(1, 524288, 132) == (64, 8192, 8192) and K.sampled_plan(1, 1 << 20, 132) == (128, 8192, 8192)
     assert K.sampled_plan(64, 1 << 20, 132) == (2, 524288, K.CANDIDATES)
     for sms in (2, 114, 132):
