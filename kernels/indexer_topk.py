@@ -83,12 +83,14 @@ select is instruction-bound on its 16 SMs: ncu, about 25 SASS a key in pass 1 an
   SMs). Every CTA computes the row's tau itself from the same sample, so all agree bit for bit: its M / 1024 sample
   loads a thread and its first chunk's 8 loads are issued before the rounds, which thus overlap the CTA's own reads,
   where a separate tau launch (one CTA a row) would add a launch boundary (the filter's griddepcontrol.wait on it)
-  and could not overlap the row's reads with the rounds; the price is M scattered L2 reads a CTA (a wave of CTAs:
-  P x M 32-byte sectors, 8 MB at P = 64 and M = 4096), not measured yet against the alternative. A chunk: 8 consecutive
-  columns a thread, their keys >= tau counted, one block scan, each candidate's column and key to slot (candidates
-  of the CTA before it) of the CTA's segment of mCols, mKeys [T, P * seg] (no atomics: the CTA owns its segment,
-  written in column order); slots past seg = min(width, 8192) are dropped (that CTA alone exceeds CANDIDATES, so
-  the row falls back); the full count to mCounts [T, P].
+  and could not overlap the row's reads with the rounds; the price is M scattered L2 reads a CTA (a wave of CTAs: P
+  x M 32-byte sectors, 8 MB at P = 64 and M = 4096), not measured yet against the alternative. A chunk: 8
+  consecutive columns a thread (8 scalar loads, as a row's start need not be 16-byte aligned: a warp's 8 loads touch
+  the same 32 sectors, the 7 after the first expected to hit L1, not measured yet), their keys >= tau counted, one
+  block scan, each candidate's column and key to slot (the CTA's candidates before it) of the CTA's segment of
+  mCols, mKeys [T, P * seg] (no atomics: the CTA owns its segment, written in column order); slots past seg =
+  min(width, 8192) are dropped (that CTA alone exceeds CANDIDATES, so the row falls back); the full count to mCounts
+  [T, P].
 - ``TopkSelect(sampled=True)`` (launch 3): the cluster build, every CTA of a row's cluster first summing mCounts
   (the same total in all): if K <= total <= CANDIDATES the rank-0 CTA gathers candidate i (column order) from the
   segment p whose first candidate is the last <= i (binary search over the prefix sums in shared memory), 8 a
@@ -109,12 +111,12 @@ Candidate-block mode selects min(cand_topk_blocks, ceil(Ncap / 8)) blocks from b
 
 Resources (ptxas for sm_90a, CUDA 13.0's ptxas -v on the PTX the DSL emits, CUTE_DSL_KEEP=ptx): the score kernel
 takes 168 registers (3 CTAs of 128 threads per SM); the cluster select 55 (at most 64 for 1024 threads), no spills,
-and 2 * capacity bytes + 4.3 KB of shared memory (132 KB at capacity 65536: one CTA an SM); the one-CTA select 41
-and 2.3 KB (43 registers since the sampled path shares its rounds, ``_register_select``); the sampled build of the
-cluster select 64, no spills, 0.5 KB more shared memory; the candidate filter 54 and 2.2 KB. SASS (nvdisasm) of
-the cluster select's loops, instructions per 8 keys a thread: pass 1 199, round 1 101, collection 470 (the build
-before had 338, 152 and 544: per-key branches around loads and match.any); the candidate filter's chunk (CUDA 13.0
-ptxas, nvdisasm 13.5): 192 without candidates (24 a key: 8 scalar loads, keys, the block scan), 215 more in a thread
+and 2 * capacity bytes + 4.3 KB of shared memory (132 KB at capacity 65536: one CTA an SM); the one-CTA select 43
+(41 before it shared its rounds with the sampled path, ``_register_select``) and 2.3 KB; the sampled build of the
+cluster select 64, no spills, 0.5 KB more shared memory; the candidate filter 54 and 2.3 KB. SASS (nvdisasm) of the
+cluster select's loops, instructions per 8 keys a thread: pass 1 199, round 1 101, collection 470 (the build before
+had 338, 152 and 544: per-key branches around loads and match.any); the candidate filter's chunk (CUDA 13.0 ptxas,
+nvdisasm 13.5): 192 without candidates (24 a key: 8 scalar loads, keys, the block scan), 215 more in a thread
 holding candidates. Times of the sampled path: not measured yet.
 """
 
