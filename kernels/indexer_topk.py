@@ -97,7 +97,10 @@ select is instruction-bound on its 16 SMs: ncu, about 25 SASS a key in pass 1 an
   thread in registers (_PAD past the total), runs the register select for the K-th largest candidate and one
   collection step that writes each taken candidate's column, and the cluster's other CTAs exit; otherwise the
   whole cluster runs the cluster select above on the scores (the decision is uniform over the cluster, so its
-  barriers match). Three launches, no host decision: CUDA-graph capturable, bit-deterministic.
+  barriers match). Three launches, no host decision: CUDA-graph capturable, bit-deterministic. The filter lets
+  the select launch (griddepcontrol.launch_dependents) as soon as its own wait returns, so the select's CTAs can
+  take the SMs the filter leaves free and wait there (their griddepcontrol.wait still waits for the whole filter
+  grid and its writes); what that saves is not measured yet.
 Exactness: let S be the columns whose key is >= tau and above -inf's. Every column in S has a key strictly greater
 than every column outside S (outside: key < tau or the lowest key), so when |S| >= K the first K columns of the
 row in the select's order (key descending, lower column first) all lie in S, and that order restricted to S is the
@@ -531,6 +534,8 @@ class CandidateFilter:
         sHist, sScan, sPick = _select_smem(cutlass.memory.SmemAllocator(), tidx)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
+            # the select may launch now: its griddepcontrol.wait still waits for this whole grid and its writes
+            cute.arch.griddepcontrol_launch_dependents()
         t = cta // ctas_per_row
         p = cta % ctas_per_row
         n = mScores.shape[1]
@@ -562,8 +567,6 @@ class CandidateFilter:
                                    seg, sScan, warp, lane)
         if tidx == 0:
             mCounts[t, p] = written
-        if const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def compact(self, keys: list, e0: Int32, count: Int32, tau: Int32, written: Int32, parity: Int32,
