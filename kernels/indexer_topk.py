@@ -93,8 +93,9 @@ select is instruction-bound on its 16 SMs: ncu, about 25 SASS a key in pass 1 an
   [T, P].
 - ``TopkSelect(sampled=True)`` (launch 3): the cluster build, every CTA of a row's cluster first summing mCounts
   (the same total in all): if K <= total <= CANDIDATES the rank-0 CTA gathers candidate i (column order) from the
-  segment p whose first candidate is the last <= i (binary search over the prefix sums in shared memory), 8 a
-  thread in registers (_PAD past the total), runs the register select for the K-th largest candidate and one
+  non-empty segment whose first candidate is the last <= i (a thread's 8 consecutive candidates: one binary
+  search over the non-empty segments' prefix sums in shared memory, then at most a step each), 8 a thread in
+  registers (_PAD past the total), runs the register select for the K-th largest candidate and one
   collection step that writes each taken candidate's column, and the cluster's other CTAs exit; otherwise the
   whole cluster runs the cluster select above on the scores (the decision is uniform over the cluster, so its
   barriers match). Three launches, no host decision: CUDA-graph capturable, bit-deterministic. The filter lets
@@ -116,11 +117,13 @@ Resources (ptxas for sm_90a, CUDA 13.0's ptxas -v on the PTX the DSL emits, CUTE
 takes 168 registers (3 CTAs of 128 threads per SM); the cluster select 55 (at most 64 for 1024 threads), no spills,
 and 2 * capacity bytes + 4.3 KB of shared memory (132 KB at capacity 65536: one CTA an SM); the one-CTA select 43
 (41 before it shared its rounds with the sampled path, ``_register_select``) and 2.3 KB; the sampled build of the
-cluster select 64, no spills, 0.5 KB more shared memory; the candidate filter 54 and 2.3 KB. SASS (nvdisasm) of the
+cluster select 58, no spills, 1 KB more shared memory; the candidate filter 54 and 2.3 KB. SASS (nvdisasm) of the
 cluster select's loops, instructions per 8 keys a thread: pass 1 199, round 1 101, collection 470 (the build before
 had 338, 152 and 544: per-key branches around loads and match.any); the candidate filter's chunk (CUDA 13.0 ptxas,
 nvdisasm 13.5): 192 without candidates (24 a key: 8 scalar loads, keys, the block scan), 215 more in a thread
-holding candidates. Times of the sampled path: not measured yet.
+holding candidates; the candidates' select, per thread: the gather of its 8 candidates 252 (skipped past the total),
+a round 178 to 212 (8 keys' histogram and the pick), the collection at most 296. Times of the sampled path: not
+measured yet.
 """
 
 from __future__ import annotations
@@ -325,19 +328,21 @@ class TopkSelect:
             if const_expr(self.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
         elif const_expr(self.sampled):
-            # the row's candidate count (every CTA of the cluster the same sum) and each segment's first candidate
-            sFirst = smem.allocate_tensor(Int32, cute.make_layout(MAX_SEGMENTS), byte_alignment=16)
-            n_seg = mCounts.shape[1]
+            # the row's candidate count (every CTA of the cluster the same sum) and, for the r-th non-empty segment,
+            # its index sSegs[0, r] and first candidate sSegs[1, r] (strictly increasing in r)
+            sSegs = smem.allocate_tensor(Int32, cute.make_layout((2, MAX_SEGMENTS)), byte_alignment=16)
             mine = Int32(0)
-            if tidx < n_seg:
+            if tidx < mCounts.shape[1]:
                 mine = mCounts[t, tidx]
             before, total = _block_scan(mine, sScan, Int32(1), warp, lane)
-            if tidx < n_seg:
-                sFirst[tidx] = before
+            r, n_filled = _block_scan(cutlass.select_(mine > 0, Int32(1), Int32(0)), sScan, Int32(0), warp, lane)
+            if mine > 0:
+                sSegs[0, r] = tidx
+                sSegs[1, r] = before
             cute.arch.barrier()
             if (total >= self.k) & (total <= CANDIDATES):  # cluster-uniform
                 if rank == 0:
-                    self.select_candidates(total, n_seg, seg, sFirst, mCols, mKeys, mOut, t, offset, sHist, sScan,
+                    self.select_candidates(total, n_filled, seg, sSegs, mCols, mKeys, mOut, t, offset, sHist, sScan,
                                            sPick, tidx, warp, lane)
             else:
                 self.select_cluster(gRow, mScores.shape[1], rank, cluster_n, span, offset, mOut, t, sHist, sTotal,
@@ -347,34 +352,48 @@ class TopkSelect:
                                 sPrefix, sScan, sPick, tidx, warp, lane)
 
     @cute.jit
-    def select_candidates(self, total: Int32, n_seg: Int32, seg: Int32, sFirst: cute.Tensor, mCols: cute.Tensor,
+    def select_candidates(self, total: Int32, n_filled: Int32, seg: Int32, sSegs: cute.Tensor, mCols: cute.Tensor,
                           mKeys: cute.Tensor, mOut: cute.Tensor, t: Int32, offset: Int64, sHist: cute.Tensor,
                           sScan: cute.Tensor, sPick: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
         """The sampled path's select on one CTA: candidate i (of ``total`` <= CANDIDATES, in column order) is entry
-        i - sFirst[p] of segment p, the last segment with sFirst[p] <= i (a non-empty one); thread tidx holds
-        candidates [_GROUP * tidx, _GROUP * tidx + _GROUP) in registers (_PAD past the total), and the register
-        select and one collection step run over them, each key's column from mCols."""
-        keys = []
-        cols = []
-        for j in cutlass.range_constexpr(_GROUP):
-            i = tidx * _GROUP + j
-            p = Int32(0)
-            for step in cutlass.range_constexpr(MAX_SEGMENTS.bit_length() - 2, -1, -1):  # binary search
-                probe = p + (1 << step)
-                p = cutlass.select_((probe < n_seg) & (sFirst[cutlass.min(probe, MAX_SEGMENTS - 1)] <= i), probe, p)
-            slot = p * seg + cutlass.min(i - sFirst[p], seg - 1)
-            live = i < total
-            key = Int32(_PAD)
-            col = Int32(0)
-            if live:
-                key = mKeys[t, slot]
-                col = mCols[t, slot]
-            keys.append(key)
-            cols.append(col)
+        i - sSegs[1, r] of segment sSegs[0, r], r the last of the ``n_filled`` non-empty segments with sSegs[1, r]
+        <= i; thread tidx holds candidates [_GROUP * tidx, _GROUP * tidx + _GROUP) in registers (_PAD past the
+        total): r by a binary search for the first, then at most one step a candidate (a non-empty segment holds at
+        least one); the register select and one collection step run over them, each key's column from mCols."""
+        i0 = tidx * _GROUP
+        keys = [Int32(_PAD)] * _GROUP
+        cols = [Int32(0)] * _GROUP
+        if i0 < total:  # the threads past the candidates hold _PAD only
+            keys, cols = self.gather(i0, total, n_filled, seg, sSegs, mCols, mKeys, t)
         lo, hi, remaining = _register_select(keys, Int32(self.k), sHist, sPick, tidx, warp, lane)
         self.collect(keys, cols, Int32(0), Int32(0), Int32(0), lo, hi, remaining, mOut, t, offset, sScan, warp, lane)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def gather(self, i0: Int32, total: Int32, n_filled: Int32, seg: Int32, sSegs: cute.Tensor, mCols: cute.Tensor,
+               mKeys: cute.Tensor, t: Int32):
+        """(keys, cols) of candidates [i0, i0 + _GROUP) (_PAD, 0 past the total; ``select_candidates``)."""
+        keys = []
+        cols = []
+        r = Int32(0)
+        for step in cutlass.range_constexpr(MAX_SEGMENTS.bit_length() - 2, -1, -1):  # binary search
+            probe = r + (1 << step)
+            r = cutlass.select_((probe < n_filled) & (sSegs[1, cutlass.min(probe, MAX_SEGMENTS - 1)] <= i0), probe, r)
+        for j in cutlass.range_constexpr(_GROUP):
+            i = i0 + j
+            if const_expr(j > 0):
+                step_on = (r + 1 < n_filled) & (sSegs[1, cutlass.min(r + 1, MAX_SEGMENTS - 1)] <= i)
+                r = cutlass.select_(step_on, r + 1, r)
+            slot = sSegs[0, r] * seg + cutlass.min(i - sSegs[1, r], seg - 1)
+            key = Int32(_PAD)
+            col = Int32(0)
+            if i < total:
+                key = mKeys[t, slot]
+                col = mCols[t, slot]
+            keys.append(key)
+            cols.append(col)
+        return keys, cols
 
     @cute.jit
     def select_cluster(self, gRow: cute.Tensor, n: Int32, rank: Int32, cluster_n: Int32, span: Int32, offset: Int64,

@@ -299,10 +299,12 @@ def _model_sampled_row(row, k, offset, t, sms, stats):
         return _model_row(row, k, offset, cluster_n, span, False, stats)
     stats["paths"].add("sampled")
     seg = K.sampled_plan(t, len(row), sms)[2]
-    first = np.cumsum(counts) - counts  # each segment's first candidate
+    filled = np.flatnonzero(counts)  # the non-empty segments, and their first candidates (strictly increasing)
+    starts = (np.cumsum(counts) - counts)[filled]
     i = np.arange(total)
-    p = np.searchsorted(first, i, side="right") - 1  # the last segment starting at or before candidate i
-    slot = p * seg + i - first[p]
+    r = np.searchsorted(starts, i, side="right") - 1  # the last of them starting at or before candidate i
+    assert (np.diff(r) <= 1).all(), "a thread's next candidate is more than one non-empty segment on"
+    slot = filled[r] * seg + i - starts[r]
     cols, keys = ws_cols[slot], ws_keys[slot]
     assert (cols != POISON).all() and (np.diff(cols) > 0).all(), "gathered a slot not written, or out of order"
     prefix, remaining, level, _, _ = _model_rounds(keys, k, 1, total, True, stats)
