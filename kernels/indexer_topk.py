@@ -27,17 +27,17 @@ exactly the keys still to take (rows of distinct scores stop after 2 or 3 of the
 first keys in [lo, hi] in column order, placing each at (keys > hi before it) + min(bin keys before it, needed): the
 output comes out sorted by column, ties broken by the lower column.
 
-``TopkSelect`` (launch 2) runs it for a row of N <= 4096 columns on one CTA of 1024 threads that holds the row's
-keys in registers (4 consecutive columns a thread): every round's histogram from the registers, one collection
-step. A wider row runs on one thread-block cluster of ``cluster_n`` CTAs of 1024 threads:
-ceil(N / 4096) CTAs, at most 16 (Hopper's non-portable cluster size; ``select_plan``), CTA r of the cluster owning
-the span of columns [r * span, (r + 1) * span), span = ceil(N / cluster_n) <= 65536. Why a cluster: the design it
-replaces (about 128 slice CTAs a row, then one merge CTA streaming their 128 x K candidates from global memory twice)
-spent most of its time in that one serial CTA (ncu at base clocks, 2^19 columns: slices 11.5 us, merge 51.0); in a
-cluster every CTA works on its own columns until the end, the only serial steps are 256-bin sums, and no candidates
-travel through global memory. Why
-16-bit prefixes on chip: the full keys of a 2^20-wide row do not fit in 16 SMs' shared memory (256 KB a CTA), their
-top 16 bits do (128 KB), and they decide rounds 0 and 1 and nearly every key of the collection.
+``TopkSelect`` (launch 2; the last of 3 on the sampled path below) runs it for a row of N <= 4096 columns on one
+CTA of 1024 threads that holds the row's keys in registers (4 consecutive columns a thread): every round's
+histogram from the registers, one collection step. A wider row runs on one thread-block cluster of ``cluster_n``
+CTAs of 1024 threads: ceil(N / 4096) CTAs, at most 16 (Hopper's non-portable cluster size; ``select_plan``), CTA r
+of the cluster owning the span of columns [r * span, (r + 1) * span), span = ceil(N / cluster_n) <= 65536. Why a
+cluster: the design it replaces (about 128 slice CTAs a row, then one merge CTA streaming their 128 x K candidates
+from global memory twice) spent most of its time in that one serial CTA (ncu at base clocks, 2^19 columns: slices
+11.5 us, merge 51.0); in a cluster every CTA works on its own columns until the end, the only serial steps are
+256-bin sums, and no candidates travel through global memory. Why 16-bit prefixes on chip: the full keys of a
+2^20-wide row do not fit in 16 SMs' shared memory (256 KB a CTA), their top 16 bits do (128 KB), and they decide
+rounds 0 and 1 and nearly every key of the collection.
 - Pass 1 reads the CTA's scores from global memory once (coalesced, 8 unpredicated loads in flight a thread, the
   last column's again past the span), stores each key's top 16 bits (unsigned order) in shared memory and builds
   round 0's histogram (predicated shared increments, ``_histogram_add``).
@@ -63,18 +63,73 @@ cooperative launch, no spin barrier, no global atomics), so the launch is CUDA-g
 bit-deterministic. The test file's numpy model of these steps is checked against the tie rule and torch.topk on
 the CPU.
 
+The sampled path (``topk_indices``' default for N > 4096; path="cluster" forces the cluster alone) puts a filter
+over the whole GPU before the select, so the select sees a few thousand candidates instead of the row (the cluster
+select is instruction-bound on its 16 SMs: ncu, about 25 SASS a key in pass 1 and 60 in the collection):
+- Threshold: tau = the lowest key of the bin the register select (the one-CTA rounds, ``_register_select``) stops
+  at for the j-th largest of M sampled keys, columns i * floor(N / M), i < M; tau <= that sampled key (equal after
+  4 rounds), and tau is raised above -inf's key, so -inf and NaN are never candidates. ``sample_plan(N, K)``
+  picks M in SAMPLE_SIZES (1024, 2048, 4096) and j so that the expected candidate count j * N / M is a few K:
+  treating the sample as M independent draws, the path misses when j samples fall among the K - 1 keys above the
+  row's K-th largest (P(Bin(M, (K - 1) / N) >= j): too few candidates) or fewer than j among its CANDIDATES = 8192
+  largest (P(Bin(M, 8192 / N) < j): too many); the fewest samples, then the smallest j, with the sum <=
+  MISS_TARGET = 1e-9, else M = 4096 and the j of the smallest sum (``sample_miss``). K = 512: M = 1024, j = 31 at
+  65536 columns (expected 1984 candidates); M = 4096, j = 22 at 524288 (2816, miss 6e-10); M = 4096, j = 11 at
+  2^20 (2816, miss 1.3e-5: the sample holds about 2 of the top 512). K = 2048 at 131072 blocks: M = 4096, j = 118
+  (3776). Rows whose order follows the stride (or constant rows, crowded ties) miss more often; they only cost the
+  fallback's time.
+- ``CandidateFilter`` (launch 2 of 3): grid T x P CTAs of 1024 threads (``sampled_plan``: P = one CTA an SM shared
+  by the rows, at most one a 8192-column chunk; P = 64 at 524288 columns, 128 at 2^20, 1 CTA a row when T >= the
+  SMs). Every CTA computes the row's tau itself from the same sample, so all agree bit for bit: its M / 1024 sample
+  loads a thread and its first chunk's 8 loads are issued before the rounds, which thus overlap the CTA's own reads,
+  where a separate tau launch (one CTA a row) would add a launch boundary (the filter's griddepcontrol.wait on it)
+  and could not overlap the row's reads with the rounds; the price is M scattered L2 reads a CTA (a wave of CTAs: P
+  x M 32-byte sectors, 8 MB at P = 64 and M = 4096), not measured yet against the alternative. A chunk: 8
+  consecutive columns a thread (8 scalar loads, as a row's start need not be 16-byte aligned: a warp's 8 loads touch
+  the same 32 sectors, the 7 after the first expected to hit L1, not measured yet), their keys >= tau counted, one
+  block scan, each candidate's column and key to slot (the CTA's candidates before it) of the CTA's segment of
+  mCols, mKeys [T, P * seg] (no atomics: the CTA owns its segment, written in column order); slots past seg =
+  min(width, 8192) are dropped (that CTA alone exceeds CANDIDATES, so the row falls back); the full count to mCounts
+  [T, P].
+- ``TopkSelect(sampled=True)`` (launch 3): the cluster build, every CTA of a row's cluster first summing mCounts
+  (the same total in all): if K <= total <= CANDIDATES the rank-0 CTA gathers candidate i (column order) from the
+  non-empty segment whose first candidate is the last <= i (a thread's 8 consecutive candidates: one binary
+  search over the non-empty segments' prefix sums in shared memory, then at most a step each), 8 a thread in
+  registers (_PAD past the total), runs the register select for the K-th largest candidate and one
+  collection step that writes each taken candidate's column, and the cluster's other CTAs exit; otherwise the
+  whole cluster runs the cluster select above on the scores (the decision is uniform over the cluster, so its
+  barriers match). Three launches, no host decision: CUDA-graph capturable, bit-deterministic. The filter lets
+  the select launch (griddepcontrol.launch_dependents) as soon as its own wait returns, so the select's CTAs can
+  take the SMs the filter leaves free and wait there (their griddepcontrol.wait still waits for the whole filter
+  grid and its writes); what that saves is not measured yet.
+Exactness: let S be the columns whose key is >= tau and above -inf's. Every column in S has a key strictly greater
+than every column outside S (outside: key < tau or the lowest key), so when |S| >= K the first K columns of the
+row in the select's order (key descending, lower column first) all lie in S, and that order restricted to S is the
+order among the candidates, which the select receives in column order; its top K of S is the row's top K (none
+-inf, so no -1). When |S| < K (misses, rows with fewer than K valid scores, N_c small) or |S| > CANDIDATES (constant
+rows, many ties at tau) the cluster computes the row's result itself. The numpy model of the filter, the gather and
+the fallback is checked against the tie rule on the CPU, including forced misses.
+
 Candidate-block mode selects min(cand_topk_blocks, ceil(Ncap / 8)) blocks from bs with the same select kernel
 (K = 2048, no offset) and expands the chosen blocks to the [T, Ncap] bool mask in torch.
 
 Resources (ptxas for sm_90a, CUDA 13.0's ptxas -v on the PTX the DSL emits, CUTE_DSL_KEEP=ptx): the score kernel
 takes 168 registers (3 CTAs of 128 threads per SM); the cluster select 55 (at most 64 for 1024 threads), no spills,
-and 2 * capacity bytes + 4.3 KB of shared memory (132 KB at capacity 65536: one CTA an SM); the one-CTA select 41
-and 2.3 KB. SASS (nvdisasm) of the cluster select's loops, instructions per 8 keys a thread: pass 1 199, round 1
-101, collection 470 (the build before had 338, 152 and 544: per-key branches around loads and match.any).
+and 2 * capacity bytes + 4.3 KB of shared memory (132 KB at capacity 65536: one CTA an SM); the one-CTA select 43
+(41 before it shared its rounds with the sampled path, ``_register_select``) and 2.3 KB; the sampled build of the
+cluster select 58, no spills, 1 KB more shared memory; the candidate filter 54 and 2.3 KB. SASS (nvdisasm) of the
+cluster select's loops, instructions per 8 keys a thread: pass 1 199, round 1 101, collection 470 (the build before
+had 338, 152 and 544: per-key branches around loads and match.any); the candidate filter's chunk (CUDA 13.0 ptxas,
+nvdisasm 13.5): 192 without candidates (24 a key: 8 scalar loads, keys, the block scan), 215 more in a thread
+holding candidates; the candidates' select, per thread: the gather of its 8 candidates 252 (skipped past the total),
+a round 178 to 212 (8 keys' histogram and the pick), the collection at most 296. Times of the sampled path: not
+measured yet.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 
 import cutlass
@@ -111,6 +166,10 @@ _CHUNK = _GROUP * THREADS  # elements per select pass step
 _INT_MIN = -(2**31)
 _PAD = _INT_MIN  # the key of an element past a CTA's columns: below every score's key
 _KEY_NEG_INF = -(0x7F800000) - 1  # the key of -inf (and NaN): the float bits 0xFF800000 ^ 0x7FFFFFFF
+SAMPLE_SIZES = (THREADS, 2 * THREADS, 4 * THREADS)  # strided scores a row's sampled threshold may take (sample_plan)
+CANDIDATES = _GROUP * THREADS  # the most candidates the sampled path selects from (8 a thread of one CTA)
+MAX_SEGMENTS = MAX_COLUMNS // _CHUNK  # filter CTAs a row: each at least one chunk of _CHUNK columns
+MISS_TARGET = 1e-9  # sample_plan: the binomial miss probability under which fewer samples and candidates win
 
 
 class IndexScore:
@@ -204,29 +263,36 @@ class TopkSelect:
     """The exact top-``k`` of rows of scores: one thread-block cluster of ``cluster_n`` CTAs per row (module
     docstring), each CTA ``span`` consecutive columns of the row (its cluster rank r: columns [r * span, (r + 1) *
     span)), their 16-bit key prefixes in ``capacity`` >= span slots of shared memory; ``capacity`` 0: one CTA a row of
-    at most CTA_COLUMNS columns, its keys in registers (_RESIDENT consecutive columns a thread), no cluster. Writes
-    mOut [T, k] int64.
+    at most CTA_COLUMNS columns, its keys in registers (_RESIDENT consecutive columns a thread), no cluster.
+    ``sampled`` (a cluster build): the last launch of the sampled path, which first sums the row's candidate counts
+    mCounts [T, P] of ``CandidateFilter``; when k <= total <= CANDIDATES (every CTA of the cluster sees the same sum)
+    the cluster's rank-0 CTA selects among the candidates (mCols, mKeys [T, P * seg]: segment p holds CTA p's) and
+    the other CTAs exit, else the cluster selects from the scores as the plain build does. Writes mOut [T, k] int64.
     """
 
-    def __init__(self, k: int, capacity: int, pdl: bool):
+    def __init__(self, k: int, capacity: int, pdl: bool, sampled: bool = False):
         self.k = k
         self.capacity = capacity
         self.resident = capacity == 0
         self.pdl = pdl
+        self.sampled = sampled
+        if sampled and self.resident:
+            raise ValueError("TopkSelect: sampled needs a cluster build (capacity > 0)")
 
     @cute.jit
-    def __call__(self, mScores: cute.Tensor, mOut: cute.Tensor, offset: Int64, cluster_n: Int32, span: Int32,
-                 n_ctas: Int32, stream):
+    def __call__(self, mScores: cute.Tensor, mOut: cute.Tensor, mCounts: cute.Tensor, mCols: cute.Tensor,
+                 mKeys: cute.Tensor, offset: Int64, cluster_n: Int32, span: Int32, seg: Int32, n_ctas: Int32, stream):
         if const_expr(self.resident):
-            self.kernel(mScores, mOut, offset, cluster_n, span).launch(
+            self.kernel(mScores, mOut, mCounts, mCols, mKeys, offset, cluster_n, span, seg).launch(
                 grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
         else:
-            self.kernel(mScores, mOut, offset, cluster_n, span).launch(
+            self.kernel(mScores, mOut, mCounts, mCols, mKeys, offset, cluster_n, span, seg).launch(
                 grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=[cluster_n, 1, 1], stream=stream,
                 use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, mScores: cute.Tensor, mOut: cute.Tensor, offset: Int64, cluster_n: Int32, span: Int32):
+    def kernel(self, mScores: cute.Tensor, mOut: cute.Tensor, mCounts: cute.Tensor, mCols: cute.Tensor,
+               mKeys: cute.Tensor, offset: Int64, cluster_n: Int32, span: Int32, seg: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()
@@ -235,50 +301,124 @@ class TopkSelect:
         if const_expr(not self.resident):
             rank = Int32(cute.arch.block_idx_in_cluster())
         smem = cutlass.memory.SmemAllocator()
-        sHist = smem.allocate_tensor(Int32, cute.make_layout((_BINS, 2)), byte_alignment=16)
-        sScan = smem.allocate_tensor(Int32, cute.make_layout((2, _SEL_WARPS)), byte_alignment=16)
-        sPick = smem.allocate_tensor(Int32, cute.make_layout(5), byte_alignment=8)
-        if tidx < _BINS:
-            sHist[tidx, 0] = Int32(0)
-            sHist[tidx, 1] = Int32(0)
+        sHist, sScan, sPick = _select_smem(smem, tidx)
+        sTotal = None
+        sPrefix = None
+        if const_expr(not self.resident):
+            sTotal = smem.allocate_tensor(Int32, cute.make_layout((_BINS, 2)), byte_alignment=16)  # cluster sums
+            sPrefix = smem.allocate_tensor(cutlass.Uint16, cute.make_layout(self.capacity), byte_alignment=16)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
         t = cta // cluster_n
-        first = rank * span  # the CTA's first column
-        count = cutlass.max(cutlass.min(mScores.shape[1] - first, span), Int32(0))  # its columns
         gRow = mScores[t, None]
         cute.arch.barrier()
 
-        resident = []  # the resident CTA's keys: columns _RESIDENT * tidx + j
         if const_expr(self.resident):
+            count = cutlass.min(mScores.shape[1], span)
+            keys = []  # columns _RESIDENT * tidx + j
             for j in cutlass.range_constexpr(_RESIDENT):
                 e = tidx * _RESIDENT + j
                 key = Int32(_PAD)
                 if e < count:
                     key = _order_key(gRow[e])
-                resident.append(key)
+                keys.append(key)
+            lo, hi, remaining = _register_select(keys, Int32(self.k), sHist, sPick, tidx, warp, lane)
+            self.collect(keys, [tidx * _RESIDENT + j for j in range(_RESIDENT)], Int32(0), Int32(0), Int32(0), lo,
+                         hi, remaining, mOut, t, offset, sScan, warp, lane)
+            if const_expr(self.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+        elif const_expr(self.sampled):
+            # the row's candidate count (every CTA of the cluster the same sum) and, for the r-th non-empty segment,
+            # its index sSegs[0, r] and first candidate sSegs[1, r] (strictly increasing in r)
+            sSegs = smem.allocate_tensor(Int32, cute.make_layout((2, MAX_SEGMENTS)), byte_alignment=16)
+            mine = Int32(0)
+            if tidx < mCounts.shape[1]:
+                mine = mCounts[t, tidx]
+            before, total = _block_scan(mine, sScan, Int32(1), warp, lane)
+            r, n_filled = _block_scan(cutlass.select_(mine > 0, Int32(1), Int32(0)), sScan, Int32(0), warp, lane)
+            if mine > 0:
+                sSegs[0, r] = tidx
+                sSegs[1, r] = before
+            cute.arch.barrier()
+            if (total >= self.k) & (total <= CANDIDATES):  # cluster-uniform
+                if rank == 0:
+                    self.select_candidates(total, n_filled, seg, sSegs, mCols, mKeys, mOut, t, offset, sHist, sScan,
+                                           sPick, tidx, warp, lane)
+            else:
+                self.select_cluster(gRow, mScores.shape[1], rank, cluster_n, span, offset, mOut, t, sHist, sTotal,
+                                    sPrefix, sScan, sPick, tidx, warp, lane)
         else:
-            sTotal = smem.allocate_tensor(Int32, cute.make_layout((_BINS, 2)), byte_alignment=16)  # cluster sums
-            sPrefix = smem.allocate_tensor(cutlass.Uint16, cute.make_layout(self.capacity), byte_alignment=16)
-            groups = cute.tiled_divide(sPrefix, (_GROUP,))  # thread-owned runs of _GROUP consecutive slots
-            # Pass 1 (global, coalesced: element e = base + j * THREADS + thread): each key's top 16 bits
-            # (unsigned order) to shared memory, and round 0's histogram.
-            for base in cutlass.range(0, count, _CHUNK):
-                # the _GROUP loads unpredicated (past the columns: the last column's again), so all are in flight
-                keys = [_order_key(gRow[first + cutlass.min(base + j * THREADS + tidx, count - 1)])
-                        for j in range(_GROUP)]
-                lives = [base + j * THREADS + tidx < count for j in range(_GROUP)]
-                for j in cutlass.range_constexpr(_GROUP):
-                    if lives[j]:
-                        sPrefix[base + j * THREADS + tidx] = cutlass.Uint16(_top16(keys[j]))
-                _histogram_add(sHist[None, 0], [_digit(key, 0) for key in keys], lives)
+            self.select_cluster(gRow, mScores.shape[1], rank, cluster_n, span, offset, mOut, t, sHist, sTotal,
+                                sPrefix, sScan, sPick, tidx, warp, lane)
+
+    @cute.jit
+    def select_candidates(self, total: Int32, n_filled: Int32, seg: Int32, sSegs: cute.Tensor, mCols: cute.Tensor,
+                          mKeys: cute.Tensor, mOut: cute.Tensor, t: Int32, offset: Int64, sHist: cute.Tensor,
+                          sScan: cute.Tensor, sPick: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
+        """The sampled path's select on one CTA: candidate i (of ``total`` <= CANDIDATES, in column order) is entry
+        i - sSegs[1, r] of segment sSegs[0, r], r the last of the ``n_filled`` non-empty segments with sSegs[1, r]
+        <= i; thread tidx holds candidates [_GROUP * tidx, _GROUP * tidx + _GROUP) in registers (_PAD past the
+        total): r by a binary search for the first, then at most one step a candidate (a non-empty segment holds at
+        least one); the register select and one collection step run over them, each key's column from mCols."""
+        i0 = tidx * _GROUP
+        keys = [Int32(_PAD)] * _GROUP
+        cols = [Int32(0)] * _GROUP
+        if i0 < total:  # the threads past the candidates hold _PAD only
+            keys, cols = self.gather(i0, total, n_filled, seg, sSegs, mCols, mKeys, t)
+        lo, hi, remaining = _register_select(keys, Int32(self.k), sHist, sPick, tidx, warp, lane)
+        self.collect(keys, cols, Int32(0), Int32(0), Int32(0), lo, hi, remaining, mOut, t, offset, sScan, warp, lane)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def gather(self, i0: Int32, total: Int32, n_filled: Int32, seg: Int32, sSegs: cute.Tensor, mCols: cute.Tensor,
+               mKeys: cute.Tensor, t: Int32):
+        """(keys, cols) of candidates [i0, i0 + _GROUP) (_PAD, 0 past the total; ``select_candidates``)."""
+        keys = []
+        cols = []
+        r = Int32(0)
+        for step in cutlass.range_constexpr(MAX_SEGMENTS.bit_length() - 2, -1, -1):  # binary search
+            probe = r + (1 << step)
+            r = cutlass.select_((probe < n_filled) & (sSegs[1, cutlass.min(probe, MAX_SEGMENTS - 1)] <= i0), probe, r)
+        for j in cutlass.range_constexpr(_GROUP):
+            i = i0 + j
+            if const_expr(j > 0):
+                step_on = (r + 1 < n_filled) & (sSegs[1, cutlass.min(r + 1, MAX_SEGMENTS - 1)] <= i)
+                r = cutlass.select_(step_on, r + 1, r)
+            slot = sSegs[0, r] * seg + cutlass.min(i - sSegs[1, r], seg - 1)
+            key = Int32(_PAD)
+            col = Int32(0)
+            if i < total:
+                key = mKeys[t, slot]
+                col = mCols[t, slot]
+            keys.append(key)
+            cols.append(col)
+        return keys, cols
+
+    @cute.jit
+    def select_cluster(self, gRow: cute.Tensor, n: Int32, rank: Int32, cluster_n: Int32, span: Int32, offset: Int64,
+                       mOut: cute.Tensor, t: Int32, sHist: cute.Tensor, sTotal: cute.Tensor, sPrefix: cute.Tensor,
+                       sScan: cute.Tensor, sPick: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
+        """The cluster's select of its row (module docstring), CTA ``rank`` on columns [rank * span, ...)."""
+        first = rank * span  # the CTA's first column
+        count = cutlass.max(cutlass.min(n - first, span), Int32(0))  # its columns
+        groups = cute.tiled_divide(sPrefix, (_GROUP,))  # thread-owned runs of _GROUP consecutive slots
+        # Pass 1 (global, coalesced: element e = base + j * THREADS + thread): each key's top 16 bits (unsigned
+        # order) to shared memory, and round 0's histogram.
+        for base in cutlass.range(0, count, _CHUNK):
+            # the _GROUP loads unpredicated (past the columns: the last column's again), so all are in flight
+            keys = [_order_key(gRow[first + cutlass.min(base + j * THREADS + tidx, count - 1)]) for j in range(_GROUP)]
+            lives = [base + j * THREADS + tidx < count for j in range(_GROUP)]
+            for j in cutlass.range_constexpr(_GROUP):
+                if lives[j]:
+                    sPrefix[base + j * THREADS + tidx] = cutlass.Uint16(_top16(keys[j]))
+            _histogram_add(sHist[None, 0], [_digit(key, 0) for key in keys], lives)
 
         # Radix select, 8-bit digits from the top, over the cluster: a round's histograms (one per CTA, of its keys
         # matching the digits chosen so far) are summed through DSMEM after a cluster barrier, so every CTA picks
         # the same digit; `prefix` = the top `level` bits of the take-th largest key, `remaining` = how many keys
         # with those bits are still to take; the rounds stop once they are all of that bin's keys. `gt_before`,
-        # `eq_before`: the keys above the bin and in it of the CTAs before this one (in column order). The resident
-        # CTA takes every round's histogram from its registers.
+        # `eq_before`: the keys above the bin and in it of the CTAs before this one (in column order).
         prefix = Int32(0)
         remaining = Int32(self.k)
         level = Int32(0)
@@ -287,10 +427,7 @@ class TopkSelect:
         eq_before = Int32(0)
         for rnd in cutlass.range_constexpr(_ROUNDS):
             if done == 0:
-                if const_expr(self.resident):
-                    _histogram_add(sHist[None, rnd % 2], [_digit(key, rnd) for key in resident],
-                                   [_matches(key, rnd, prefix) for key in resident])
-                elif const_expr(rnd > 0):
+                if const_expr(rnd > 0):
                     for base in cutlass.range(0, count, _CHUNK):
                         e0 = base + tidx * _GROUP
                         tops = self.prefixes(groups, e0)
@@ -313,29 +450,22 @@ class TopkSelect:
                             digits.append(digit)
                             lives.append(live)
                         _histogram_add(sHist[None, rnd % 2], digits, lives)
-                if const_expr(self.resident):  # its own histogram is the row's: picked from sHist directly
-                    cute.arch.barrier()
-                    if tidx < _BINS:
-                        sHist[tidx, (rnd + 1) % 2] = Int32(0)  # the next round's (last read a round ago)
-                    if warp == 0:
-                        _pick_digit(sHist[None, rnd % 2], None, sPick, prefix, remaining, lane)
-                else:
-                    cute.arch.cluster_arrive()  # release: this CTA's histogram; acquire: every peer's
-                    cute.arch.cluster_wait()
-                    if tidx < _BINS:
-                        total = Int32(0)
-                        before = Int32(0)
-                        for peer in cutlass.range_constexpr(MAX_CLUSTER):  # 16 independent loads, none predicated
-                            n_peer = cute_utils.load_shared_remote(cute_utils.elem_ptr(sHist, (tidx, rnd % 2)),
-                                                                   cutlass.min(Int32(peer), cluster_n - 1))
-                            total = total + cutlass.select_(peer < cluster_n, n_peer, Int32(0))
-                            before = before + cutlass.select_(peer < rank, n_peer, Int32(0))
-                        sTotal[tidx, 0] = total
-                        sTotal[tidx, 1] = before
-                        sHist[tidx, (rnd + 1) % 2] = Int32(0)  # the next round's (its peers read it before this round)
-                    cute.arch.barrier()
-                    if warp == 0:
-                        _pick_digit(sTotal[None, 0], sTotal[None, 1], sPick, prefix, remaining, lane)
+                cute.arch.cluster_arrive()  # release: this CTA's histogram; acquire: every peer's
+                cute.arch.cluster_wait()
+                if tidx < _BINS:
+                    total = Int32(0)
+                    before = Int32(0)
+                    for peer in cutlass.range_constexpr(MAX_CLUSTER):  # 16 independent loads, none predicated
+                        n_peer = cute_utils.load_shared_remote(cute_utils.elem_ptr(sHist, (tidx, rnd % 2)),
+                                                               cutlass.min(Int32(peer), cluster_n - 1))
+                        total = total + cutlass.select_(peer < cluster_n, n_peer, Int32(0))
+                        before = before + cutlass.select_(peer < rank, n_peer, Int32(0))
+                    sTotal[tidx, 0] = total
+                    sTotal[tidx, 1] = before
+                    sHist[tidx, (rnd + 1) % 2] = Int32(0)  # the next round's (its peers read it before this round)
+                cute.arch.barrier()
+                if warp == 0:
+                    _pick_digit(sTotal[None, 0], sTotal[None, 1], sPick, prefix, remaining, lane)
                 cute.arch.barrier()
                 prefix = sPick[0]
                 remaining = sPick[1]
@@ -343,43 +473,37 @@ class TopkSelect:
                 gt_before = gt_before + sPick[3]
                 eq_before = sPick[4]
                 level = Int32(8 * (rnd + 1))
-        if const_expr(not self.resident):
-            cute.arch.cluster_arrive()  # the peers' histogram reads are done; matched by the wait before the exit
+        cute.arch.cluster_arrive()  # the peers' histogram reads are done; matched by the wait before the exit
         lo, hi = _bin_edges(prefix, level)
 
-        # Collection in column order: each thread's consecutive elements (the resident CTA's _RESIDENT keys once, a
-        # cluster CTA's _GROUP prefixes a chunk), one block scan a step. A cluster CTA's key is the lowest with its
-        # 16-bit prefix, which decides unless the bin is narrower (level > 16) and the prefix is the bin's: then the
-        # full key is re-read.
-        if const_expr(self.resident):
-            self.collect(resident, tidx * _RESIDENT, Int32(0), gt_before, eq_before, lo, hi, remaining, mOut, t,
-                         first, offset, sScan, warp, lane)
-        else:
-            for base in cutlass.range(0, count, _CHUNK):
-                e0 = base + tidx * _GROUP
-                tops = self.prefixes(groups, e0)
-                keys = []
-                for j in cutlass.range_constexpr(_GROUP):
-                    bound = (tops[j] << 16) ^ Int32(_INT_MIN)  # the lowest key with this prefix
-                    if (level > 16) & (tops[j] == _top16(lo)) & (e0 + j < count):
-                        bound = _order_key(gRow[first + e0 + j])
-                    keys.append(cutlass.select_(e0 + j < count, bound, Int32(_PAD)))
-                gt_before, eq_before = self.collect(keys, e0, (base // _CHUNK) % 2, gt_before, eq_before, lo, hi,
-                                                    remaining, mOut, t, first, offset, sScan, warp, lane)
+        # Collection in column order: each thread's _GROUP consecutive prefixes a chunk, one block scan a step. A
+        # key is the lowest with its 16-bit prefix, which decides unless the bin is narrower (level > 16) and the
+        # prefix is the bin's: then the full key is re-read.
+        for base in cutlass.range(0, count, _CHUNK):
+            e0 = base + tidx * _GROUP
+            tops = self.prefixes(groups, e0)
+            keys = []
+            for j in cutlass.range_constexpr(_GROUP):
+                bound = (tops[j] << 16) ^ Int32(_INT_MIN)  # the lowest key with this prefix
+                if (level > 16) & (tops[j] == _top16(lo)) & (e0 + j < count):
+                    bound = _order_key(gRow[first + e0 + j])
+                keys.append(cutlass.select_(e0 + j < count, bound, Int32(_PAD)))
+            gt_before, eq_before = self.collect(keys, [first + e0 + j for j in range(_GROUP)], (base // _CHUNK) % 2,
+                                                gt_before, eq_before, lo, hi, remaining, mOut, t, offset, sScan, warp,
+                                                lane)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
-        if const_expr(not self.resident):
-            cute.arch.cluster_wait()
+        cute.arch.cluster_wait()
 
     @cute.jit
-    def collect(self, keys: list, e0: Int32, parity: Int32, gt_before: Int32, eq_before: Int32, lo: Int32, hi: Int32,
-                remaining: Int32, mOut: cute.Tensor, t: Int32, first: Int32, offset: Int64, sScan: cute.Tensor,
-                warp: Int32, lane: Int32):
-        """One collection step of the CTA: ``keys`` of this thread's consecutive elements from e0 (_PAD past the
-        columns; a key may be the lowest of its 16-bit prefix, which is above -inf's key exactly when the score is
-        not -inf), a block scan on sScan's half ``parity``; key > hi goes to (keys > hi before it) + min(bin keys
-        before it, remaining), a bin key too while that min is below remaining. Returns (gt_before, eq_before)
-        past the CTA's step."""
+    def collect(self, keys: list, cols: list, parity: Int32, gt_before: Int32, eq_before: Int32, lo: Int32, hi: Int32,
+                remaining: Int32, mOut: cute.Tensor, t: Int32, offset: Int64, sScan: cute.Tensor, warp: Int32,
+                lane: Int32):
+        """One collection step of the CTA: ``keys`` of this thread's consecutive elements in column order (_PAD
+        past them; a key may be the lowest of its 16-bit prefix, which is above -inf's key exactly when the score
+        is not -inf), ``cols`` their columns, a block scan on sScan's half ``parity``; key > hi goes to (keys > hi
+        before it) + min(bin keys before it, remaining), a bin key too while that min is below remaining. Returns
+        (gt_before, eq_before) past the CTA's step."""
         gts = [cutlass.select_(key > hi, Int32(1), Int32(0)) for key in keys]
         eqs = [cutlass.select_((key >= lo) & (key <= hi) & (key != Int32(_PAD)), Int32(1), Int32(0)) for key in keys]
         mine = cute_utils.tree_sum(gts) + (cute_utils.tree_sum(eqs) << 16)
@@ -390,7 +514,7 @@ class TopkSelect:
             for j in cutlass.range_constexpr(len(keys)):
                 if (gts[j] == 1) | ((eqs[j] == 1) & (n_eq < remaining)):
                     mOut[t, n_gt + cutlass.min(n_eq, remaining)] = cutlass.select_(
-                        keys[j] > Int32(_KEY_NEG_INF), Int64(first + e0 + j) + offset, Int64(-1))
+                        keys[j] > Int32(_KEY_NEG_INF), Int64(cols[j]) + offset, Int64(-1))
                 n_gt = n_gt + gts[j]
                 n_eq = n_eq + eqs[j]
         return gt_before + (total & Int32(0xFFFF)), eq_before + (total >> 16)
@@ -400,6 +524,129 @@ class TopkSelect:
         """The _GROUP shared prefixes from slot e0 (a multiple of _GROUP) as Int32 (16-byte load; slots past the
         capacity read the last group's, which the callers mask)."""
         return cute_utils.load_vec(groups[None, cutlass.min(e0, self.capacity - _GROUP) // _GROUP], Int32)
+
+
+class CandidateFilter:
+    """The sampled path's first launch (module docstring): CTA (t, p) of ``ctas_per_row`` a row computes the row's
+    threshold tau from its ``samples`` strided scores (every CTA of the row the same), then writes the columns of
+    [p * width, min((p + 1) * width, N)) whose key is >= tau and above -inf's, in column order, and their keys to
+    the first ``seg`` slots of segment p of mCols, mKeys [T, P * seg] int32, and how many there are (all of them,
+    also past seg) to mCounts [T, P] int32. ``samples``, ``take``: the sample's size and the rank j of tau in it
+    (``sample_plan``)."""
+
+    def __init__(self, pdl: bool):
+        self.pdl = pdl
+
+    @cute.jit
+    def __call__(self, mScores: cute.Tensor, mCols: cute.Tensor, mKeys: cute.Tensor, mCounts: cute.Tensor,
+                 samples: Int32, take: Int32, width: Int32, seg: Int32, ctas_per_row: Int32, n_ctas: Int32, stream):
+        self.kernel(mScores, mCols, mKeys, mCounts, samples, take, width, seg, ctas_per_row).launch(
+            grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+
+    @cute.kernel
+    def kernel(self, mScores: cute.Tensor, mCols: cute.Tensor, mKeys: cute.Tensor, mCounts: cute.Tensor,
+               samples: Int32, take: Int32, width: Int32, seg: Int32, ctas_per_row: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()
+        lane = cute.arch.lane_idx()
+        sHist, sScan, sPick = _select_smem(cutlass.memory.SmemAllocator(), tidx)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            # the select may launch now: its griddepcontrol.wait still waits for this whole grid and its writes
+            cute.arch.griddepcontrol_launch_dependents()
+        t = cta // ctas_per_row
+        p = cta % ctas_per_row
+        n = mScores.shape[1]
+        gRow = mScores[t, None]
+        first = p * width  # the CTA's first column
+        count = cutlass.min(n - first, width)  # its columns (>= 1: sampled_plan)
+        # the sample's loads (sample i = j * THREADS + thread, column i * stride; CTA-uniform predicates) and the
+        # first chunk's, all in flight before tau's rounds
+        stride = n // samples
+        sample = []
+        for j in cutlass.range_constexpr(SAMPLE_SIZES[-1] // THREADS):
+            raw = Float32(0.0)
+            if j * THREADS < samples:
+                raw = gRow[(j * THREADS + tidx) * stride]
+            sample.append(raw)
+        e0 = tidx * _GROUP
+        raws = [gRow[first + cutlass.min(e0 + j, count - 1)] for j in range(_GROUP)]
+        cute.arch.barrier()
+        sample_keys = [cutlass.select_(j * THREADS < samples, _order_key(x), Int32(_PAD)) for j, x in enumerate(sample)]
+        lo, _, _ = _register_select(sample_keys, take, sHist, sPick, tidx, warp, lane)
+        tau = cutlass.max(lo, Int32(_KEY_NEG_INF + 1))  # never an -inf (or NaN) score
+        dest = p * seg
+        written = self.compact([_order_key(x) for x in raws], e0, count, tau, Int32(0), Int32(0), mCols, mKeys, t,
+                               first, dest, seg, sScan, warp, lane)
+        for base in cutlass.range(_CHUNK, count, _CHUNK):
+            e0 = base + tidx * _GROUP
+            keys = [_order_key(gRow[first + cutlass.min(e0 + j, count - 1)]) for j in range(_GROUP)]
+            written = self.compact(keys, e0, count, tau, written, (base // _CHUNK) % 2, mCols, mKeys, t, first, dest,
+                                   seg, sScan, warp, lane)
+        if tidx == 0:
+            mCounts[t, p] = written
+
+    @cute.jit
+    def compact(self, keys: list, e0: Int32, count: Int32, tau: Int32, written: Int32, parity: Int32,
+                mCols: cute.Tensor, mKeys: cute.Tensor, t: Int32, first: Int32, dest: Int32, seg: Int32,
+                sScan: cute.Tensor, warp: Int32, lane: Int32) -> Int32:
+        """One chunk: the keys >= tau of this thread's _GROUP consecutive elements from e0 (those below ``count``)
+        to slots written + (such keys before them in the CTA's columns) of the segment from ``dest``, those below
+        ``seg``; a block scan on sScan's half ``parity``. Returns ``written`` past the chunk."""
+        flags = [cutlass.select_((e0 + j < count) & (keys[j] >= tau), Int32(1), Int32(0)) for j in range(_GROUP)]
+        mine = cute_utils.tree_sum(flags)
+        before, total = _block_scan(mine, sScan, parity, warp, lane)
+        if mine != 0:  # most threads hold no candidate
+            slot = written + before
+            for j in cutlass.range_constexpr(_GROUP):
+                if (flags[j] == 1) & (slot < seg):
+                    mCols[t, dest + slot] = first + e0 + j
+                    mKeys[t, dest + slot] = keys[j]
+                slot = slot + flags[j]
+        return written + total
+
+
+@cute.jit
+def _select_smem(smem, tidx: Int32):
+    """(sHist [256, 2] Int32, both halves zeroed (visible after the caller's next barrier), sScan [2, 32], sPick [5]):
+    the shared buffers of a select's rounds and block scans, allocated first from ``smem``."""
+    sHist = smem.allocate_tensor(Int32, cute.make_layout((_BINS, 2)), byte_alignment=16)
+    sScan = smem.allocate_tensor(Int32, cute.make_layout((2, _SEL_WARPS)), byte_alignment=16)
+    sPick = smem.allocate_tensor(Int32, cute.make_layout(5), byte_alignment=8)
+    if tidx < _BINS:
+        sHist[tidx, 0] = Int32(0)
+        sHist[tidx, 1] = Int32(0)
+    return sHist, sScan, sPick
+
+
+@cute.jit
+def _register_select(keys: list, take: Int32, sHist: cute.Tensor, sPick: cute.Tensor, tidx: Int32, warp: Int32,
+                     lane: Int32):
+    """(lo, hi, remaining): the bin [lo, hi] of the take-th largest of the keys the CTA's threads hold in registers
+    (``keys`` this thread's, _PAD for none) and how many of its keys are to take; the radix rounds from the top (one
+    histogram a round in sHist [256, 2], both halves zero on entry; warp 0 picks into sPick), stopping once the bin
+    holds exactly the keys still to take (then lo <= the take-th largest key <= hi; after 4 rounds lo = hi = it)."""
+    prefix = Int32(0)
+    remaining = take
+    level = Int32(0)
+    done = Int32(0)
+    for rnd in cutlass.range_constexpr(_ROUNDS):
+        if done == 0:
+            _histogram_add(sHist[None, rnd % 2], [_digit(key, rnd) for key in keys],
+                           [_matches(key, rnd, prefix) for key in keys])
+            cute.arch.barrier()
+            if tidx < _BINS:
+                sHist[tidx, (rnd + 1) % 2] = Int32(0)  # the next round's (last read a round ago)
+            if warp == 0:
+                _pick_digit(sHist[None, rnd % 2], None, sPick, prefix, remaining, lane)
+            cute.arch.barrier()
+            prefix = sPick[0]
+            remaining = sPick[1]
+            done = cutlass.select_(remaining == sPick[2], Int32(1), Int32(0))
+            level = Int32(8 * (rnd + 1))
+    lo, hi = _bin_edges(prefix, level)
+    return lo, hi, remaining
 
 
 @cute.jit
@@ -592,11 +839,74 @@ def _compile_index_score(masked: bool, blocks: bool, pdl: bool):
     )
 
 
+def _binomial_pmf(m: int, p: float) -> list[float]:
+    """P(Bin(m, p) = i) for i = 0..m."""
+    if p <= 0.0 or p >= 1.0:
+        return [float(i == (0 if p <= 0.0 else m)) for i in range(m + 1)]
+    logs = [math.lgamma(m + 1) - math.lgamma(i + 1) - math.lgamma(m - i + 1) + i * math.log(p)
+            + (m - i) * math.log1p(-p) for i in range(m + 1)]
+    return [math.exp(x) for x in logs]
+
+
+@functools.lru_cache(maxsize=None)
+def sample_miss(n: int, k: int, samples: int) -> list[float]:
+    """miss[j - 1] for j = 1..samples: the binomial probability that the sampled path misses on a row of n distinct
+    scores when tau is the j-th largest of ``samples`` sampled keys (the sample taken as independent uniform draws):
+    too few candidates, P(Bin(samples, (k - 1) / n) >= j) (j samples among the k - 1 keys above the k-th largest),
+    plus too many, P(Bin(samples, CANDIDATES / n) < j) (fewer than j samples among the CANDIDATES largest keys).
+    For tau below the j-th largest sample (the early stop, module docstring) the second term is a lower bound."""
+    low = _binomial_pmf(samples, (k - 1) / n)
+    high = _binomial_pmf(samples, min(1.0, CANDIDATES / n)) if n > CANDIDATES else [0.0] * (samples + 1)
+    at_least = list(itertools.accumulate(reversed(low)))[::-1]  # at_least[j] = P(X >= j)
+    below = [0.0, *itertools.accumulate(high)]  # below[j] = P(Y < j)
+    return [min(1.0, at_least[j] + below[j]) for j in range(1, samples + 1)]
+
+
+@functools.lru_cache(maxsize=None)
+def sample_plan(n: int, k: int) -> tuple[int, int]:
+    """(samples, j) of the sampled threshold of a row of n scores, for the top k: tau is the j-th largest of the keys
+    at columns i * floor(n / samples), i < samples. The fewest samples of SAMPLE_SIZES and then the smallest j whose
+    miss probability (``sample_miss``) is at most MISS_TARGET (fewer scattered reads; fewer candidates: the expected
+    count is about j * n / samples); else all of them and the j of the smallest miss probability."""
+    for samples in SAMPLE_SIZES:
+        miss = sample_miss(n, k, samples)
+        fine = [j for j, m in enumerate(miss, 1) if m <= MISS_TARGET]
+        if fine:
+            return samples, fine[0]
+    return samples, 1 + min(range(samples), key=miss.__getitem__)
+
+
+def sampled_plan(t: int, n: int, sms: int) -> tuple[int, int, int]:
+    """(ctas_per_row P, width, seg) of the sampled path's filter for T = t rows of n > CTA_COLUMNS columns on
+    ``sms`` SMs: P CTAs a row, as many as one CTA an SM gives each row (at least 1) but no more than one a chunk of
+    _CHUNK columns, each ``width`` (a multiple of _CHUNK) consecutive columns (the last CTA the rest, never none), its
+    candidates in a segment of seg = min(width, CANDIDATES) slots (a CTA with more makes the row's total exceed
+    CANDIDATES: the fallback)."""
+    ctas = max(1, min(-(-n // _CHUNK), sms // t))
+    width = -(-n // (ctas * _CHUNK)) * _CHUNK
+    ctas = -(-n // width)
+    return ctas, width, min(width, CANDIDATES)
+
+
 @cached_kernel(__file__, cute_utils.__file__)
-def _compile_topk_select(k: int, capacity: int, pdl: bool):
+def _compile_topk_select(k: int, capacity: int, pdl: bool, sampled: bool = False):
+    t, m = cute.sym_int(), cute.sym_int()
     return compile_tvm_ffi(
-        TopkSelect(k, capacity, pdl), fake_tensor(Float32, (cute.sym_int(), cute.sym_int()), 4),
-        fake_tensor(Int64, (cute.sym_int(), k), 8), Int64(0), Int32(1), Int32(1), Int32(1), env_stream(),
+        TopkSelect(k, capacity, pdl, sampled), fake_tensor(Float32, (cute.sym_int(), cute.sym_int()), 4),
+        fake_tensor(Int64, (cute.sym_int(), k), 8), fake_tensor(Int32, (cute.sym_int(), cute.sym_int()), 4),
+        fake_tensor(Int32, (t, m), 4), fake_tensor(Int32, (t, m), 4), Int64(0), Int32(1), Int32(1), Int32(1),
+        Int32(1), env_stream(),
+    )
+
+
+@cached_kernel(__file__, cute_utils.__file__)
+def _compile_candidate_filter(pdl: bool):
+    t, m = cute.sym_int(), cute.sym_int()
+    return compile_tvm_ffi(
+        CandidateFilter(pdl), fake_tensor(Float32, (cute.sym_int(), cute.sym_int()), 4),
+        fake_tensor(Int32, (t, m), 4), fake_tensor(Int32, (t, m), 4),
+        fake_tensor(Int32, (cute.sym_int(), cute.sym_int()), 4), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1),
+        Int32(1), env_stream(),
     )
 
 
@@ -606,13 +916,29 @@ def compile_scores(masked: bool, blocks: bool, pdl: bool = True):
     return _compile_index_score(masked, blocks, pdl)
 
 
-def select_launch(n_cols: int, k: int, pdl: bool = True):
-    """The compiled select launch for rows of ``n_cols`` scores and ``k`` (memory, disk or a fresh compile)."""
-    return _compile_topk_select(k, select_plan(n_cols)[2], pdl)
+PATHS = ("auto", "sampled", "cluster")
 
 
-def select_reason(scores: torch.Tensor, k: int) -> str | None:
+def _sampled(n_cols: int, path: str) -> bool:
+    """Whether rows of n_cols columns take the sampled path under ``path`` (validated by the caller)."""
+    return path == "sampled" or (path == "auto" and n_cols > CTA_COLUMNS)
+
+
+def select_launch(n_cols: int, k: int, pdl: bool = True, path: str = "auto"):
+    """The compiled select launch (the last of the sampled path's two) for rows of ``n_cols`` scores and ``k`` on
+    ``path`` (``topk_indices``), from memory, disk or a fresh compile."""
+    return _compile_topk_select(k, select_plan(n_cols)[2], pdl, _sampled(n_cols, path))
+
+
+def filter_launch(pdl: bool = True):
+    """The compiled candidate filter of the sampled path (memory, disk or a fresh compile)."""
+    return _compile_candidate_filter(pdl)
+
+
+def select_reason(scores: torch.Tensor, k: int, path: str = "auto") -> str | None:
     """None when ``topk_indices`` takes these arguments, else the reason it cannot."""
+    if path not in PATHS:
+        return f"path must be one of {PATHS}, got {path!r}"
     if scores.dtype != torch.float32 or scores.dim() != 2:
         return f"scores must be a 2-D torch.float32 tensor [T, N], got {scores.dtype} of shape {list(scores.shape)}"
     n = scores.shape[1]
@@ -620,15 +946,19 @@ def select_reason(scores: torch.Tensor, k: int) -> str | None:
         return f"N must be in [1, {MAX_COLUMNS}], got {n}"
     if not 1 <= k <= min(n, MAX_K):
         return f"k must be in [1, min(N, {MAX_K})] = [1, {min(n, MAX_K)}], got {k}"
+    if path == "sampled" and n <= CTA_COLUMNS:
+        return f"path 'sampled' needs N > {CTA_COLUMNS} (one CTA takes a narrower row), got N = {n}"
     return hopper_reason(scores=scores)
 
 
 def topk_indices(scores: torch.Tensor, k: int, offset: int = 0, *, out: torch.Tensor | None = None,
-                 pdl: bool = True) -> torch.Tensor:
+                 pdl: bool = True, path: str = "auto") -> torch.Tensor:
     """idx [T, k] int64: per row the k columns of the largest scores (NaN as -inf; equal scores: the lower column
     first), sorted ascending, + offset; -1 where the score is -inf. scores [T, N] fp32 contiguous on a Hopper
-    device, 1 <= k <= min(N, 2048), N <= 2^20. ``out`` optionally supplies the output."""
-    reason = select_reason(scores, k)
+    device, 1 <= k <= min(N, 2048), N <= 2^20. ``out`` optionally supplies the output. ``path``: "auto" (the
+    sampled path for N > CTA_COLUMNS, else one CTA a row), "sampled" (N > CTA_COLUMNS) or "cluster" (the select
+    without the sample: one CTA or one cluster a row); every path gives the same result."""
+    reason = select_reason(scores, k, path)
     if reason is not None:
         raise ValueError(f"topk_indices: {reason}")
     t, n = scores.shape
@@ -641,8 +971,26 @@ def topk_indices(scores: torch.Tensor, k: int, offset: int = 0, *, out: torch.Te
     if t == 0:
         return out
     cluster_n, span, _ = select_plan(n)
-    select_launch(n, k, pdl)(scores, out, offset, cluster_n, span, t * cluster_n)
+    if _sampled(n, path):
+        counts, cols, keys, seg = filter_candidates(scores, k, pdl)
+    else:
+        counts = cols = keys = scores.new_empty((1, 1), dtype=torch.int32)  # not read
+        seg = 1
+    select_launch(n, k, pdl, path)(scores, out, counts, cols, keys, offset, cluster_n, span, seg, t * cluster_n)
     return out
+
+
+def filter_candidates(scores: torch.Tensor, k: int, pdl: bool = True):
+    """(counts [T, P], cols [T, P * seg], keys [T, P * seg] int32, seg): the sampled path's candidates of the top k
+    of scores [T, N] (N > CTA_COLUMNS, as ``topk_indices`` checks), CTA p's in the first min(counts[t, p], seg)
+    slots of segment p (``CandidateFilter``, ``sampled_plan``)."""
+    t, n = scores.shape
+    ctas, width, seg = sampled_plan(t, n, torch.cuda.get_device_properties(scores.device).multi_processor_count)
+    counts = scores.new_empty((t, ctas), dtype=torch.int32)
+    cols = scores.new_empty((t, ctas * seg), dtype=torch.int32)
+    keys = scores.new_empty((t, ctas * seg), dtype=torch.int32)
+    filter_launch(pdl)(scores, cols, keys, counts, *sample_plan(n, k), width, seg, ctas, t * ctas)
+    return counts, cols, keys, seg
 
 
 def score_grid(t: int, n_cap: int, sms: int) -> tuple[int, int]:

@@ -18,8 +18,9 @@ plainly (what it costs after a predecessor that does not trigger PDL).
 ``indexer_topk`` is timed per context length (``--columns``, the key cache's Ncap, all rows visible) at Flash's
 indexer sizes (32 heads x 128, top-512); its floor is the bf16 keys read once (plus q, w and the indices), and its
 Inductor variant compiles the reference in the default mode (the autotuning modes take minutes per width). Its extra
-variants: ``select`` (the kernel's exact top-512 alone, on the score kernel's scores) and ``torch_topk``
-(``torch.topk(s, 512, sorted=False)`` on the same scores), both with the scores' read as their floor, and
+variants: ``select`` (the kernel's exact top-512 alone, on the score kernel's scores; above 4096 columns the
+sampled path), ``select_cluster`` (the same on the path without the sample: one cluster a row) and ``torch_topk``
+(``torch.topk(s, 512, sorted=False)`` on the same scores), all three with the scores' read as their floor, and
 ``dsv41_blocks`` (the kernel in layer 20's candidate-block mode).
 
 Writes ``kernels.json`` ({"gpu", "torch", ..., "rows": [{"op", "tokens", "variant", "us", "floor_us", ...}]}) and
@@ -260,6 +261,7 @@ def _indexer_op(cfg, columns: int) -> Op:
         columns=columns,
         inductor_mode="default",
         extra={"select": (scores, lambda s: topk_indices(s, min(k, columns), offset)),
+               "select_cluster": (scores, lambda s: topk_indices(s, min(k, columns), offset, path="cluster")),
                "torch_topk": (scores, lambda s: torch.topk(s, min(k, columns), dim=-1, sorted=False).indices),
                "dsv41_blocks": (lambda *inputs: list(inputs), lambda q, w, keys, n_c: indexer_topk(
                    q, w, keys, n_c, None, **blocks)[1])},

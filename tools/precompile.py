@@ -53,6 +53,8 @@ def kernels_for(cfg, max_context: int | None = None) -> list[tuple[str, object]]
         selects.add((n_blocks, min(cfg.candidate_topk_blocks, n_blocks)))
     builds += [(f"indexer_topk select (N={n}, K={k})", lambda n=n, k=k: indexer_topk.select_launch(n, k))
                for n, k in sorted(selects)]
+    if any(n > indexer_topk.CTA_COLUMNS for n, _ in selects):  # the sampled path's first launch
+        builds.append(("indexer_topk candidate filter", indexer_topk.filter_launch))
     return builds
 
 

@@ -1,25 +1,33 @@
 """The indexer kernels (dsv41.kernels.indexer_topk): the score kernel and the exact top-K select.
 
-CPU: every kind of launch compiles for sm_90a (score: plain, candidate-masked, block maxima, without PDL;
-select: the one-CTA register build and the smallest and largest shared capacity at k = 512 and 2048, without
-PDL); `score_grid` fills one wave and covers the rows; `select_plan`'s clusters cover every width; a numpy model of
-the select's steps (one CTA holding a row's full keys up to 4096 columns, else a cluster of CTAs a row, 16-bit
-prefixes on chip, the full key re-read where a prefix does not decide, the histograms summed
-over the cluster with the earlier CTAs' counts, the collection from those counts) equals the tie rule and
-torch.topk's values on every score pattern below at N = 1 to 2^20, writes every output position once, and reaches
-the early stop, all 4 rounds, few re-reads for random scores and all of a CTA's for a constant row; `supports`
-and `select_reason` explain what they reject; the bench rows per width (the op's NaN and tie rules and
-`compare_kernel` are tested in tests/lowerings/test_indexer_topk.py).
+CPU: every kind of launch compiles for sm_90a (score: plain, candidate-masked, block maxima, without PDL; select:
+the one-CTA register build and the smallest and largest shared capacity at k = 512 and 2048, without PDL, the
+sampled path's cluster build and its candidate filter); `score_grid` fills one wave and covers the rows;
+`select_plan`'s clusters and `sampled_plan`'s filter CTAs cover every width; `sample_plan`'s sample sizes, miss
+probabilities and expected candidate counts; a numpy model of the select's steps (one CTA holding a row's full keys
+up to 4096 columns, else a cluster of CTAs a row, 16-bit prefixes on chip, the full key re-read where a prefix does
+not decide, the histograms summed over the cluster with the earlier CTAs' counts, the collection from those counts;
+on the sampled path tau from the strided sample, the filter's segments, the gather by prefix sums and the
+candidates' select, else the cluster) equals the tie rule and torch.topk's values on every score pattern below at N
+= 1 to 2^20 on both paths, writes every output position once, and reaches the early stop, all 4 rounds, few re-reads
+for random scores and all of a CTA's for a constant row, the candidates' select on random rows and the fallback on
+the forced misses (constant rows wider than CANDIDATES, ties at tau, the sample holding the largest scores, few
+valid scores); `supports` and `select_reason` explain what they reject; the bench rows per width (the op's NaN and
+tie rules and `compare_kernel` are tested in tests/lowerings/test_indexer_topk.py).
 GPU (H200), outputs poisoned (-7) before each call:
-- the select (`topk_indices`) on given scores equals the tie rule exactly (a stable descending sort: equal scores,
-  -inf ones included, taken lower index first; NaN as -inf; then sorted ascending, + offset, -1 for -inf), -1
-  positions included: random, constant rows, rising values, crowded near-ties (4 levels; neighbours 1 ulp apart,
-  which share their 16-bit prefix: the full keys decide, and the bin's ties are cut across CTAs), NaN and +-inf,
-  every CTA's span a permutation of the same values (equal histograms in every CTA), the largest scores in the last
-  CTA's span, rows with fewer valid scores than K and none, at widths 1 to 2^20: one CTA (<= 4096 columns, keys in
-  registers; 1025 and 4095 leave threads part-filled), then clusters of 2 to 16 CTAs, widths the cluster does not
-  divide (4097: spans 2049 and 2048; 65537: 16 spans of 4097, the last 4082), K = 512 and 2048; rows in DSV41_TEST_TOKENS (default 1,2,3,8,33,64) at 4096 to 524288
-  columns, with short and half-constant rows;
+- the select (`topk_indices`, path "cluster" and, above 4096 columns, "sampled") on given scores equals the tie rule
+  exactly (a stable descending sort: equal scores, -inf ones included, taken lower index first; NaN as -inf; then
+  sorted ascending, + offset, -1 for -inf), -1 positions included: random, constant rows, rising values, crowded
+  near-ties (4 levels; neighbours 1 ulp apart, which share their 16-bit prefix: the full keys decide, and the bin's
+  ties are cut across CTAs), NaN and +-inf, every CTA's span a permutation of the same values (equal histograms in
+  every CTA), the largest scores in the last CTA's span, rows with fewer valid scores than K and none, the largest
+  scores in the sampled columns (the sample misses) or in 600 columns it skips, at widths 1 to 2^20: one CTA (<=
+  4096 columns, keys in registers; 1025 and 4095 leave threads part-filled), then clusters of 2 to 16 CTAs, widths
+  the cluster does not divide (4097: spans 2049 and 2048; 65537: 16 spans of 4097, the last 4082), K = 512 and
+  2048; rows in DSV41_TEST_TOKENS (default 1,2,3,8,33,64) at 4096 to 2^20 columns, with short and half-constant
+  rows, on paths "auto" and "cluster";
+- the candidate filter's counts, columns and keys equal the model's exactly at T = 1, 3, 64 (16 at 2^20) and 4097 to
+  2^20 columns, the forced misses' rows falling back and the random rows not;
 - the scores of the score kernel against the reference's within its tolerance (`SCORE_RTOL` x sum_h |w_h| |q_h|.|k|),
   -inf exactly where the reference has it, in the plain, candidate-masked and block modes; the block maxima equal the
   max of the kernel's own scores (newest block pinned);
@@ -27,8 +35,8 @@ GPU (H200), outputs poisoned (-7) before each call:
   candidate-masked and candidate-block mode; the block mode also exactly against `select_candidate_blocks` of the
   kernel's own scores; N_c = 0, N_c < 512, N_c = Ncap in every batch;
 - the op (impl "cute" and "auto", index and mask form) calls the entry; CUDA-graph replays (DSV41_TEST_REPLAYS, default
-  100) alternating two input sets are bit-identical to direct calls (the op at 65536 columns: 16-CTA clusters; the
-  select alone at 2^20).
+  100) alternating two input sets are bit-identical to direct calls (the op at 65536 columns: the sampled path; the
+  select alone at 2^20 on both paths, round robin over rows that take the candidates and rows that fall back).
 DSV41_TEST_MAX_COLUMNS (default 1048576) caps the widths, so compute-sanitizer runs stay short, e.g.
 `DSV41_TEST_TOKENS=1,3 DSV41_TEST_MAX_COLUMNS=65536 DSV41_TEST_REPLAYS=2 compute-sanitizer --tool racecheck python3 -m
 pytest -m gpu tests/kernels/test_indexer_topk.py`. When CUDA is present these tests fail (never skip) if the kernel
@@ -102,6 +110,17 @@ def _score_rows(kind, t, n, g):
         s = torch.randn(t, n, generator=g)
         s[:, -min(n, 700):] += 100.0
         return s
+    if kind == "sample-high":  # the sampled columns hold the largest scores: tau is above every other column, so
+        # the candidates are the j (sample_plan) largest sampled columns, fewer than k on wide rows (the fallback)
+        s = torch.randn(t, n, generator=g)
+        s[:, _sample_columns(n)] += 100.0
+        return s
+    if kind == "spike-unsampled":  # 600 of the largest scores in columns the sample skips, from the row's middle
+        s = torch.randn(t, n, generator=g)
+        skipped = np.ones(n, bool)
+        skipped[_sample_columns(n)] = False
+        s[:, torch.from_numpy(np.flatnonzero(skipped[n // 3:])[:600] + n // 3)] += 100.0
+        return s
     if kind == "few-valid":  # row r has r * 37 valid scores (row 0: none), the rest -inf
         s = torch.full((t, n), -math.inf)
         for r in range(t):
@@ -112,7 +131,14 @@ def _score_rows(kind, t, n, g):
 
 
 KINDS = ["random", "constant", "rising", "four-levels", "ulp-apart", "nan-inf", "cta-permuted", "top-in-last-cta",
-         "few-valid"]
+         "few-valid", "sample-high", "spike-unsampled"]
+
+
+def _sample_columns(n):
+    """The columns of a row of n the sampled path's threshold reads for the top TOPK (all of them in a row narrower than
+    the sample)."""
+    samples = K.sample_plan(n, min(n, TOPK))[0]
+    return np.arange(min(n, samples)) * max(1, n // samples)
 
 
 def _op_inputs(t, n_cap, seed, candidates=False, device="cuda"):
@@ -149,8 +175,10 @@ def _assert_op_matches(got, inputs, topk=TOPK, cand_topk_blocks=0):
 
 
 SCORE_VARIANTS = [(False, False, True), (True, False, True), (False, True, True), (False, False, False)]
-SELECT_VARIANTS = [(512, 0, True), (2048, 0, True), (512, 4096, True), (512, 65536, True), (2048, 8192, True),
-                   (2048, 32768, True), (512, 16384, False)]
+SELECT_VARIANTS = [(512, 0, True, False), (2048, 0, True, False), (512, 4096, True, False),
+                   (512, 65536, True, False), (2048, 8192, True, False), (2048, 32768, True, False),
+                   (512, 16384, False, False), (512, 4096, True, True), (512, 65536, True, True),
+                   (2048, 8192, False, True)]
 
 
 # A model of the select (TopkSelect: a cluster of CTAs per row, each its span's 16-bit key prefixes on chip), step
@@ -174,9 +202,10 @@ def _bin_edges(prefix, level):
     return lo, lo + (1 << (32 - level)) - 1
 
 
-def _model_row(row, k, offset, cluster_n, span, resident, stats):
-    """idx [k] of one row of keys as the cluster selects it (``resident``: one CTA holding the full keys, which
-    decide every round and the collection; the rounds' digits are the same bits)."""
+def _model_rounds(row, k, cluster_n, span, resident, stats):
+    """(prefix, remaining, level, gt_before, eq_before) of one row of keys after the radix rounds as the cluster
+    runs them (``resident``: one CTA holding the full keys; the rounds' digits are the same bits): the bin's top
+    ``level`` bits, how many of its keys to take, and per CTA the keys above the bin and in it of the CTAs before."""
     n = len(row)
     u = row - _INT_MIN  # unsigned order
     top = u >> 16  # the prefixes in shared memory
@@ -205,6 +234,27 @@ def _model_row(row, k, offset, cluster_n, span, resident, stats):
         if remaining == total[d]:
             break
     stats["levels"].add(level)
+    return prefix, remaining, level, gt_before, eq_before
+
+
+def _model_collect(key, cols, lo, hi, remaining, gt_before, eq_before, idx, written, offset):
+    """One CTA's collection: ``key`` its keys in column order (the lowest of their prefix where that decides),
+    ``cols`` their columns; writes idx (and counts the writes of each position in ``written``)."""
+    gt, eq = key > hi, (key >= lo) & (key <= hi)
+    n_gt = gt_before + gt.cumsum() - gt
+    n_eq = eq_before + eq.cumsum() - eq
+    take = gt | (eq & (n_eq < remaining))
+    pos = (n_gt + np.minimum(n_eq, remaining))[take]
+    np.add.at(written, pos, 1)
+    idx[pos] = np.where(key[take] > _KEY_NEG_INF, cols[take] + offset, -1)
+
+
+def _model_row(row, k, offset, cluster_n, span, resident, stats):
+    """idx [k] of one row of keys as the cluster selects it (``resident``: one CTA holding the full keys, which
+    decide every round and the collection)."""
+    n = len(row)
+    top = (row - _INT_MIN) >> 16
+    prefix, remaining, level, gt_before, eq_before = _model_rounds(row, k, cluster_n, span, resident, stats)
     lo, hi = _bin_edges(prefix, level)
     idx = np.full(k, POISON)
     written = np.zeros(k, np.int64)
@@ -215,38 +265,86 @@ def _model_row(row, k, offset, cluster_n, span, resident, stats):
         if not resident:
             stats["reread"] = max(stats["reread"], int(exact.sum()))
         key = np.where(exact, row[part], key)
-        gt, eq = key > hi, (key >= lo) & (key <= hi)
-        n_gt = gt_before[r] + gt.cumsum() - gt
-        n_eq = eq_before[r] + eq.cumsum() - eq
-        take = gt | (eq & (n_eq < remaining))
-        pos = (n_gt + np.minimum(n_eq, remaining))[take]
-        np.add.at(written, pos, 1)
-        idx[pos] = np.where(key[take] > _KEY_NEG_INF, np.arange(n)[part][take] + offset, -1)
+        _model_collect(key, np.arange(n)[part], lo, hi, remaining, gt_before[r], eq_before[r], idx, written, offset)
     assert (written == 1).all(), "positions written other than once"
     return idx
 
 
-def _model_select(scores, k, offset, stats=None):
-    """idx [T, k] as topk_indices computes it, through the model; `stats` collects the round levels reached and the
-    most full keys a CTA re-reads from global memory in a pass."""
-    stats = {"levels": set(), "reread": 0} if stats is None else stats
-    cluster_n, span, capacity = K.select_plan(scores.shape[1])
-    return torch.from_numpy(np.stack([_model_row(row, k, offset, cluster_n, span, capacity == 0, stats)
-                                      for row in _order_keys(scores)]))
+def _model_candidates(row, k, t, sms):
+    """(counts [P], cols [P * seg], keys [P * seg]) of one row as CandidateFilter writes them (POISON in the slots
+    it leaves): tau from the row's strided sample by the register select, the keys >= tau and above -inf's."""
+    n = len(row)
+    samples, j = K.sample_plan(n, k)
+    prefix, _, level, _, _ = _model_rounds(row[np.arange(samples) * (n // samples)], j, 1, samples, True,
+                                           {"levels": set(), "reread": 0})
+    tau = max(_bin_edges(prefix, level)[0], _KEY_NEG_INF + 1)
+    ctas, width, seg = K.sampled_plan(t, n, sms)
+    counts = np.zeros(ctas, np.int64)
+    cols, keys = np.full(ctas * seg, POISON), np.full(ctas * seg, POISON)
+    for p in range(ctas):
+        hit = np.flatnonzero(row[p * width:(p + 1) * width] >= tau) + p * width
+        counts[p], m = len(hit), min(len(hit), seg)
+        cols[p * seg:p * seg + m], keys[p * seg:p * seg + m] = hit[:m], row[hit[:m]]
+    return counts, cols, keys
+
+
+def _model_sampled_row(row, k, offset, t, sms, stats):
+    """idx [k] of one row as the sampled path selects it: the candidates (``_model_candidates``), gathered in
+    column order and selected on one CTA when k <= their count <= CANDIDATES, else the cluster's select."""
+    counts, ws_cols, ws_keys = _model_candidates(row, k, t, sms)
+    total = int(counts.sum())
+    if not k <= total <= K.CANDIDATES:
+        stats["paths"].add("fallback")
+        cluster_n, span, _ = K.select_plan(len(row))
+        return _model_row(row, k, offset, cluster_n, span, False, stats)
+    stats["paths"].add("sampled")
+    seg = K.sampled_plan(t, len(row), sms)[2]
+    filled = np.flatnonzero(counts)  # the non-empty segments, and their first candidates (strictly increasing)
+    starts = (np.cumsum(counts) - counts)[filled]
+    i = np.arange(total)
+    r = np.searchsorted(starts, i, side="right") - 1  # the last of them starting at or before candidate i
+    assert (np.diff(r) <= 1).all(), "a thread's next candidate is more than one non-empty segment on"
+    slot = filled[r] * seg + i - starts[r]
+    cols, keys = ws_cols[slot], ws_keys[slot]
+    assert (cols != POISON).all() and (np.diff(cols) > 0).all(), "gathered a slot not written, or out of order"
+    prefix, remaining, level, _, _ = _model_rounds(keys, k, 1, total, True, stats)
+    lo, hi = _bin_edges(prefix, level)
+    idx = np.full(k, POISON)
+    written = np.zeros(k, np.int64)
+    _model_collect(keys, cols, lo, hi, remaining, 0, 0, idx, written, offset)
+    assert (written == 1).all(), "positions written other than once"
+    return idx
+
+
+def _model_select(scores, k, offset, stats=None, path="cluster", sms=132):
+    """idx [T, k] as topk_indices computes it on ``path`` ("cluster" or "sampled") on a GPU of ``sms`` SMs,
+    through the model; `stats` collects the round levels reached, the most full keys a CTA re-reads from global
+    memory in a pass, and which of the sampled path's selects ran."""
+    stats = {"levels": set(), "reread": 0, "paths": set()} if stats is None else stats
+    t, n = scores.shape
+    if path == "sampled":
+        rows = [_model_sampled_row(row, k, offset, t, sms, stats) for row in _order_keys(scores)]
+    else:
+        cluster_n, span, capacity = K.select_plan(n)
+        rows = [_model_row(row, k, offset, cluster_n, span, capacity == 0, stats) for row in _order_keys(scores)]
+    return torch.from_numpy(np.stack(rows))
+
+
+MODEL_WIDTHS = [1, 7, 600, 4095, 4096, 4097, 16385, 61441, 65537, 300001, 1 << 20]
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n", [1, 7, 600, 4095, 4096, 4097, 16385, 61441, 65537, 300001, 1 << 20],
-                         ids=lambda n: f"N{n}")
-def test_select_model_is_exact(n, kind):
+@pytest.mark.parametrize("n,path", [(n, "cluster") for n in MODEL_WIDTHS]
+                         + [(n, "sampled") for n in MODEL_WIDTHS if n > K.CTA_COLUMNS], ids=lambda v: f"{v}")
+def test_select_model_is_exact(n, path, kind):
     """The model equals the tie rule exactly and selects the values torch.topk selects (as multisets), at k = 512
     and 2048: one CTA, clusters of 2 (4097: spans 2049 and 2048) to 16 CTAs, widths the cluster does not divide,
-    2^20."""
+    2^20; the sampled path (candidates, their select or the cluster's) at every width above one CTA."""
     t = 1 if n > 65537 else 2
     g = torch.Generator().manual_seed(7 * n + KINDS.index(kind))
     s = _score_rows(kind, t, n, g)
     for k in sorted({min(TOPK, n), min(2048, n)}):
-        got = _model_select(s, k, OFFSET)
+        got = _model_select(s, k, OFFSET, path=path)
         assert torch.equal(got, _tie_rule(s, k, OFFSET)), f"k={k}"
         clean = s.masked_fill(s.isnan(), -math.inf)
         taken = torch.where(got >= 0, clean.gather(-1, (got - OFFSET).clamp(min=0)), -math.inf)
@@ -267,14 +365,74 @@ def test_select_model_paths():
     assert torch.equal(got[0], torch.arange(2048))
 
 
+def test_sampled_model_paths():
+    """The sampled path selects from its candidates on random rows (within 2x of j * N / samples) and falls back to the
+    cluster where the sample misses or the row has no useful threshold: a constant row wider than CANDIDATES (every
+    column ties at tau), the sampled columns holding the largest scores (j < 512 candidates, sample_plan), too
+    few valid scores; a constant row of at most CANDIDATES columns is all candidates. On 2 SMs the filter's CTAs
+    take half a row each, their segments capped at CANDIDATES slots (a constant row: the fallback)."""
+    g = torch.Generator().manual_seed(3)
+    for n, kind, sms, path in [(65536, "random", 132, "sampled"), (524288, "random", 132, "sampled"),
+                               (1 << 20, "random", 132, "sampled"), (65536, "random", 2, "sampled"),
+                               (8192, "constant", 132, "sampled"), (65536, "constant", 132, "fallback"),
+                               (65536, "constant", 2, "fallback"), (524288, "sample-high", 132, "fallback"),
+                               (1 << 20, "sample-high", 132, "fallback"), (65536, "four-levels", 132, "fallback"),
+                               (65536, "few-valid", 132, "fallback"), (65536, "spike-unsampled", 132, "sampled")]:
+        s = _score_rows(kind, 1 if kind != "few-valid" else 2, n, g)
+        stats = {"levels": set(), "reread": 0, "paths": set()}
+        got = _model_select(s, TOPK, OFFSET, stats, "sampled", sms)
+        assert stats["paths"] == {path}, (n, kind, sms, stats["paths"])
+        assert torch.equal(got, _tie_rule(s, TOPK, OFFSET)), (n, kind, sms)
+        if kind == "random":
+            counts = _model_candidates(_order_keys(s)[0], TOPK, 1, sms)[0]
+            samples, j = K.sample_plan(n, TOPK)
+            expected = j * n / samples  # j sampled keys, each standing for n / samples
+            assert expected / 2 <= counts.sum() <= 2 * expected, (n, counts.sum(), expected)
+
+
+def test_sample_and_filter_plans():
+    """sample_plan takes the fewest samples (1024 up to 2^17 columns at k = 512, 2048 at 2^18, 4096 from 2^19) with
+    a miss probability of at most MISS_TARGET, which holds up to 2^19 columns at k = 512 (2^20: 1.3e-5 with 4096,
+    which hold about 2 of the top 512), and puts the expected candidate count j * N / samples between k and
+    CANDIDATES; sampled_plan's CTAs cover the row in whole chunks, at most MAX_SEGMENTS a row, one an SM for few
+    rows, never an empty one."""
+    for n in (4097, 8192, 65536, 131072, 262144, 524288, 1 << 20):
+        for k in (1, 512, 2048):
+            samples, j = K.sample_plan(n, k)
+            miss = K.sample_miss(n, k, samples)
+            assert samples in K.SAMPLE_SIZES and 1 <= j <= samples
+            assert miss[j - 1] <= K.MISS_TARGET or (samples == K.SAMPLE_SIZES[-1] and miss[j - 1] == min(miss))
+            smaller = [m for m in K.SAMPLE_SIZES if m < samples]
+            assert all(min(K.sample_miss(n, k, m)) > K.MISS_TARGET for m in smaller)
+            if k == 512 and n <= 524288:
+                assert miss[j - 1] <= K.MISS_TARGET
+            if k > 1:
+                assert k < j * n / samples < K.CANDIDATES, (n, k, j)
+    assert [K.sample_plan(n, 512)[0] for n in (65536, 131072, 262144, 524288)] == [1024, 1024, 2048, 4096]
+    assert K.sample_plan(1 << 20, 512) == (4096, 11) and 1e-5 < K.sample_miss(1 << 20, 512, 4096)[10] < 2e-5
+    assert K.sampled_plan(1, 524288, 132) == (64, 8192, 8192) and K.sampled_plan(1, 1 << 20, 132) == (128, 8192, 8192)
+    assert K.sampled_plan(64, 1 << 20, 132) == (2, 524288, K.CANDIDATES)
+    for sms in (2, 114, 132):
+        for t in (1, 3, 64, 500):
+            for n in (4097, 8191, 65537, 524288, (1 << 20) - 1, 1 << 20):
+                ctas, width, seg = K.sampled_plan(t, n, sms)
+                assert 1 <= ctas <= K.MAX_SEGMENTS and width % K._CHUNK == 0 and (ctas - 1) * width < n <= ctas * width
+                assert seg == min(width, K.CANDIDATES) and (t * ctas <= sms or ctas == 1)
+
+
 @pytest.mark.parametrize("variant", SCORE_VARIANTS, ids=lambda c: "masked{}-blocks{}-pdl{}".format(*c))
 def test_score_compiles_for_sm90a(variant, monkeypatch, tmp_path):
     assert_compiles_fresh(monkeypatch, tmp_path, K._compile_index_score, variant)
 
 
-@pytest.mark.parametrize("variant", SELECT_VARIANTS, ids=lambda c: "k{}-capacity{}-pdl{}".format(*c))
+@pytest.mark.parametrize("variant", SELECT_VARIANTS, ids=lambda c: "k{}-capacity{}-pdl{}-sampled{}".format(*c))
 def test_select_compiles_for_sm90a(variant, monkeypatch, tmp_path):
     assert_compiles_fresh(monkeypatch, tmp_path, K._compile_topk_select, variant)
+
+
+@pytest.mark.parametrize("pdl", [True, False], ids=lambda p: f"pdl{p}")
+def test_candidate_filter_compiles_for_sm90a(pdl, monkeypatch, tmp_path):
+    assert_compiles_fresh(monkeypatch, tmp_path, K._compile_candidate_filter, (pdl,))
 
 
 def test_select_plan_covers_the_widths():
@@ -345,36 +503,76 @@ def test_select_reason_explains():
     assert K.select_reason(torch.zeros(1, 1 << 20), 2048) == "scores is not a CUDA tensor"  # no candidate limit
     with pytest.raises(ValueError, match="topk_indices: k must be in"):
         K.topk_indices(s, 0)
+    assert "path must be one of ('auto', 'sampled', 'cluster'), got 'fast'" in K.select_reason(s, 5, "fast")
+    assert "path 'sampled' needs N > 4096 (one CTA takes a narrower row), got N = 4096" in K.select_reason(
+        torch.zeros(1, 4096), 5, "sampled")
+    assert K.select_reason(torch.zeros(1, 4097), 5, "sampled") == "scores is not a CUDA tensor"
+    with pytest.raises(ValueError, match="topk_indices: path must be one of"):
+        K.topk_indices(torch.zeros(1, 4097), 5, path="radix")
 
 
 # GPU
 
 
+SELECT_WIDTHS = _widths(1, 7, 600, 1025, 4095, 4096, 4097, 16385, 61441, 65536, 65537, 300001, (1 << 20) - 1, 1 << 20)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n", _widths(1, 7, 600, 1025, 4095, 4096, 4097, 16385, 61441, 65536, 65537, 300001,
-                                     (1 << 20) - 1,
-                                     1 << 20),
-                         ids=lambda n: f"N{n}")
-def test_select_matches_the_tie_rule(n, kind):
+@pytest.mark.parametrize("n,path", [(n, "cluster") for n in SELECT_WIDTHS]
+                         + [(n, "sampled") for n in SELECT_WIDTHS if n > K.CTA_COLUMNS], ids=lambda v: f"{v}")
+def test_select_matches_the_tie_rule(n, path, kind):
     t = 2 if n > 65537 else 3
     g = torch.Generator().manual_seed(n + KINDS.index(kind))
     for k in sorted({min(TOPK, n), min(2048, n)}):
         s = _score_rows(kind, t, n, g).cuda()
-        got = _select(s, k)
+        got = _select(s, k, path=path)
         want = _tie_rule(s, k, OFFSET)
         assert torch.equal(got, want), f"k={k}: {(got != want).sum().item()} entries differ"
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["auto", "cluster"])
 @pytest.mark.parametrize("t", TOKENS, ids=lambda t: f"T{t}")
-def test_select_rows(t):
+def test_select_rows(t, path):
+    """T rows at once (the sampled filter's CTAs: one an SM over the rows, so wider CTAs as T grows)."""
     g = torch.Generator().manual_seed(t)
-    for n in _widths(4096, 40000, 524288):
+    for n in _widths(4096, 4097, 40000, 65536, 524288, 1 << 20):
         s = _score_rows("random", t, n, g).cuda()
         s[::3, 300:] = -math.inf  # every third row: fewer valid scores than k
         s[1::3, : n // 2] = 0.5  # and every third from the second: half the row one value
-        assert torch.equal(_select(s, TOPK, pdl=t % 2 == 0), _tie_rule(s, TOPK, OFFSET))
+        assert torch.equal(_select(s, TOPK, pdl=t % 2 == 0, path=path), _tie_rule(s, TOPK, OFFSET)), f"N={n}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["random", "constant", "sample-high", "nan-inf", "few-valid", "ulp-apart"])
+@pytest.mark.parametrize("n", _widths(4097, 65536, 524288, 1 << 20), ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("t", [1, 3, 64], ids=lambda t: f"T{t}")
+def test_filter_matches_the_model(t, n, kind):
+    """The sampled path's candidates (CandidateFilter through filter_candidates) equal the numpy model's exactly:
+    every CTA's count and the columns and keys in the slots of its segment it writes; the rows of the forced misses
+    do fall back (their totals outside [k, CANDIDATES]) and the random rows do not."""
+    if t * n > (1 << 24):
+        t = (1 << 24) // n  # 16 rows of 2^20: the numpy model of 64 would take minutes
+    g = torch.Generator().manual_seed(n + t)
+    s = _score_rows(kind, t, n, g)
+    counts, cols, keys, seg = K.filter_candidates(s.cuda(), TOPK)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert seg == K.sampled_plan(t, n, sms)[2]
+    fast = []  # per row: whether the select takes the candidates (else the fallback)
+    for r, row in enumerate(_order_keys(s)):
+        want_counts, want_cols, want_keys = _model_candidates(row, TOPK, t, sms)
+        assert np.array_equal(counts[r].cpu().numpy(), want_counts), f"row {r}: counts"
+        written = want_cols != POISON
+        assert np.array_equal(cols[r].cpu().numpy()[written], want_cols[written]), f"row {r}: columns"
+        assert np.array_equal(keys[r].cpu().numpy()[written], want_keys[written]), f"row {r}: keys"
+        fast.append(TOPK <= int(want_counts.sum()) <= K.CANDIDATES)
+    if kind == "random":
+        assert all(fast), fast
+    if kind == "few-valid":  # row r: 37 r valid scores, fewer than k up to row 13
+        assert not any(fast[:14]), fast
+    if (kind == "constant" and n > K.CANDIDATES) or (kind == "sample-high" and n >= 65536):
+        assert not any(fast), fast
 
 
 @pytest.mark.gpu
@@ -492,28 +690,33 @@ def test_cuda_graph_replay(blocks):
 
 
 @pytest.mark.gpu
-def test_select_cuda_graph_replay():
-    """The select alone on the widest rows (16-CTA clusters, rounds 2-3 re-reading full keys for the ulp-apart rows):
-    replays alternating a random and an ulp-apart score set equal the tie rule, outputs poisoned before each."""
+@pytest.mark.parametrize("path", ["sampled", "cluster"])
+def test_select_cuda_graph_replay(path):
+    """The select alone on the widest rows (16-CTA clusters, rounds 2-3 re-reading full keys for the ulp-apart rows;
+    on the sampled path the random rows take the candidates, the ulp-apart (too many ties at tau) and sample-high
+    (too few candidates) rows the fallback): replays round robin over the three score sets, outputs poisoned before
+    each, are bit-identical to the direct calls, which equal the tie rule."""
     n = min(1 << 20, MAX_COLUMNS)
     g = torch.Generator().manual_seed(70)
-    sets = [_score_rows(kind, 2, n, g).cuda() for kind in ("random", "ulp-apart")]
-    wants = [_tie_rule(s, TOPK, OFFSET) for s in sets]
+    sets = [_score_rows(kind, 2, n, g).cuda() for kind in ("random", "ulp-apart", "sample-high")]
+    direct = [_select(s, TOPK, path=path) for s in sets]
+    for got, s in zip(direct, sets, strict=True):
+        assert torch.equal(got, _tie_rule(s, TOPK, OFFSET))
     static = sets[0].clone()
     out = torch.full((2, TOPK), POISON, dtype=torch.int64, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        K.topk_indices(static, TOPK, OFFSET, out=out)
+        K.topk_indices(static, TOPK, OFFSET, out=out, path=path)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        K.topk_indices(static, TOPK, OFFSET, out=out)
-    for i in range(min(REPLAYS, 20)):
-        static.copy_(sets[i % 2])
+        K.topk_indices(static, TOPK, OFFSET, out=out, path=path)
+    for i in range(min(REPLAYS, 30)):
+        static.copy_(sets[i % 3])
         out.fill_(POISON)
         graph.replay()
-        assert torch.equal(out, wants[i % 2]), f"replay {i}"
+        assert torch.equal(out, direct[i % 3]), f"replay {i}"
 
 
 def test_bench_table_and_plot_per_width(tmp_path):

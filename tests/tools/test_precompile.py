@@ -25,7 +25,9 @@ def test_flash_lists_every_kernel_and_the_indexer_only_with_a_context():
     widths = sorted({max_context // cfg.ratio(cfg.kv_source(layer)) for layer in cfg.index_source_layers})
     assert widths == [max_context // 2, max_context]
     assert extra[3:] == [f"indexer_topk select (N={n}, K={min(k, n)})" for n, k in
-                         sorted([(n_blocks, cfg.candidate_topk_blocks)] + [(n, cfg.index_topk) for n in widths])]
+                         sorted([(n_blocks, cfg.candidate_topk_blocks)] + [(n, cfg.index_topk) for n in widths])] + [
+        "indexer_topk candidate filter"]  # the sampled path of the rows wider than 4096 (max_context 4224)
+    assert "indexer_topk candidate filter" not in _labels("flash", 4096)  # every row fits one select CTA
 
 
 def test_tiny_leaves_out_what_has_no_build():
