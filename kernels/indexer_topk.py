@@ -63,9 +63,10 @@ cooperative launch, no spin barrier, no global atomics), so the launch is CUDA-g
 bit-deterministic. The test file's numpy model of these steps is checked against the tie rule and torch.topk on
 the CPU.
 
-The sampled path (``topk_indices``' default for N > 4096; path="cluster" forces the cluster alone) puts a filter
-over the whole GPU before the select, so the select sees a few thousand candidates instead of the row (the cluster
-select is instruction-bound on its 16 SMs: ncu, about 25 SASS a key in pass 1 and 60 in the collection):
+The sampled path (``topk_indices``' default for N > SAMPLED_MIN_COLUMNS = 2^17, where it measured faster;
+path="cluster" forces the cluster alone) puts a filter over the whole GPU before the select, so the select sees a
+few thousand candidates instead of the row (the cluster select is instruction-bound on its 16 SMs: ncu, about 25
+SASS a key in pass 1 and 60 in the collection):
 - Threshold: tau = the lowest key of the bin the register select (the one-CTA rounds, ``_register_select``) stops
   at for the j-th largest of M sampled keys, columns i * floor(N / M), i < M; tau <= that sampled key (equal after
   4 rounds), and tau is raised above -inf's key, so -inf and NaN are never candidates. ``sample_plan(N, K)``
@@ -169,6 +170,7 @@ _KEY_NEG_INF = -(0x7F800000) - 1  # the key of -inf (and NaN): the float bits 0x
 SAMPLE_SIZES = (THREADS, 2 * THREADS, 4 * THREADS)  # strided scores a row's sampled threshold may take (sample_plan)
 CANDIDATES = _GROUP * THREADS  # the most candidates the sampled path selects from (8 a thread of one CTA)
 MAX_SEGMENTS = MAX_COLUMNS // _CHUNK  # filter CTAs a row: each at least one chunk of _CHUNK columns
+SAMPLED_MIN_COLUMNS = 1 << 17  # path "auto": rows wider take the sampled path, narrower ones the cluster (below)
 MISS_TARGET = 1e-9  # sample_plan: the binomial miss probability under which fewer samples and candidates win
 
 
@@ -920,8 +922,11 @@ PATHS = ("auto", "sampled", "cluster")
 
 
 def _sampled(n_cols: int, path: str) -> bool:
-    """Whether rows of n_cols columns take the sampled path under ``path`` (validated by the caller)."""
-    return path == "sampled" or (path == "auto" and n_cols > CTA_COLUMNS)
+    """Whether rows of n_cols columns take the sampled path under ``path`` (validated by the caller). "auto" takes
+    it above SAMPLED_MIN_COLUMNS: on the H200 (2026-12-02, T = 1, k = 512) the sampled select took 12.19 us at 65536
+    columns against the cluster's 10.73 (its three launches' chain), 14.25 against 26.04 at 524288 and 14.48 against
+    46.66 at 2^20."""
+    return path == "sampled" or (path == "auto" and n_cols > SAMPLED_MIN_COLUMNS)
 
 
 def select_launch(n_cols: int, k: int, pdl: bool = True, path: str = "auto"):
@@ -956,8 +961,8 @@ def topk_indices(scores: torch.Tensor, k: int, offset: int = 0, *, out: torch.Te
     """idx [T, k] int64: per row the k columns of the largest scores (NaN as -inf; equal scores: the lower column
     first), sorted ascending, + offset; -1 where the score is -inf. scores [T, N] fp32 contiguous on a Hopper
     device, 1 <= k <= min(N, 2048), N <= 2^20. ``out`` optionally supplies the output. ``path``: "auto" (the
-    sampled path for N > CTA_COLUMNS, else one CTA a row), "sampled" (N > CTA_COLUMNS) or "cluster" (the select
-    without the sample: one CTA or one cluster a row); every path gives the same result."""
+    sampled path for N > SAMPLED_MIN_COLUMNS, else one CTA or one cluster a row), "sampled" (N > CTA_COLUMNS) or
+    "cluster" (the select without the sample: one CTA or one cluster a row); every path gives the same result."""
     reason = select_reason(scores, k, path)
     if reason is not None:
         raise ValueError(f"topk_indices: {reason}")
