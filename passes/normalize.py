@@ -40,6 +40,10 @@
 - block rows: pointwise ops and keepdim last-dim reductions on `x.reshape(-1, k)` rows of blocks of x's last dim
   run at `x.unflatten(-1, (-1, k))` (`_split_rows`), and the cast where they end moves below the view merging the
   blocks back, so the reference's `view(-1, block)` quantisation and the model's unflatten form are one form;
+- view round trips: pointwise ops between a view and the view back to the value's own shape run at that shape
+  (`act_quant`'s flat e4m3 values viewed into blocks again around the cast are the cast of the blocks), broadcast
+  operands only where they vary along the dims both shapes keep; not where the first view gives a graph input or
+  a GEMM output its layout (through the clone a reshape of a permuted value makes), which may end a pattern;
 - contractions: a batched matrix times a vector, `bmm(a, v)` with v [B, K, 1], is the vector times the matrix
   transposed, `bmm(v^T, a^T)^T`;
 - unit dims: a non-leading size-1 dim that a graph input or a view of a GEMM output adds (HF's `[B, S=1, ...]`
@@ -1044,10 +1048,12 @@ def _tails(a, b) -> tuple[list[int], list[int]] | None:
 
 
 def _boundary_view(v: fx.Node) -> bool:
-    """v gives a graph input or a GEMM output (or a permute of one) its layout: a pattern's input may be such a
-    view's output, so the view stays where it is."""
+    """v gives a graph input or a GEMM output its layout, through layout ops and the copy a reshape of a permuted
+    value makes (`z.transpose(0, 1).flatten(1)` is a permute, a clone and a view): a pattern's input or output may be
+    such a view's output (the grouped wo_a ends at its einsum's `.flatten(1)`), so the view stays where it is."""
     root = v.args[0]
-    while isinstance(root, fx.Node) and root.op == "call_function" and root.target is aten.permute.default:
+    while isinstance(root, fx.Node) and root.op == "call_function" and (root.target in _LAYOUT_OPS or (
+            root.target is aten.clone.default and root.kwargs.get("memory_format") is torch.contiguous_format)):
         root = root.args[0]
     return not isinstance(root, fx.Node) or root.op != "call_function" or root.target in _GEMMS
 
@@ -1195,6 +1201,87 @@ def _cast_below_merge(graph: fx.Graph, node: fx.Node) -> bool:
     graph.erase_node(src)
     return True
 
+
+def _nonunit(shape) -> list[int]:
+    return [d for d in shape if d != 1]
+
+
+def _at_layout(o: fx.Node, viewed: list[int], own: list[int]) -> list[int] | None:
+    """The shape at which an operand o that broadcasts against [viewed] pairs with the same elements of a value at
+    [own], for a row-major view between [own] and [viewed]: o may vary only along the leading dims the two shapes
+    share (a view keeps them) and must be 1 on the rest; None when it varies along a reshaped dim."""
+    tail, _ = _tails(viewed, own) or ([], [])
+    lead = len(viewed) - len(tail)
+    full = [1] * (len(viewed) - _val(o).dim()) + list(_val(o).shape)
+    if any(d != 1 for d in full[lead:]):
+        return None
+    return full[:lead] + [1] * (len(own) - lead)
+
+
+def _pointwise_between_views(graph: fx.Graph, node: fx.Node) -> bool:
+    """view(f(view(x, S1)), S0) with S0 x's own shape is f(x), for a chain f of pointwise ops each with one operand
+    of its full shape (the chain) and otherwise numbers, 0-d tensors or operands that vary only along the leading
+    dims S0 and S1 share (taken at S0: a per-row scale [T, 1, 1] as [T, 1]): the reference's dequantisation of
+    `act_quant`'s flat values, `y.view(T, n * k).float().view(T, n, k)` of an e4m3 y [T, n, k], is `y.float()`. A
+    view renames the elements and each op works element by element on the same pairs of elements, so values, dtype
+    and shape are the same (checked): an exact identity. Not where an operand varies along a reshaped dim (a
+    per-block scale [T, n, 1] against a flat value: `x.view(T, n, k).float() * s` viewed back), where a value of the
+    chain has another user (it is read at the viewed layout), where the views only add or drop size-1 dims
+    (`_sink_units`' form), nor where the first view gives a graph input or a GEMM output its layout (`_boundary_view`:
+    a pattern's input or output may be that view, as the grouped wo_a's `.flatten(1)` of its einsum is)."""
+    out = _val(node)
+    if not (node.target is aten.view.default and _static(out)):
+        return False
+    ops, chained, cur = [], [], node.args[0]  # the chain from the view back up, and each op's chain operand
+    while isinstance(cur, fx.Node) and cur.op == "call_function" and cur.target is not aten.view.default \
+            and len(cur.users) == 1 and _static(_val(cur)):
+        t, shape = cur.target, list(_val(cur).shape)
+        if not (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags) or cur.kwargs \
+                or torch.Tag.nondeterministic_seeded in t.tags or any(isinstance(a, (list, tuple)) for a in cur.args):
+            return False
+        full = [i for i, a in enumerate(cur.args) if isinstance(a, fx.Node) and list(_val(a).shape) == shape]
+        if len(full) != 1:
+            return False
+        ops.append(cur)
+        chained.append(full[0])
+        cur = cur.args[full[0]]
+    first = cur
+    if not (ops and isinstance(first, fx.Node) and first.op == "call_function" and first.target is aten.view.default
+            and len(first.users) == 1 and not _boundary_view(first)):
+        return False
+    x, own, viewed = first.args[0], list(out.shape), list(_val(first).shape)
+    if not (isinstance(x, fx.Node) and _static(_val(x)) and list(_val(x).shape) == own
+            and _nonunit(own) != _nonunit(viewed)):
+        return False
+    shapes = {}  # each broadcast operand -> its shape against [own]
+    for op, c in zip(ops, chained):
+        for i, a in enumerate(op.args):
+            if i != c and isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor) and _val(a).dim() > 0:
+                shapes[a] = _at_layout(a, viewed, own) if _static(_val(a)) else None
+                if shapes[a] is None:
+                    return False
+    value, made, same_dtypes = x, [], True
+    for op, c in zip(reversed(ops), reversed(chained)):
+        args = list(op.args)
+        for i, a in enumerate(args):
+            if i == c:
+                args[i] = value
+            elif a in shapes and shapes[a] != list(_val(a).shape):
+                args[i] = _insert(graph, node, aten.view.default, (a, shapes[a]), source=op)
+                made.append(args[i])
+        value = _insert(graph, node, op.target, args, source=op)
+        made.append(value)
+        same_dtypes = same_dtypes and _val(value).dtype == _val(op).dtype
+    if not same_dtypes or list(_val(value).shape) != own or _val(value).dtype != out.dtype:
+        for n in reversed(made):
+            graph.erase_node(n)
+        return False
+    node.replace_all_uses_with(value)
+    for n in (node, *ops, first):
+        graph.erase_node(n)
+    return True
+
+
 def _constant(n) -> bool:
     """n is a 0-d constant tensor node (`scalar_tensor`, the form a number operand of a where takes)."""
     return isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.scalar_tensor.default
@@ -1247,7 +1334,8 @@ def _canonical_forms(graph: fx.Graph) -> int:
         if node.op != "call_function" or node.graph is not graph or not node.users and node.target in _LAYOUT_OPS:
             continue
         if node.target in _LAYOUT_OPS:
-            if _canonicalise_layout(graph, node) or _cast_below_merge(graph, node) or _permute_without_units(graph, node):
+            if _canonicalise_layout(graph, node) or _cast_below_merge(graph, node) or _permute_without_units(graph, node) \
+                    or _pointwise_between_views(graph, node):
                 changed += 1
                 continue
         elif node.target is aten.neg.default and _neg_before_view(graph, node):
