@@ -43,7 +43,7 @@
 - view round trips: pointwise ops between a view and the view back to the value's own shape run at that shape
   (`act_quant`'s flat e4m3 values viewed into blocks again around the cast are the cast of the blocks), broadcast
   operands only where they vary along the dims both shapes keep; not where the first view gives a graph input or
-  a GEMM output its layout (through the clone a reshape of a permuted value makes), which may end a pattern;
+  a GEMM output its layout or is a reshape's copy (`z.transpose(0, 1).flatten(1)`), where a pattern may end;
 - contractions: a batched matrix times a vector, `bmm(a, v)` with v [B, K, 1], is the vector times the matrix
   transposed, `bmm(v^T, a^T)^T`;
 - unit dims: a non-leading size-1 dim that a graph input or a view of a GEMM output adds (HF's `[B, S=1, ...]`
@@ -1048,12 +1048,10 @@ def _tails(a, b) -> tuple[list[int], list[int]] | None:
 
 
 def _boundary_view(v: fx.Node) -> bool:
-    """v gives a graph input or a GEMM output its layout, through layout ops and the copy a reshape of a permuted
-    value makes (`z.transpose(0, 1).flatten(1)` is a permute, a clone and a view): a pattern's input or output may be
-    such a view's output (the grouped wo_a ends at its einsum's `.flatten(1)`), so the view stays where it is."""
+    """v gives a graph input or a GEMM output (or a permute of one) its layout: a pattern's input may be such a
+    view's output, so the view stays where it is."""
     root = v.args[0]
-    while isinstance(root, fx.Node) and root.op == "call_function" and (root.target in _LAYOUT_OPS or (
-            root.target is aten.clone.default and root.kwargs.get("memory_format") is torch.contiguous_format)):
+    while isinstance(root, fx.Node) and root.op == "call_function" and root.target is aten.permute.default:
         root = root.args[0]
     return not isinstance(root, fx.Node) or root.op != "call_function" or root.target in _GEMMS
 
@@ -1218,6 +1216,22 @@ def _at_layout(o: fx.Node, viewed: list[int], own: list[int]) -> list[int] | Non
     return full[:lead] + [1] * (len(own) - lead)
 
 
+def _reshape_copy(v: fx.Node) -> bool:
+    """v is the view half of a reshape that copies a non-contiguous value first (a contiguous clone and a view:
+    `z.transpose(0, 1).flatten(1)`, an einsum's `.flatten(1)`, an expanded mask flattened): a value the user wrote,
+    where a pattern may end (the grouped wo_a's output, the indexer's candidate rows)."""
+    src = v.args[0]
+    return isinstance(src, fx.Node) and src.op == "call_function" and src.target is aten.clone.default \
+        and src.kwargs.get("memory_format") is torch.contiguous_format
+
+
+def keeps_first_view(v: fx.Node) -> bool:
+    """Whether `_pointwise_between_views` leaves a round trip whose first view is v: a view that gives a graph input
+    or a GEMM output its layout (`_boundary_view`) or the view of a reshape's copy (`_reshape_copy`), either of which
+    may be where a pattern's input or output is."""
+    return _boundary_view(v) or _reshape_copy(v)
+
+
 def _pointwise_between_views(graph: fx.Graph, node: fx.Node) -> bool:
     """view(f(view(x, S1)), S0) with S0 x's own shape is f(x), for a chain f of pointwise ops each with one operand
     of its full shape (the chain) and otherwise numbers, 0-d tensors or operands that vary only along the leading
@@ -1227,8 +1241,9 @@ def _pointwise_between_views(graph: fx.Graph, node: fx.Node) -> bool:
     and shape are the same (checked): an exact identity. Not where an operand varies along a reshaped dim (a
     per-block scale [T, n, 1] against a flat value: `x.view(T, n, k).float() * s` viewed back), where a value of the
     chain has another user (it is read at the viewed layout), where the views only add or drop size-1 dims
-    (`_sink_units`' form), nor where the first view gives a graph input or a GEMM output its layout (`_boundary_view`:
-    a pattern's input or output may be that view, as the grouped wo_a's `.flatten(1)` of its einsum is)."""
+    (`_sink_units`' form), nor where a pattern's input or output may be the first view (`keeps_first_view`: the model's
+    FP8 step views the grouped wo_a's output `einsum(...).flatten(1)` back into its groups where o_lora_rank is the
+    block, and wo_a's formulations end at that `.flatten(1)`)."""
     out = _val(node)
     if not (node.target is aten.view.default and _static(out)):
         return False
@@ -1247,7 +1262,7 @@ def _pointwise_between_views(graph: fx.Graph, node: fx.Node) -> bool:
         cur = cur.args[full[0]]
     first = cur
     if not (ops and isinstance(first, fx.Node) and first.op == "call_function" and first.target is aten.view.default
-            and len(first.users) == 1 and not _boundary_view(first)):
+            and len(first.users) == 1 and not keeps_first_view(first)):
         return False
     x, own, viewed = first.args[0], list(out.shape), list(_val(first).shape)
     if not (isinstance(x, fx.Node) and _static(_val(x)) and list(_val(x).shape) == own

@@ -472,6 +472,15 @@ def _grouped_gemm_output(x, w):
     return torch.einsum("tgd,grd->tgr", x, w).flatten(1).float().view(3, 2, 32)
 
 
+def _expanded_value_flattened(x, w):
+    """A reshape that copies an expanded value (as the indexer's candidate rows), read back in its layout."""
+    return (x[:, :, :16] * 2.0).unsqueeze(-1).expand(3, 2, 16, 2).reshape(3, 64).float().view(3, 2, 16, 2)
+
+
+def _graph_input(x, w):
+    return x.view(3, 64).float().view(3, 2, 32)
+
+
 # name -> (function of x [3, 2, 32] and w [2, 32, 32] bf16, its views as (input shape, output shape), its casts as (shape, dtype))
 STAYS = {
     "the view back has another shape": (_other_shape, [((3, 2, 32), (3, 64)), ((3, 64), (3, 4, 16))],
@@ -484,7 +493,12 @@ STAYS = {
                                  [((3, 2, 32), E4M3), ((3, 64), torch.float32)]),
     "a per-block scale": (_per_block_scale, [((3, 2, 32), (3, 64)), ((3, 64), (3, 2, 32)), ((3, 2, 32), (3, 64))],
                           [((3, 2, 32), torch.float32), ((3, 2, 1), torch.float32)]),
-    "a view of a GEMM output": (_grouped_gemm_output, None, [((3, 64), torch.float32)]),
+    "a reshape's copy of a GEMM output": (_grouped_gemm_output, None, [((3, 64), torch.float32)]),
+    "a reshape's copy of an expanded value": (_expanded_value_flattened, [((3, 2, 16), (3, 2, 16, 1)),
+                                                                        ((3, 2, 16, 2), (3, 64)),
+                                                                        ((3, 64), (3, 2, 16, 2))],
+                                              [((3, 64), torch.float32)]),
+    "a view of a graph input": (_graph_input, [((3, 2, 32), (3, 64)), ((3, 64), (3, 2, 32))], [((3, 64), torch.float32)]),
 }
 
 
@@ -492,9 +506,10 @@ STAYS = {
 def test_a_view_round_trip_stays_where_rewriting_it_would_change_values_or_shapes(name):
     """No rewrite where the view back has another shape, a scan sits inside the round trip, the viewed value or a
     value of the chain has another user, an operand varies along a reshaped dim (a per-block scale against the flat
-    value), or the first view gives a GEMM output its layout (the grouped wo_a's einsum `.flatten(1)`: a permute, a
-    clone and a view, which its FP8 step reads as blocks of 32 where o_lora_rank is 32); the graph computes as
-    traced, bit for bit."""
+    value), or a pattern may start or end at the first view: a view of a graph input, the view of a reshape that
+    copies (the grouped wo_a's einsum `.flatten(1)`, a permute, a clone and a view, which the model's FP8 step reads
+    as blocks of 32 where o_lora_rank is 32; an expanded value flattened); the graph computes as traced, bit for
+    bit."""
     f, views, casts = STAYS[name]
     g = gen(1)
     x = (torch.randn(3, 2, 32, generator=g).bfloat16(), torch.randn(2, 32, 32, generator=g).bfloat16())

@@ -48,7 +48,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dsv41.passes import fusion_pass_class
 from dsv41.passes.manager import CompileReport, PassManager
-from dsv41.passes.normalize import _LAYOUT_OPS, _boundary_view
+from dsv41.passes.normalize import _LAYOUT_OPS, keeps_first_view
 from dsv41.passes.registry import FUSION_NAMES
 
 from .harness import aten_graph, config
@@ -163,9 +163,8 @@ def _slice_as_split_select(graph: fx.Graph, node: fx.Node) -> bool:
 def _cast_between_views(graph: fx.Graph, node: fx.Node) -> bool:
     """cast(x) as view(cast(view(x, [numel])), x's shape), as the reference's dequantisation views flat e4m3 values
     into blocks around the cast, for an x with two dims or more above 1 that an op other than a layout op computes
-    (a view of a view is one view of the root, then no round trip of x); not where that first view would give a graph
-    input or a GEMM output its layout (`_boundary_view`: such a view may end a pattern, so the normalisation leaves
-    it)."""
+    (a view of a view is one view of the root, then no round trip of x); not where the normalisation leaves that
+    first view (`keeps_first_view`: a pattern may start or end at it)."""
     x = node.args[0]
     v = _val(x)
     if node.target is not torch.ops.prims.convert_element_type.default or not isinstance(x, fx.Node) \
@@ -174,7 +173,7 @@ def _cast_between_views(graph: fx.Graph, node: fx.Node) -> bool:
         return False
     with graph.inserting_before(node):
         flat = graph.call_function(aten.view.default, (x, [_numel(v.shape)]))
-    if _boundary_view(flat):
+    if keeps_first_view(flat):
         graph.erase_node(flat)
         return False
     users = list(node.users)

@@ -116,8 +116,8 @@ def _bmm_at_block_rank(o, w, g, r):
 def test_output_viewed_back_into_its_groups_by_the_fp8_step(grouped):
     """At R = 32, the FP8 block (TINY's o_lora_rank), the model's FP8 step reads z = (...).flatten(1) [T, G * R] as
     blocks of 32, `z.float().unflatten(-1, (-1, 32))`: the GEMM's own [T, G, R] around the cast. The normalisation
-    leaves the `.flatten(1)` where the formulations end (a view that gives a GEMM output its layout, through the
-    clone of the reshape; `normalize._pointwise_between_views` once erased it here, and TINY's wo_a fused 0 of 8):
+    leaves the `.flatten(1)` where the formulations end (the view of a reshape's copy, `normalize.keeps_first_view`;
+    a first `_pointwise_between_views` erased it here, and TINY's wo_a fused 0 of 8):
     found once, the FP8 step after the op, equal to eager bit for bit (the op's reference runs the same bf16 GEMM
     here, and a rounding apart could move an FP8 bucket, so no tolerance would do)."""
     r = 32

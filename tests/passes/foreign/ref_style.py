@@ -71,8 +71,9 @@ then, and their fix:
   output at [T, G, R] and erased the `.flatten(1)` view where every wo_a formulation ends, so the matcher found no
   pattern output below the bmm and recorded the 8 sites as "another computation" (the first output compared was the
   FP8 step's product), with no decline naming them. test_wo_a.py's R = 16 never views back, hence TINY only. The
-  rewrite now leaves a first view that gives a GEMM output its layout (`normalize._boundary_view`, which now also
-  sees through the clone that a reshape of the permuted GEMM output makes), as the other normalisations do.
+  rewrite now leaves a round trip whose first view a pattern may start or end at (`normalize.keeps_first_view`):
+  a view of a graph input or a GEMM output, as the other normalisations leave them, or the view of a reshape that
+  copies a non-contiguous value (a clone and a view: the einsum's `.flatten(1)`, an expanded mask flattened).
 After: 10 of the 11 fused (wo_a declined as above), the window KV's FP8 step inside qkv_norm
 (`q_kv_norm_rope_fp8_split`).
 """
