@@ -40,6 +40,10 @@
 - block rows: pointwise ops and keepdim last-dim reductions on `x.reshape(-1, k)` rows of blocks of x's last dim
   run at `x.unflatten(-1, (-1, k))` (`_split_rows`), and the cast where they end moves below the view merging the
   blocks back, so the reference's `view(-1, block)` quantisation and the model's unflatten form are one form;
+- view round trips: pointwise ops between a view and the view back to the value's own shape run at that shape
+  (`act_quant`'s flat e4m3 values viewed into blocks again around the cast are the cast of the blocks), broadcast
+  operands only where they vary along the dims both shapes keep; not where the first view gives a graph input or
+  a GEMM output its layout or is a reshape's copy (`z.transpose(0, 1).flatten(1)`), where a pattern may end;
 - contractions: a batched matrix times a vector, `bmm(a, v)` with v [B, K, 1], is the vector times the matrix
   transposed, `bmm(v^T, a^T)^T`;
 - unit dims: a non-leading size-1 dim that a graph input or a view of a GEMM output adds (HF's `[B, S=1, ...]`
@@ -1195,6 +1199,104 @@ def _cast_below_merge(graph: fx.Graph, node: fx.Node) -> bool:
     graph.erase_node(src)
     return True
 
+
+def _nonunit(shape) -> list[int]:
+    return [d for d in shape if d != 1]
+
+
+def _at_layout(o: fx.Node, viewed: list[int], own: list[int]) -> list[int] | None:
+    """The shape at which an operand o that broadcasts against [viewed] pairs with the same elements of a value at
+    [own], for a row-major view between [own] and [viewed]: o may vary only along the leading dims the two shapes
+    share (a view keeps them) and must be 1 on the rest; None when it varies along a reshaped dim."""
+    tail, _ = _tails(viewed, own) or ([], [])
+    lead = len(viewed) - len(tail)
+    full = [1] * (len(viewed) - _val(o).dim()) + list(_val(o).shape)
+    if any(d != 1 for d in full[lead:]):
+        return None
+    return full[:lead] + [1] * (len(own) - lead)
+
+
+def _reshape_copy(v: fx.Node) -> bool:
+    """v is the view half of a reshape that copies a non-contiguous value first (a contiguous clone and a view:
+    `z.transpose(0, 1).flatten(1)`, an einsum's `.flatten(1)`, an expanded mask flattened): a value the user wrote,
+    where a pattern may end (the grouped wo_a's output, the indexer's candidate rows)."""
+    src = v.args[0]
+    return isinstance(src, fx.Node) and src.op == "call_function" and src.target is aten.clone.default \
+        and src.kwargs.get("memory_format") is torch.contiguous_format
+
+
+def keeps_first_view(v: fx.Node) -> bool:
+    """Whether `_pointwise_between_views` leaves a round trip whose first view is v: a view that gives a graph input
+    or a GEMM output its layout (`_boundary_view`) or the view of a reshape's copy (`_reshape_copy`), either of which
+    may be where a pattern's input or output is."""
+    return _boundary_view(v) or _reshape_copy(v)
+
+
+def _pointwise_between_views(graph: fx.Graph, node: fx.Node) -> bool:
+    """view(f(view(x, S1)), S0) with S0 x's own shape is f(x), for a chain f of pointwise ops each with one operand
+    of its full shape (the chain) and otherwise numbers, 0-d tensors or operands that vary only along the leading
+    dims S0 and S1 share (taken at S0: a per-row scale [T, 1, 1] as [T, 1]): the reference's dequantisation of
+    `act_quant`'s flat values, `y.view(T, n * k).float().view(T, n, k)` of an e4m3 y [T, n, k], is `y.float()`. A
+    view renames the elements and each op works element by element on the same pairs of elements, so values, dtype
+    and shape are the same (checked): an exact identity. Not where an operand varies along a reshaped dim (a
+    per-block scale [T, n, 1] against a flat value: `x.view(T, n, k).float() * s` viewed back), where a value of the
+    chain has another user (it is read at the viewed layout), where the views only add or drop size-1 dims
+    (`_sink_units`' form), nor where a pattern's input or output may be the first view (`keeps_first_view`: the model's
+    FP8 step views the grouped wo_a's output `einsum(...).flatten(1)` back into its groups where o_lora_rank is the
+    block, and wo_a's formulations end at that `.flatten(1)`)."""
+    out = _val(node)
+    if not (node.target is aten.view.default and _static(out)):
+        return False
+    ops, chained, cur = [], [], node.args[0]  # the chain from the view back up, and each op's chain operand
+    while isinstance(cur, fx.Node) and cur.op == "call_function" and cur.target is not aten.view.default \
+            and len(cur.users) == 1 and _static(_val(cur)):
+        t, shape = cur.target, list(_val(cur).shape)
+        if not (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags) or cur.kwargs \
+                or torch.Tag.nondeterministic_seeded in t.tags or any(isinstance(a, (list, tuple)) for a in cur.args):
+            return False
+        full = [i for i, a in enumerate(cur.args) if isinstance(a, fx.Node) and list(_val(a).shape) == shape]
+        if len(full) != 1:
+            return False
+        ops.append(cur)
+        chained.append(full[0])
+        cur = cur.args[full[0]]
+    first = cur
+    if not (ops and isinstance(first, fx.Node) and first.op == "call_function" and first.target is aten.view.default
+            and len(first.users) == 1 and not keeps_first_view(first)):
+        return False
+    x, own, viewed = first.args[0], list(out.shape), list(_val(first).shape)
+    if not (isinstance(x, fx.Node) and _static(_val(x)) and list(_val(x).shape) == own
+            and _nonunit(own) != _nonunit(viewed)):
+        return False
+    shapes = {}  # each broadcast operand -> its shape against [own]
+    for op, c in zip(ops, chained):
+        for i, a in enumerate(op.args):
+            if i != c and isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor) and _val(a).dim() > 0:
+                shapes[a] = _at_layout(a, viewed, own) if _static(_val(a)) else None
+                if shapes[a] is None:
+                    return False
+    value, made, same_dtypes = x, [], True
+    for op, c in zip(reversed(ops), reversed(chained)):
+        args = list(op.args)
+        for i, a in enumerate(args):
+            if i == c:
+                args[i] = value
+            elif a in shapes and shapes[a] != list(_val(a).shape):
+                args[i] = _insert(graph, node, aten.view.default, (a, shapes[a]), source=op)
+                made.append(args[i])
+        value = _insert(graph, node, op.target, args, source=op)
+        made.append(value)
+        same_dtypes = same_dtypes and _val(value).dtype == _val(op).dtype
+    if not same_dtypes or list(_val(value).shape) != own or _val(value).dtype != out.dtype:
+        for n in reversed(made):
+            graph.erase_node(n)
+        return False
+    node.replace_all_uses_with(value)
+    for n in (node, *ops, first):
+        graph.erase_node(n)
+    return True
+
+
 def _constant(n) -> bool:
     """n is a 0-d constant tensor node (`scalar_tensor`, the form a number operand of a where takes)."""
     return isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.scalar_tensor.default
@@ -1247,7 +1349,8 @@ def _canonical_forms(graph: fx.Graph) -> int:
         if node.op != "call_function" or node.graph is not graph or not node.users and node.target in _LAYOUT_OPS:
             continue
         if node.target in _LAYOUT_OPS:
-            if _canonicalise_layout(graph, node) or _cast_below_merge(graph, node) or _permute_without_units(graph, node):
+            if _canonicalise_layout(graph, node) or _cast_below_merge(graph, node) or _permute_without_units(graph, node) \
+                    or _pointwise_between_views(graph, node):
                 changed += 1
                 continue
         elif node.target is aten.neg.default and _neg_before_view(graph, node):

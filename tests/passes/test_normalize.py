@@ -4,12 +4,13 @@ inputs bit for bit."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from dsv41.passes.normalize import normalize_graph
 
-from .harness import aten_graph, gen, op_counts
+from .harness import as_tuple, aten_graph, gen, op_counts
 
 aten = torch.ops.aten
 
@@ -402,3 +403,123 @@ def test_a_matrix_times_a_vector_is_the_vector_times_the_matrix():
     torch.testing.assert_close(a(*x), matrix_vector(*x), atol=1e-6, rtol=1e-6)
 
 
+
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _casts(gm):
+    """(shape, dtype) of each cast, in graph order."""
+    return [(tuple(n.meta["val"].shape), n.args[1]) for n in gm.graph.nodes
+            if n.target is torch.ops.prims.convert_element_type.default]
+
+
+def test_pointwise_ops_between_a_view_and_its_view_back_run_at_the_values_layout():
+    """view(f(view(x, S1)), S0) with x [S0] is f(x): the reference's dequantisation `y.view(T, n k).float()
+    .view(T, n, k)` of e4m3 blocks y [T, n, k] is y.float(); a flat value viewed into blocks and back likewise; a
+    chain with a number, a 0-d scale and a per-row scale (varying along the dim both shapes keep only, taken as
+    [T, 1, 1]). No view of the round trips is left (one view lifts the row scale); bit for bit."""
+    def f(x, y, row, s):
+        e = (x * 2.0).to(E4M3)                                               # computed e4m3 blocks [3, 2, 32]
+        blocks_flat_blocks = e.view(3, 64).float().view(3, 2, 32)
+        z = y * 2.0                                                          # a computed flat value [3, 64]
+        flat_blocks_flat = z.view(3, 2, 32).to(torch.bfloat16).view(3, 64)
+        chain = (-(e.view(3, 64).float() * 0.5 * row[:, None] * s)).view(3, 2, 32)
+        return blocks_flat_blocks, flat_blocks_flat, chain
+
+    g = gen(0)
+    x = (torch.randn(3, 2, 32, generator=g).bfloat16(), torch.randn(3, 64, generator=g), torch.randn(3, generator=g),
+         torch.tensor(0.25))
+    gm = normalized(f, *x)
+    assert op_counts(gm)["aten.view"] == 1, gm.code
+    (view,) = [n for n in gm.graph.nodes if n.target is aten.view.default]
+    assert view.args[0].name == "arg2_1" and list(view.args[1]) == [3, 1, 1]
+    assert _casts(gm) == [((3, 2, 32), E4M3), ((3, 2, 32), torch.float32), ((3, 64), torch.bfloat16),
+                          ((3, 2, 32), torch.float32)]
+    for got, want in zip(gm(*x), f(*x), strict=True):
+        assert torch.equal(got, want)
+
+
+def _e4m3_blocks(x):
+    return (x * 2.0).to(E4M3)  # computed e4m3 blocks [3, 2, 32] (a graph input's view is a boundary, left alone)
+
+
+def _other_shape(x, w):
+    return _e4m3_blocks(x).view(3, 64).float().view(3, 4, 16)
+
+
+def _scan_inside(x, w):
+    return _e4m3_blocks(x).view(3, 64).float().cumsum(-1).view(3, 2, 32)
+
+
+def _viewed_value_read_again(x, w):
+    flat = _e4m3_blocks(x).view(3, 64)
+    return flat.float().view(3, 2, 32), flat
+
+
+def _chain_value_read_again(x, w):
+    cast = _e4m3_blocks(x).view(3, 64).float()
+    return cast.view(3, 2, 32), cast
+
+
+def _per_block_scale(x, w):
+    z = x.view(3, 64) * 2.0  # a computed flat value [3, 64]
+    return (z.view(3, 2, 32).float() * x[:, :, :1].float()).view(3, 64)
+
+
+def _grouped_gemm_output(x, w):
+    """The model's grouped wo_a einsum output flattened, then read as FP8 blocks of 32 (TINY: o_lora_rank = 32)."""
+    return torch.einsum("tgd,grd->tgr", x, w).flatten(1).float().view(3, 2, 32)
+
+
+def _expanded_value_flattened(x, w):
+    """A reshape that copies an expanded value (as the indexer's candidate rows), read back in its layout."""
+    return (x[:, :, :16] * 2.0).unsqueeze(-1).expand(3, 2, 16, 2).reshape(3, 64).float().view(3, 2, 16, 2)
+
+
+def _graph_input(x, w):
+    return x.view(3, 64).float().view(3, 2, 32)
+
+
+# name -> (function of x [3, 2, 32] and w [2, 32, 32] bf16, its views as (input shape, output shape), its casts as (shape, dtype))
+STAYS = {
+    "the view back has another shape": (_other_shape, [((3, 2, 32), (3, 64)), ((3, 64), (3, 4, 16))],
+                                        [((3, 2, 32), E4M3), ((3, 64), torch.float32)]),
+    "a scan inside": (_scan_inside, [((3, 2, 32), (3, 64)), ((3, 64), (3, 2, 32))],
+                      [((3, 2, 32), E4M3), ((3, 64), torch.float32)]),
+    "the viewed value read again": (_viewed_value_read_again, [((3, 2, 32), (3, 64)), ((3, 64), (3, 2, 32))],
+                                    [((3, 2, 32), E4M3), ((3, 64), torch.float32)]),
+    "a chain value read again": (_chain_value_read_again, [((3, 2, 32), (3, 64)), ((3, 64), (3, 2, 32))],
+                                 [((3, 2, 32), E4M3), ((3, 64), torch.float32)]),
+    "a per-block scale": (_per_block_scale, [((3, 2, 32), (3, 64)), ((3, 64), (3, 2, 32)), ((3, 2, 32), (3, 64))],
+                          [((3, 2, 32), torch.float32), ((3, 2, 1), torch.float32)]),
+    "a reshape's copy of a GEMM output": (_grouped_gemm_output, None, [((3, 64), torch.float32)]),
+    "a reshape's copy of an expanded value": (_expanded_value_flattened, [((3, 2, 16), (3, 2, 16, 1)),
+                                                                        ((3, 2, 16, 2), (3, 64)),
+                                                                        ((3, 64), (3, 2, 16, 2))],
+                                              [((3, 64), torch.float32)]),
+    "a view of a graph input": (_graph_input, [((3, 2, 32), (3, 64)), ((3, 64), (3, 2, 32))], [((3, 64), torch.float32)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STAYS))
+def test_a_view_round_trip_stays_where_rewriting_it_would_change_values_or_shapes(name):
+    """No rewrite where the view back has another shape, a scan sits inside the round trip, the viewed value or a
+    value of the chain has another user, an operand varies along a reshaped dim (a per-block scale against the flat
+    value), or a pattern may start or end at the first view: a view of a graph input, the view of a reshape that
+    copies (the grouped wo_a's einsum `.flatten(1)`, a permute, a clone and a view, which the model's FP8 step reads
+    as blocks of 32 where o_lora_rank is 32; an expanded value flattened); the graph computes as traced, bit for
+    bit."""
+    f, views, casts = STAYS[name]
+    g = gen(1)
+    x = (torch.randn(3, 2, 32, generator=g).bfloat16(), torch.randn(2, 32, 32, generator=g).bfloat16())
+    gm = normalized(f, *x)
+    found = [(tuple(n.args[0].meta["val"].shape), tuple(n.meta["val"].shape)) for n in gm.graph.nodes
+             if n.target is aten.view.default]
+    if views is None:  # the GEMM's own layout chain: the cast stays on the flattened [3, 64] value
+        assert found[-2:] == [((3, 2, 32), (3, 64)), ((3, 64), (3, 2, 32))], gm.code
+    else:
+        assert found == views, gm.code
+    assert _casts(gm) == casts, gm.code
+    for got, want in zip(as_tuple(gm(*x)), as_tuple(f(*x)), strict=True):
+        assert torch.equal(got.float(), want.float())

@@ -27,6 +27,10 @@ must equal the original bit for bit (NaN nowhere).
 A rewrite kind that a fusion cannot see through is a generality gap in the matcher, not a test to loosen.
 DSV41_REWRITE_SEEDS (default 3) sets how many rewritten graphs per formulation; the seeds are fixed per count, so a
 failure reproduces.
+
+Apart from the random mix (so that its seeds keep their rewrites), every cast of a computed value is also written
+as a view round trip around it, `x.view(-1).to(d).view(x.shape)`, as DeepSeek's reference dequantises its flat e4m3
+values: each formulation must still fuse once, as traced.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dsv41.passes import fusion_pass_class
 from dsv41.passes.manager import CompileReport, PassManager
+from dsv41.passes.normalize import _LAYOUT_OPS, keeps_first_view
 from dsv41.passes.registry import FUSION_NAMES
 
 from .harness import aten_graph, config
@@ -155,6 +160,31 @@ def _slice_as_split_select(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+def _cast_between_views(graph: fx.Graph, node: fx.Node) -> bool:
+    """cast(x) as view(cast(view(x, [numel])), x's shape), as the reference's dequantisation views flat e4m3 values
+    into blocks around the cast, for an x with two dims or more above 1 that an op other than a layout op computes
+    (a view of a view is one view of the root, then no round trip of x); not where the normalisation leaves that
+    first view (`keeps_first_view`: a pattern may start or end at it)."""
+    x = node.args[0]
+    v = _val(x)
+    if node.target is not torch.ops.prims.convert_element_type.default or not isinstance(x, fx.Node) \
+            or x.op != "call_function" or x.target in _LAYOUT_OPS or not _static_contiguous(v) \
+            or len([d for d in v.shape if d != 1]) < 2:
+        return False
+    with graph.inserting_before(node):
+        flat = graph.call_function(aten.view.default, (x, [_numel(v.shape)]))
+    if keeps_first_view(flat):
+        graph.erase_node(flat)
+        return False
+    users = list(node.users)
+    with graph.inserting_after(node):
+        back = graph.call_function(aten.view.default, (node, list(v.shape)))
+    for user in users:
+        user.replace_input_with(node, back)
+    node.args = (flat, *node.args[1:])
+    return True
+
+
 def _repeated_view(graph: fx.Graph, node: fx.Node) -> bool:
     """A view read by several ops as one view per reader."""
     users = list(node.users)
@@ -237,6 +267,8 @@ def rewrite(graph: fx.Graph, rng: random.Random, p: float = 0.5, kinds=KINDS) ->
             made.append(f"scatter_add as scatter_reduce {node.name}")
         elif "repeated view" in kinds and node.target is aten.view.default and _repeated_view(graph, node):
             made.append(f"repeated view {node.name}")
+        elif "cast between views" in kinds and _cast_between_views(graph, node):
+            made.append(f"cast between views {node.name}")
         elif {"two-step view", "unit dim round trip"} & set(kinds) and _is_tensor_node(node) and _val(node).dim() >= 1 and _val(node).is_contiguous() \
                 and all(isinstance(d, int) for d in _val(node).shape) and node.users:
             shape = list(_val(node).shape)
@@ -309,6 +341,12 @@ def _random_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(t.shape, generator=gen).to(t.dtype)
 
 
+def _runnable(inputs, gm) -> bool:
+    """Whether the graph runs on random inputs here: float inputs only (integer ones index), no collectives."""
+    return all(not isinstance(a, torch.Tensor) or a.is_floating_point() for a in inputs) and not any(
+        n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional" for n in gm.graph.nodes)
+
+
 @pytest.mark.parametrize("fusion,name", _formulations())
 def test_match_count_survives_exact_rewrites(fusion, name):
     fn, inputs, traced = _traced(fusion, name)
@@ -316,8 +354,7 @@ def test_match_count_survives_exact_rewrites(fusion, name):
     if baseline.matches.get(fusion) != 1:
         pytest.skip(f"the formulation does not fuse at its own example shapes ({baseline.matches}; "
                     f"declined: {baseline.declined.get(fusion)}): covered by its own tests at the op's shapes")
-    runnable = all(not isinstance(a, torch.Tensor) or a.is_floating_point() for a in inputs) and not any(
-        n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional" for n in traced.graph.nodes)
+    runnable = _runnable(inputs, traced)
     traded = []  # seeds whose rewritten graph fused another formulation than the traced graph did
     for seed in SEEDS:
         gm = aten_graph(fn, *inputs)
@@ -344,6 +381,35 @@ def test_match_count_survives_exact_rewrites(fusion, name):
             f"{report.matches.get(fusion)}; near misses: {report.near_misses.get(fusion)}; declined: "
             f"{report.declined.get(fusion)}; notes: {report.notes.get(fusion)}")
     assert not traded, f"the traced graph fused {_fused_patterns(baseline, fusion)}; " + " | ".join(traded)
+
+
+@pytest.mark.parametrize("fusion,name", _formulations())
+def test_match_count_survives_casts_between_views(fusion, name):
+    """Every cast of a computed value rewritten as a view of it, the cast and the view back (`_cast_between_views`:
+    not in KINDS, so the random rewrites' seeds keep their meaning): the formulation still fuses once, as traced,
+    and the graph computes as traced, bit for bit."""
+    fn, inputs, _ = _traced(fusion, name)
+    baseline = _baseline(fusion, name)
+    if baseline.matches.get(fusion) != 1:
+        pytest.skip(f"the formulation does not fuse at its own example shapes ({baseline.matches})")
+    gm = aten_graph(fn, *inputs)
+    made = rewrite(gm.graph, random.Random(0), p=1.0, kinds=("cast between views",))
+    if not made:
+        pytest.skip("no cast of a computed value with two dims above 1 to rewrite")
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        FakeTensorProp(gm, mode).propagate(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in inputs])
+    gm.recompile()
+    if _runnable(inputs, gm):
+        gen = torch.Generator().manual_seed(1000)
+        real = [_random_like(a, gen) if isinstance(a, torch.Tensor) else a for a in inputs]
+        want, got = aten_graph(fn, *inputs)(*real), gm(*real)
+        for w, g in zip(want if isinstance(want, (tuple, list)) else [want],
+                        got if isinstance(got, (tuple, list)) else [got], strict=True):
+            torch.testing.assert_close(g, w, atol=0, rtol=0, equal_nan=True)
+    report = _fuse(gm, fusion)
+    assert report.matches.get(fusion) == 1 and _fused_patterns(report, fusion) == _fused_patterns(baseline, fusion), (
+        f"{len(made)} rewrites ({'; '.join(made)}): {report.matches}, fused {_fused_patterns(report, fusion)}; near "
+        f"misses: {report.near_misses.get(fusion)}; declined: {report.declined.get(fusion)}")
 
 
 # rewrites (formulation, seed of test_match_count_survives_exact_rewrites) after which no indexer formulation

@@ -14,7 +14,12 @@ SAME: equal to the reference on every bf16 input without NaN, so the fusion must
 - `no_clamp`: no clamp to +-448 before the cast: torch's float -> e4m3fn conversion saturates (finite overflow and
   inf to +-448, NaN stays NaN: c10's `fp8e4m3fn_from_fp32_value`), and |x / s| <= 448 anyway since s >= amax / 448;
 - `one_block_flat`: one block per row (the last dim equals the block), its block view dropped: the amax over the
-  last dim itself.
+  last dim itself;
+- `flat_unflatten`: DeepSeek's `act_quant` / dequantisation pair written with `flatten` / `unflatten`: the e4m3
+  values returned flat (`.flatten(-2)`) with scales without keepdim (`torch.pow(2, ...)`), then unflattened into
+  blocks again around the cast to fp32 and multiplied by `s.unsqueeze(-1)`;
+- `flat_rows_dequant`: the same flat values dequantised as `[M, 32]` rows, `y.float().view(-1, 32) * s.view(-1, 1)`,
+  then viewed back to x's shape (a per-row group scale, as vLLM's kernels take it).
 DIFFERENT (the fusion must leave the step out and record why):
 - `floor_scale`: s = 2^floor(...), which is below amax / 448 and so clamps;
 - `e5m2`: the round trip through float8_e5m2;
@@ -87,6 +92,23 @@ def one_block_flat(x):
     return ((xf / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s).to(x.dtype)
 
 
+def _act_quant_flat(x):
+    """(e4m3 values in x's shape, fp32 scales [..., n]): the reference's act_quant, its blocks flattened back."""
+    blocks = x.float().unflatten(-1, (-1, BLOCK))
+    s = torch.pow(2.0, torch.ceil(torch.log2(blocks.abs().amax(-1).clamp(min=1e-4) / FP8_MAX)))
+    return (blocks / s.unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2), s
+
+
+def flat_unflatten(x):
+    y, s = _act_quant_flat(x)
+    return (y.float().unflatten(-1, (-1, BLOCK)) * s.unsqueeze(-1)).flatten(-2).to(x.dtype)
+
+
+def flat_rows_dequant(x):
+    y, s = _act_quant_flat(x)
+    return (y.float().view(-1, BLOCK) * s.view(-1, 1)).view(x.shape).to(x.dtype)
+
+
 def floor_scale(x):
     xf = _blocks(x)
     s = torch.exp2(torch.floor(torch.log2(xf.abs().amax(-1, keepdim=True).clamp_min(1e-4) / FP8_MAX)))
@@ -103,6 +125,7 @@ def no_amax_floor(x):
     return _round_trip(xf, _exp2_scale(xf.abs().amax(-1, keepdim=True)), x.dtype)
 
 
-SAME = {f.__name__: f for f in (exp2_scale, rows, clamp_kw, max_values, times_reciprocal, type_cast, no_clamp)}
+SAME = {f.__name__: f for f in (exp2_scale, rows, clamp_kw, max_values, times_reciprocal, type_cast, no_clamp,
+                                flat_unflatten, flat_rows_dequant)}
 ONE_BLOCK = {f.__name__: f for f in (one_block_flat,)}
 DIFFERENT = {f.__name__: f for f in (floor_scale, e5m2, no_amax_floor)}

@@ -57,12 +57,25 @@ Measured when the block was written (fx mode, 3 tokens): 1 of the 11 sites fused
   repeating one op on the same operands), w13 / w2 as `_grouped_mm`'s [E, K, N] operands (the inverse layout,
   above).
 After: 10 of the 11 fused, then 9 with wo_a declined for the weight copy; outputs equal to eager
-(test_ref_style.py); the semantic check accepted the islands (the indexer's mask and validity). Still missed:
-moe_experts, and qkv_norm's FP8 step (qkv_norm fuses its norms and
-RoPE, the step stays glue), both at the dequantisation of `act_quant`'s flat e4m3 values, which views them into
-blocks again around the cast (view, cast, view back). Rewriting that round trip as the cast fused both (11 of
-11, the step inside qkv_norm) but stopped the model's own wo_a fusing in the tiny model once another fusion had
-replaced its sites first (not traced to its cause), so it is not in.
+(test_ref_style.py); the semantic check accepted the islands (the indexer's mask and validity). The last two misses
+then, and their fix:
+- moe_experts, and qkv_norm's FP8 step (qkv_norm fused its norms and RoPE, the step stayed glue): `act_quant`
+  returns its e4m3 blocks viewed flat and the dequantisation views them into blocks again around the cast (view,
+  cast, view back), which no FP8 formulation reads. Pointwise ops between a view and the view back to the viewed
+  value's own shape are those ops at that shape (`normalize._pointwise_between_views`; broadcast operands only
+  where they vary along the dims both shapes keep, so the per-block scale multiply stays at the blocks).
+  A first version of that rewrite stopped the model's own wo_a fusing in the TINY model (0 of 8, with wo_a the
+  only fusion enabled too: not an effect of the fusions' order): the model's FP8 step reads wo_a's output
+  `z = einsum(...).flatten(1)` as blocks of 32, and TINY's o_lora_rank is 32, so `z.float().unflatten(-1, (-1, 32))`
+  views the flattened [T, G * R] value back to the einsum's [T, G, R] around the cast. The rewrite cast the einsum
+  output at [T, G, R] and erased the `.flatten(1)` view where every wo_a formulation ends, so the matcher found no
+  pattern output below the bmm and recorded the 8 sites as "another computation" (the first output compared was the
+  FP8 step's product), with no decline naming them. test_wo_a.py's R = 16 never views back, hence TINY only. The
+  rewrite now leaves a round trip whose first view a pattern may start or end at (`normalize.keeps_first_view`):
+  a view of a graph input or a GEMM output, as the other normalisations leave them, or the view of a reshape that
+  copies a non-contiguous value (a clone and a view: the einsum's `.flatten(1)`, an expanded mask flattened).
+After: 10 of the 11 fused (wo_a declined as above), the window KV's FP8 step inside qkv_norm
+(`q_kv_norm_rope_fp8_split`).
 """
 
 from __future__ import annotations
@@ -76,9 +89,9 @@ from torch import nn
 
 from .params import param_factory
 
-# every site but moe_experts (the miss named above) and wo_a (declined: its weight would be copied every call)
+# every site but wo_a (declined: its weight would be copied every call)
 T_SITES = {"mhc_coeffs": 2, "qkv_norm": 1, "indexer_topk": 1, "mhc_post_pre": 2, "moe_route": 1,
-           "moe_metadata": 1, "moe_finalize": 1}
+           "moe_metadata": 1, "moe_experts": 1, "moe_finalize": 1}
 
 
 @dataclass

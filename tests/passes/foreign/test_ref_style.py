@@ -1,9 +1,8 @@
 """The DeepSeek-reference-style block (ref_style.py) through the real backend (fx mode): outputs equal to eager (h
 and x_new bf16 within one bf16 ulp of an fp32 reordering: atol=rtol=1.6e-2 on at least 99% of elements, since the
 FP8 round trip may move a bucket; the indexer's indices exactly, ascending, so the index sets agree), every site
-but moe_experts (named in ref_style.py) and wo_a fused, exactly once each; wo_a declined because its weight, stored
-[G, in, out], would be copied into the op's layout on every call; qkv_norm's FP8 step is still left as glue (a
-strict xfail, so that the fix shows)."""
+but wo_a fused, exactly once each; wo_a declined because its weight, stored [G, in, out], would be copied into the
+op's layout on every call; qkv_norm holds the window KV's FP8 round trip (`act_quant` and its dequantisation)."""
 
 from __future__ import annotations
 
@@ -44,8 +43,6 @@ def test_wo_a_declined_for_the_weight_copy(compiled):
     assert "is stored in the layout of the pattern's" in why and "would copy it on every call" in why, why
 
 
-@pytest.mark.xfail(strict=True, reason="act_quant's dequantisation views the e4m3 values into blocks again around "
-                   "the cast (view, cast, view back), which no qkv_norm FP8 formulation reads: RoPE fuses, the step stays")
 def test_fp8_step_is_inside_the_op(compiled):
     """The qkv_norm formulation that fused includes the window KV's FP8 round trip."""
     _, report = fused_sites(compiled[0])
