@@ -123,8 +123,15 @@ cluster select's loops, instructions per 8 keys a thread: pass 1 199, round 1 10
 had 338, 152 and 544: per-key branches around loads and match.any); the candidate filter's chunk (CUDA 13.0 ptxas,
 nvdisasm 13.5): 192 without candidates (24 a key: 8 scalar loads, keys, the block scan), 215 more in a thread
 holding candidates; the candidates' select, per thread: the gather of its 8 candidates 252 (skipped past the total),
-a round 178 to 212 (8 keys' histogram and the pick), the collection at most 296. Times of the sampled path: not
-measured yet.
+a round 178 to 212 (8 keys' histogram and the pick), the collection at most 296.
+
+Measured on the H200 (2026-12-02, ``benchmarks/results/kernels_s11_indexer.json``, T = 1, k = 512, scores from the
+score kernel on random q and keys, all columns visible, under CUDA graphs), the select alone at 65536 / 2^17 / 2^18 /
+524288 / 2^20 columns: the sampled path 12.19 (an earlier run) / - / 13.03 / 14.40 / 14.50 us, the cluster alone
+11.39 / 11.71 / 16.53 / 26.07 / 45.48, ``torch.topk`` 45.44 / 51.73 / 62.64 / 84.23 / 110.42; the op (score + select)
+52.87 us at 524288 and 86.47 at 2^20 (the keys' read floor 33.5 and 67.0). The sampled path's time is nearly flat in
+N (its filter reads the row once over the whole GPU); below 2^17 its three launches' chain is slower than one
+cluster launch, hence SAMPLED_MIN_COLUMNS. The prices marked "not measured yet" above were not measured apart.
 """
 
 from __future__ import annotations
