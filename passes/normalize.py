@@ -488,10 +488,107 @@ def _scatter_reduce_sum(node: fx.Node) -> bool:
     return True
 
 
+def _pair_repeat(v):
+    """c' when v is c' repeated twice along its last dim and viewed, as `c.repeat_interleave(2, -1)` traces
+    (`clone(expand(c[..., None], [..., n, 2]))` then views): c' = c viewed to v's shape with the last dim n; else
+    None."""
+    root, _ = _layout_root(v) if v.op == "call_function" and v.target in _LAYOUT_OPS else (v, [])
+    if not (isinstance(root, fx.Node) and root.op == "call_function" and root.target is aten.clone.default):
+        return None
+    ex = root.args[0]
+    if not (isinstance(ex, fx.Node) and ex.op == "call_function" and ex.target is aten.expand.default):
+        return None
+    src, vv = _val(ex.args[0]), _val(v)
+    if not (_static(src) and _static(vv) and src.dim() >= 2 and src.shape[-1] == 1
+            and list(_val(ex).shape) == [*src.shape[:-1], 2] and vv.shape[-1] == 2 * src.shape[-2]
+            and vv.numel() == 2 * src.numel()):
+        return None
+    return ex.args[0], [*vv.shape[:-1], src.shape[-2]]
+
+
+def _rotate_pieces(r):
+    """(x, True) when r is GPT-J's `rotate_every_two(x)`, `stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)` (a
+    cat of the two unsqueezed strided slices viewed back to x's shape); else None."""
+    root, _ = _layout_root(r) if r.op == "call_function" and r.target in _LAYOUT_OPS else (r, [])
+    if not (isinstance(root, fx.Node) and root.op == "call_function" and root.target is aten.cat.default
+            and len(root.args[0]) == 2 and _static(_val(root)) and root.args[1] == _val(root).dim() - 1):
+        return None
+    pieces = []
+    for piece in root.args[0]:
+        inner, _ = _layout_root(piece) if piece.op == "call_function" and piece.target in _LAYOUT_OPS else (piece, [])
+        neg = isinstance(inner, fx.Node) and inner.op == "call_function" and inner.target is aten.neg.default
+        sl = inner.args[0] if neg else inner
+        if not (isinstance(sl, fx.Node) and sl.op == "call_function" and sl.target is aten.slice.Tensor
+                and len(sl.args) == 5 and sl.args[3] == _END and sl.args[4] == 2
+                and sl.args[1] == _val(sl.args[0]).dim() - 1 and list(_val(piece).shape) == [*_val(sl).shape, 1]):
+            return None
+        pieces.append((neg, sl.args[0], sl.args[2]))
+    (neg0, x0, start0), (neg1, x1, start1) = pieces
+    if not (neg0 and not neg1 and x0 is x1 and (start0, start1) == (1, 0) and _val(x0).shape == _val(r).shape):
+        return None
+    return x0
+
+
+def _rotate_every_two(graph: fx.Graph, node: fx.Node) -> bool:
+    """GPT-J's interleaved RoPE `x * cos2 + rotate_every_two(x) * sin2`, where cos2/sin2 repeat each of cos/sin
+    [..., n] twice (`repeat_interleave(2, -1)`), is the pairwise form the spec writes,
+    `stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), -1).flatten(-2)` with x0, x1 = x[..., ::2], x[..., 1::2]:
+    element 2i is x0 * cos + (-x1) * sin = x0 * cos - x1 * sin and element 2i+1 is x1 * cos + x0 * sin, the same
+    products and the same add (exact). One dtype throughout."""
+    if node.target is not aten.add.Tensor or len(node.args) != 2 or node.kwargs or not _static(_val(node)):
+        return False
+    products = node.args
+    if not all(isinstance(p, fx.Node) and p.op == "call_function" and p.target is aten.mul.Tensor
+               and len(p.args) == 2 and all(isinstance(a, fx.Node) for a in p.args) for p in products):
+        return False
+    for cos_mul, sin_mul in (products, products[::-1]):
+        for x, cos2 in (cos_mul.args, cos_mul.args[::-1]):
+            for r, sin2 in (sin_mul.args, sin_mul.args[::-1]):
+                cos, sin = _pair_repeat(cos2), _pair_repeat(sin2)
+                if cos is None or sin is None or _rotate_pieces(r) is not x:
+                    continue
+                if len({_val(v).dtype for v in (x, cos2, sin2, node)}) != 1 \
+                        or list(_val(node).shape) != list(_val(x).shape) or cos[1] != sin[1]:
+                    continue
+                cos = _insert(graph, node, aten.view.default, cos, source=node)
+                sin = _insert(graph, node, aten.view.default, sin, source=node)
+                last = _val(x).dim() - 1
+                even = _insert(graph, node, aten.slice.Tensor, (x, last, 0, _END, 2), source=node)
+                odd = _insert(graph, node, aten.slice.Tensor, (x, last, 1, _END, 2), source=node)
+
+                def mul(a, b):
+                    return _insert(graph, node, aten.mul.Tensor, (a, b), source=node)
+
+                first = _insert(graph, node, aten.sub.Tensor, (mul(even, cos), mul(odd, sin)), source=node)
+                second = _insert(graph, node, aten.add.Tensor, (mul(odd, cos), mul(even, sin)), source=node)
+                pair = _insert(graph, node, aten.cat.default,
+                               ([_insert(graph, node, aten.unsqueeze.default, (v, last + 1), source=node)
+                                 for v in (first, second)], last + 1), source=node)
+                out = _insert(graph, node, aten.view.default, (pair, list(_val(node).shape)), source=node)
+                node.replace_all_uses_with(out)
+                graph.erase_node(node)
+                _erase_unused(graph, products)
+                return True
+    return False
+
+
+def _erase_unused(graph: fx.Graph, nodes) -> None:
+    """Erase the pure call nodes among `nodes` left without users, and so on up their inputs."""
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n.graph is graph and n.op == "call_function" and not n.users and not n.is_impure():
+            stack.extend(n.all_input_nodes)
+            graph.erase_node(n)
+
+
 def _local_forms(graph: fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
         if node.op != "call_function":
+            continue
+        if _rotate_every_two(graph, node):
+            changed += 1
             continue
         changed += _scalar_overload(node) + _fused_arith(graph, node) + _gemm_plus_input(graph, node)
         changed += _scatter_reduce_sum(node)
