@@ -44,6 +44,10 @@
   (`act_quant`'s flat e4m3 values viewed into blocks again around the cast are the cast of the blocks), broadcast
   operands only where they vary along the dims both shapes keep; not where the first view gives a graph input or
   a GEMM output its layout or is a reshape's copy (`z.transpose(0, 1).flatten(1)`), where a pattern may end;
+- GPT-J's interleaved RoPE: `x * cos2 + rotate_every_two(x) * sin2`, cos2/sin2 each of cos/sin repeated twice
+  (`repeat_interleave(2, -1)`) and `rotate_every_two(x)` = `stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)`,
+  is the pairwise form `stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), -1).flatten(-2)` (the same products and
+  adds; a half-split `rotate_half` or a tiled cos is another rotation and stays);
 - contractions: a batched matrix times a vector, `bmm(a, v)` with v [B, K, 1], is the vector times the matrix
   transposed, `bmm(v^T, a^T)^T`;
 - unit dims: a non-leading size-1 dim that a graph input or a view of a GEMM output adds (HF's `[B, S=1, ...]`

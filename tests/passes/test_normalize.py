@@ -523,3 +523,46 @@ def test_a_view_round_trip_stays_where_rewriting_it_would_change_values_or_shape
     assert _casts(gm) == casts, gm.code
     for got, want in zip(as_tuple(gm(*x)), as_tuple(f(*x)), strict=True):
         assert torch.equal(got.float(), want.float())
+
+
+def _rotate_every_two(x):
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def test_gptj_rope_is_the_pairwise_rope():
+    """GPT-J's `x * cos2 + rotate_every_two(x) * sin2` with cos2/sin2 = cos/sin.repeat_interleave(2, -1) is the
+    spec's pairwise form (`dsv41.models.functional.rope`): the same ops, once per rotation (operands in either
+    order, with heads broadcast), bit for bit; the half-split (`rotate_half`) layout and a cos tiled by `repeat`
+    are other rotations and stay."""
+    from dsv41.models.functional import rope
+
+    def pairwise(x, cos, sin):
+        return rope(x, cos[:, None], sin[:, None])
+
+    def gptj(x, cos, sin):
+        c2, s2 = (t.repeat_interleave(2, dim=-1)[:, None] for t in (cos, sin))
+        xf = x.float()
+        return (xf * c2 + s2 * _rotate_every_two(xf)).to(x.dtype)
+
+    def half_split(x, cos, sin):
+        c2, s2 = (torch.cat((t, t), dim=-1)[:, None] for t in (cos, sin))
+        xf = x.float()
+        x1, x2 = xf[..., :8], xf[..., 8:]
+        return (xf * c2 + torch.cat((-x2, x1), dim=-1) * s2).to(x.dtype)
+
+    def tiled(x, cos, sin):
+        c2, s2 = (t.repeat(1, 2)[:, None] for t in (cos, sin))
+        xf = x.float()
+        return (xf * c2 + _rotate_every_two(xf) * s2).to(x.dtype)
+
+    g = gen(0)
+    x = (torch.randn(3, 4, 16, generator=g).bfloat16(), torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g))
+    want, got = normalized(pairwise, *x), normalized(gptj, *x)
+    counts = op_counts(got)
+    assert counts == op_counts(want) and counts["aten.sub.Tensor"] == 1 and counts["aten.mul.Tensor"] == 4, got.code
+    assert counts["aten.expand"] == counts["aten.clone"] == counts["aten.neg"] == 0 and counts["aten.cat"] == 1
+    assert torch.equal(got(*x), gptj(*x)) and torch.equal(got(*x), pairwise(*x))
+    for other in (half_split, tiled):
+        gm = normalized(other, *x)
+        assert op_counts(gm)["aten.sub.Tensor"] == 0 and op_counts(gm)["aten.neg"] == 1, gm.code
+        assert torch.equal(gm(*x), other(*x))

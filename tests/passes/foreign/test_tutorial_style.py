@@ -1,7 +1,8 @@
 """The tutorial-style block (tutorial_style.py) through the real backend (fx mode): outputs equal to eager (h and
 x_new bf16 within one bf16 ulp of an fp32 reordering: atol=rtol=1.6e-2 on at least 99% of elements, since the FP8
-round trip may move a bucket; the indexer's indices exactly, ascending, so the index sets agree), and exactly the
-sites listed in T_SITES fused, once each."""
+round trip may move a bucket; the indexer's indices exactly, ascending, so the index sets agree), exactly the sites
+listed in T_SITES fused, once each, and the one formulation short of the widest: qkv_norm without the KV's FP8 step
+(see tutorial_style.py's docstring), a miss that no report entry names, so a fix shows here."""
 
 from __future__ import annotations
 
@@ -35,6 +36,16 @@ def compiled():
 def test_fused_sites(compiled):
     sites, report = fused_sites(compiled[0])
     assert sites == T_SITES, report.declined
+
+
+def test_qkv_norm_fuses_without_its_fp8_step(compiled):
+    """The KV's `reshape(-1, 32)` FP8 rows on the [B, 1, kv] value are left as glue: the RoPE formulation fuses,
+    the FP8 one is not tried and nothing records why (no `narrowed`, `declined` or `near_misses` entry for it)."""
+    report = compiled[0].reports[-1]
+    fused = [r["pattern"] for p in report.passes if p.name == "qkv_norm" for r in p.replaced]
+    assert fused == ["q_kv_norm_rope_split"]
+    assert not report.narrowed.get("qkv_norm") and not report.declined.get("qkv_norm")
+    assert not any("fp8" in m for m in report.near_misses.get("qkv_norm", []))
 
 
 def test_agrees_with_eager(compiled):
