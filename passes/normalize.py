@@ -503,7 +503,7 @@ def _pair_repeat(v):
     if not (isinstance(ex, fx.Node) and ex.op == "call_function" and ex.target is aten.expand.default):
         return None
     src, vv = _val(ex.args[0]), _val(v)
-    if not (_static(src) and _static(vv) and src.dim() >= 2 and src.shape[-1] == 1
+    if not (_static(src) and _static(vv) and src.dim() >= 2 and src.shape[-1] == 1 and src.is_contiguous()
             and list(_val(ex).shape) == [*src.shape[:-1], 2] and vv.shape[-1] == 2 * src.shape[-2]
             and vv.numel() == 2 * src.numel()):
         return None
