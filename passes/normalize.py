@@ -40,6 +40,8 @@
 - block rows: pointwise ops and keepdim last-dim reductions on `x.reshape(-1, k)` rows of blocks of x's last dim
   run at `x.unflatten(-1, (-1, k))` (`_split_rows`), and the cast where they end moves below the view merging the
   blocks back, so the reference's `view(-1, block)` quantisation and the model's unflatten form are one form;
+- a cast of blocked rows merged back by one view that also inserts size-1 dims (`reshape(x.shape).to(bf16)` of a
+  [B, 1, d] x) is the cast of the merged value, then the view (the unflatten form's order);
 - view round trips: pointwise ops between a view and the view back to the value's own shape run at that shape
   (`act_quant`'s flat e4m3 values viewed into blocks again around the cast are the cast of the blocks), broadcast
   operands only where they vary along the dims both shapes keep; not where the first view gives a graph input or
@@ -1301,6 +1303,29 @@ def _cast_below_merge(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+def _cast_of_merge_with_units(graph: fx.Graph, node: fx.Node) -> bool:
+    """convert(view(x, v)) = view(convert(view(x, merged)), v) for an x that `_split_rows` computed, merged its
+    blocks merged back and v that shape with size-1 dims inserted (`(q * s).reshape(x.shape).to(bf16)` of rows of a
+    [B, 1, d] value): the unit dims come after the cast, as where the cast comes first (`_cast_below_merge`); exact."""
+    view = node.args[0]
+    if not (node.target is prims.convert_element_type.default and isinstance(view, fx.Node)
+            and view.op == "call_function" and view.target is aten.view.default and len(view.users) == 1
+            and isinstance(view.args[0], fx.Node) and view.args[0].meta.get(_ROWS) and not node.kwargs
+            and _static(_val(view)) and _static(_val(view.args[0]))):
+        return False
+    x, v = list(_val(view.args[0]).shape), list(_val(view).shape)
+    merged = x[:-2] + [x[-2] * x[-1]] if len(x) >= 2 else None
+    if merged is None or v == merged or [d for d in v if d != 1] != [d for d in merged if d != 1]:
+        return False
+    flat = _insert(graph, node, aten.view.default, (view.args[0], merged), source=view)
+    cast = _insert(graph, node, node.target, (flat, *node.args[1:]), source=node)
+    out = _insert(graph, node, aten.view.default, (cast, v), source=view)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    graph.erase_node(view)
+    return True
+
+
 def _nonunit(shape) -> list[int]:
     return [d for d in shape if d != 1]
 
@@ -1456,6 +1481,9 @@ def _canonical_forms(graph: fx.Graph) -> int:
                 continue
         elif node.target is aten.neg.default and _neg_before_view(graph, node):
             changed += 1
+        elif node.target is prims.convert_element_type.default and _cast_of_merge_with_units(graph, node):
+            changed += 1
+            continue
         elif _view_below_pointwise(graph, node):
             changed += 1
         elif _split_rows(graph, node):

@@ -317,6 +317,38 @@ def test_cast_of_blocked_rows_moves_below_a_merge_view_with_unit_dims():
     assert torch.equal(gm(x), rows(x))
 
 
+def test_cast_after_a_merge_view_with_unit_dims_moves_above_the_unit_dims():
+    """Rows of a [B, 1, d] value merged back by `reshape(x.shape)` before the cast (`(q * s).reshape(x.shape)
+    .to(bf16)`: one view [B, 2, 32] -> [B, 1, 64], then the cast) are the merged value cast at [B, 64], then viewed
+    [B, 1, 64], as in the unflatten form; a cast of rows viewed to another non-unit shape stays above its view."""
+    def merged_then_cast(x):
+        xf = x.float().reshape(-1, 32)
+        s = xf.abs().amax(1, keepdim=True).clamp_min(1e-4)
+        return (xf / s * s).reshape(x.shape).to(x.dtype)
+
+    def unflatten_form(x):
+        xf = x.float().unflatten(-1, (-1, 32))
+        s = xf.abs().amax(-1, keepdim=True).clamp_min(1e-4)
+        return (xf / s * s).flatten(-2).to(x.dtype)
+
+    def rows_cast(x):
+        xf = x.float().reshape(-1, 32)
+        s = xf.abs().amax(1, keepdim=True).clamp_min(1e-4)
+        return (xf / s * s).reshape(3, 2, 1, 32).to(x.dtype)
+
+    def last_casts(gm):
+        return [(tuple(n.meta["val"].shape), [u.target for u in n.users]) for n in gm.graph.nodes
+                if n.target is torch.ops.prims.convert_element_type.default and n.args[1] == torch.bfloat16]
+
+    x = torch.randn(3, 1, 64, generator=gen(0)).to(torch.bfloat16)
+    gm, want = normalized(merged_then_cast, x), normalized(unflatten_form, x)
+    assert last_casts(gm) == last_casts(want) == [((3, 64), [aten.view.default])], gm.code
+    assert torch.equal(gm(x), merged_then_cast(x))
+    other = normalized(rows_cast, x)
+    assert [shape for shape, _ in last_casts(other)] == [(3, 2, 1, 32)], other.code
+    assert torch.equal(other(x), rows_cast(x))
+
+
 def test_fp32_addcmul_and_addcdiv_are_the_add_of_a_product_and_a_quotient():
     """fp32 addcmul(a, b, c) is a + b * c (within one fp32 ulp: eager's CPU kernel contracts it into an FMA) and
     addcdiv(a, b, c) is a + b / c (bit for bit); a bf16 addcmul (computed in fp32, rounded once) and a value other

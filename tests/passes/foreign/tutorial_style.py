@@ -31,17 +31,19 @@ Sites (each a fusion when the backend finds it): mhc_coeffs x2, qkv_norm, indexe
 moe_route, moe_finalize (the experts are per-pair einsums, not `_grouped_mm`, so no moe_metadata/moe_experts site).
 
 Measured when the block was written (fx mode, CPU): 8 of the 9 sites fused, qkv_norm only as its two norms
-(`q_kv_norm_none_split`, the KV RoPE left as glue). The cause, and its general fix:
+(`q_kv_norm_none_split`, the KV RoPE and FP8 step left as glue). The causes, and their general fixes
+(`dsv41.passes.normalize`):
 - GPT-J's RoPE (above) is not the patterns' pairwise form: the inverse RoPE before the einsum stopped wo_a (near
   miss "wrong op after 10 of 30 pattern ops: expected aten::view, found add.Tensor"), and qkv_norm's RoPE
-  formulations did not match. Now `dsv41.passes.normalize` writes `x * cos2 + rotate_every_two(x) * sin2`, with
-  cos2/sin2 repeated by `repeat_interleave(2, -1)`, as the pairwise form (exact).
-After: all 9 fused, outputs equal to eager (test_tutorial_style.py). Left: qkv_norm fuses without the KV's FP8
-step (`q_kv_norm_rope_split`; the FP8 round trip stays glue). `quant_dequant`'s `reshape(-1, 32)` rows of the
-[B, 1, kv] value end in one view that merges the blocks and restores the unit dim, with the cast below it, where the
-`unflatten` spelling (the model's `fp8_fake_quant` here fuses `q_kv_norm_rope_fp8_split`) ends at [B, kv] first;
-the wider formulation is then not tried and nothing records it (no `narrowed` entry). The test asserts this.
-With head_dim 32 (one FP8 block a row) the model's spelling misses the same way, so the block uses 64.
+  formulations did not match. Now `x * cos2 + rotate_every_two(x) * sin2`, with cos2/sin2 repeated by
+  `repeat_interleave(2, -1)`, is the pairwise form (exact). Then qkv_norm fused with RoPE, still without the FP8
+  step, and nothing recorded why (no `narrowed` entry).
+- `quant_dequant`'s rows of the [B, 1, kv] value end in one view that merges the blocks and restores the unit dim,
+  the cast below it, where the `unflatten` spelling ends at [B, kv], casts, then views [B, 1, kv]. Now the cast of
+  such a view is the cast of the merged value, viewed after (exact).
+After: all 9 fused, qkv_norm as `q_kv_norm_rope_fp8_split`, outputs equal to eager (test_tutorial_style.py).
+The block uses head_dim 64 (two FP8 blocks a KV row): at 32, one block a row, even the model's `fp8_fake_quant`
+stays outside qkv_norm (not investigated further).
 Tried and not kept: the experts as a Python loop over all experts with `torch.where(ids == e)` rows compiles under
 `fullgraph=True, dynamic=False` (torch 2.13) to one graph with data-dependent sizes, correct on two routings without
 a recompile; no MoE fusion matches it.
