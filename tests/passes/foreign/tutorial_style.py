@@ -42,11 +42,10 @@ Measured when the block was written (fx mode, CPU): 8 of the 9 sites fused, qkv_
   the cast below it, where the `unflatten` spelling ends at [B, kv], casts, then views [B, 1, kv]. Now the cast of
   such a view is the cast of the merged value, viewed after (exact).
 After: all 9 fused, qkv_norm as `q_kv_norm_rope_fp8_split`, outputs equal to eager (test_tutorial_style.py).
-The block uses head_dim 64 (two FP8 blocks a KV row): at 32, one block a row, even the model's `fp8_fake_quant`
-stays outside qkv_norm (not investigated further).
-Tried and not kept: the experts as a Python loop over all experts with `torch.where(ids == e)` rows compiles under
-`fullgraph=True, dynamic=False` (torch 2.13) to one graph with data-dependent sizes, correct on two routings without
-a recompile; no MoE fusion matches it.
+head_dim is 64, two FP8 blocks a KV row (the spec's 512 dims are 16 blocks).
+Tried and not kept (on the experts alone, outside this block): a Python loop over all experts with
+`torch.where(ids == e)` rows compiles under `fullgraph=True, dynamic=False` (torch 2.13) through the backend to one
+graph with data-dependent sizes, equal to eager on two routings without a recompile; no fusion matched it.
 """
 
 from __future__ import annotations
