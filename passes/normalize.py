@@ -405,16 +405,19 @@ def _lower_bound(n) -> float | None:
 
 def _normal_power_of_two(s) -> bool:
     """Every value of s is a power of two at least 2^-126 (so 1/s is exact), +-0, +-inf or NaN: a float32 built from
-    exponent bits (`(e << 23).view(float32)`: no mantissa bits), or exp2(ceil(log2(u))) of a u bounded below by
-    2^-120 or more (`_lower_bound`: the reference's amax floor over 448)."""
+    exponent bits (`(e << 23).view(float32)`: no mantissa bits), or exp2(ceil(log2(u))) (or `torch.pow(2, ...)` of
+    it, the same integer powers of two) of a u bounded below by 2^-120 or more (`_lower_bound`: the reference's amax
+    floor over 448)."""
     s = view_root(s)
     if not (isinstance(s, fx.Node) and s.op == "call_function"):
         return False
     if s.target is aten.view.dtype and s.args[1] == torch.float32:
         bits = s.args[0]
         return isinstance(bits, fx.Node) and bits.target is aten.__lshift__.Scalar and bits.args[1] == 23
-    if s.target is aten.exp2.default and isinstance(s.args[0], fx.Node) and s.args[0].target is aten.ceil.default:
-        log = s.args[0].args[0]
+    exponent = s.args[0] if s.target is aten.exp2.default else \
+        s.args[1] if s.target is aten.pow.Scalar and s.args[0] == 2 else None
+    if isinstance(exponent, fx.Node) and exponent.target is aten.ceil.default:
+        log = exponent.args[0]
         if isinstance(log, fx.Node) and log.target is aten.log2.default:
             low = _lower_bound(log.args[0])
             return low is not None and low >= 2.0**-120
@@ -462,7 +465,7 @@ def _held_exactly(a: fx.Node, narrow: torch.dtype) -> fx.Node | None:
 
 def _narrow_product_of_casts(graph: fx.Graph, node: fx.Node) -> bool:
     """a.to(N) * b.to(N) with N bf16 or fp16 and both casts exact (`_held_exactly`: an e4m3 value, a normal power
-    of two scale cast to bf16) is (a.float() * b.float()).to(N): torch computes an N product in fp32 and rounds it
+    of two scale cast to bf16; either may be viewed after its cast) is (a.float() * b.float()).to(N): torch computes an N product in fp32 and rounds it
     once to N (its opmath on CPU and CUDA), and the fp32 operands are the N ones exactly, so both forms are bit for
     bit one (the FP8 dequantisation `y.to(bf16) * s.to(bf16)` is the reference's `(y.float() * s).to(bf16)`). The
     fp32 product of an e4m3 value and such a scale is itself exact (4 significant bits times a power of two, at
@@ -472,19 +475,25 @@ def _narrow_product_of_casts(graph: fx.Graph, node: fx.Node) -> bool:
     if not (node.target is aten.mul.Tensor and len(node.args) == 2 and not node.kwargs
             and isinstance(out, torch.Tensor) and out.dtype in _HOLDS):
         return False
-    wide = [_held_exactly(a, out.dtype) for a in node.args]
-    if None in wide:
+    held = [_held_exactly(view_root(a), out.dtype) for a in node.args]
+    if None in held:
         return False
-    wide = [w if _val(w).dtype is torch.float32 else
-            _insert(graph, node, prims.convert_element_type.default, (w, torch.float32), source=node) for w in wide]
+    wide = []
+    for a, w in zip(node.args, held):
+        if _val(w).dtype is not torch.float32:
+            w = _insert(graph, node, prims.convert_element_type.default, (w, torch.float32), source=node)
+        if a is not view_root(a):  # a view of the cast (`s.to(bf16).view(-1, 1)`) is the cast of the view
+            w = _insert(graph, node, aten.view.default, (w, list(_val(a).shape)), source=node)
+        wide.append(w)
     product = _insert(graph, node, aten.mul.Tensor, tuple(wide), source=node)
     cast = _insert(graph, node, prims.convert_element_type.default, (product, out.dtype), source=node)
     narrow = list(node.args)
     node.replace_all_uses_with(cast)
     graph.erase_node(node)
     for a in dict.fromkeys(narrow):
-        if not a.users:
-            graph.erase_node(a)
+        while isinstance(a, fx.Node) and not a.users and a.op == "call_function":
+            a, dead = (a.args[0] if a.target is aten.view.default else None), a
+            graph.erase_node(dead)
     return True
 
 

@@ -604,28 +604,33 @@ def test_cast_before_a_view_stays_without_a_split_it_undoes(name):
 
 def test_narrow_product_of_exact_casts_is_the_cast_of_the_fp32_product():
     """`y.to(bf16) * s.to(bf16)` for e4m3 y and the FP8 step's exp2 scale s (a normal power of two: bf16 holds it)
-    is `(y.float() * s).to(bf16)`, and an fp16 product of two e4m3 values is that of their fp32 product: one cast
-    of each operand's source at most, the product in fp32, one cast to the narrow type; bit for bit, on blocks
-    whose amax spans 1e-6 to 1e30."""
+    is `(y.float() * s).to(bf16)`, so is it with the scale as `torch.pow(2, ...)` viewed after its cast, and an fp16
+    product of two e4m3 values is that of their fp32 product: the products in fp32, one cast to the narrow type
+    each; bit for bit, on blocks whose amax spans 1e-6 to 1e30."""
+    def pow_scale(xf):
+        return torch.pow(2.0, torch.ceil(torch.log2(xf.abs().amax(-1).clamp_min(1e-4) / 448.0)))
+
     def bf16_dequant(x):
         xf = x.float().unflatten(-1, (-1, 32))
         s = _exp2_scale(xf)
         y = (xf / s).clamp(-448.0, 448.0).to(E4M3)
-        return y.to(BF16) * s.to(BF16), y[:, :1].to(torch.float16) * y[:, 1:].to(torch.float16)
+        return (y.to(BF16) * s.to(BF16), y[:, :1].to(torch.float16) * y[:, 1:].to(torch.float16),
+                y.to(BF16) * pow_scale(xf).to(BF16).unsqueeze(-1))
 
     def fp32_dequant(x):
         xf = x.float().unflatten(-1, (-1, 32))
         s = _exp2_scale(xf)
         y = (xf / s).clamp(-448.0, 448.0).to(E4M3)
-        return (y.float() * s).to(BF16), (y[:, :1].float() * y[:, 1:].float()).to(torch.float16)
+        return ((y.float() * s).to(BF16), (y[:, :1].float() * y[:, 1:].float()).to(torch.float16),
+                (y.float() * pow_scale(xf).unsqueeze(-1)).to(BF16))
 
     x = (torch.randn(4, 64, generator=gen(6)) * torch.logspace(-6, 30, 4)[:, None]).bfloat16()
     forms = [normalized(f, x) for f in (bf16_dequant, fp32_dequant)]
     assert Counter(_ops(forms[0])) == Counter(_ops(forms[1]))  # (the casts made at the product: the order differs)
     muls = [n for n in forms[0].graph.nodes if n.target is aten.mul.Tensor]
-    assert [n.meta["val"].dtype for n in muls] == [torch.float32, torch.float32], forms[0].code
-    assert [c[1] for c in _casts(forms[0])][-6:] == [E4M3, torch.float32, BF16, torch.float32, torch.float32,
-                                                     torch.float16], forms[0].code
+    assert [n.meta["val"].dtype for n in muls] == [torch.float32] * 3, forms[0].code
+    assert Counter(c[1] for c in _casts(forms[0])) == {torch.float32: 5, E4M3: 1, BF16: 2, torch.float16: 1}, \
+        forms[0].code  # x's, y's (or a slice's) made at each product; two bf16 outputs, one fp16
     for got, want, ref in zip(forms[0](x), bf16_dequant(x), fp32_dequant(x), strict=True):
         assert torch.equal(got, want) and torch.equal(got, ref)
 
@@ -670,3 +675,6 @@ def test_e4m3_times_a_normal_power_of_two_is_exact_in_bf16():
     narrow = y.to(BF16)[:, None] * s.to(BF16)[None, :]
     assert torch.equal(narrow, (y.float()[:, None] * s[None, :]).to(BF16))
     assert torch.equal(s.to(BF16).float(), s)
+    n = torch.arange(-126, 128, dtype=torch.float32)  # the exp2 and pow spellings of the scale: exact powers of two
+    assert torch.equal(torch.pow(2.0, n), s) and torch.equal(torch.exp2(n), s)
+    assert torch.equal(s, torch.ldexp(torch.ones(254), n))

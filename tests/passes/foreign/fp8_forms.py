@@ -26,7 +26,9 @@ SAME: equal to the reference on every bf16 input without NaN, so the fusion must
   the scale is a normal power of two (2^-22 <= s: amax >= 1e-4), which bf16 holds exactly (fp32's exponent range),
   e4m3 values are bf16 values, and torch computes a bf16 product in fp32 and rounds it once, so this is the
   reference's `(y.float() * s).to(torch.bfloat16)` on every input (that fp32 product is exact besides: at most 4
-  significant bits on a multiple of 2^-31, overflowing to inf alike).
+  significant bits on a multiple of 2^-31, overflowing to inf alike);
+- `flat_rows_bf16_dequant`: `flat_rows_dequant` in bf16, `y.to(torch.bfloat16).view(-1, 32) *
+  s.to(torch.bfloat16).view(-1, 1)` (the `torch.pow(2, ...)` scale cast, then viewed), equal for the same reasons.
 DIFFERENT (the fusion must leave the step out and record why):
 - `floor_scale`: s = 2^floor(...), which is below amax / 448 and so clamps;
 - `e5m2`: the round trip through float8_e5m2;
@@ -116,6 +118,11 @@ def flat_rows_dequant(x):
     return (y.float().view(-1, BLOCK) * s.view(-1, 1)).view(x.shape).to(x.dtype)
 
 
+def flat_rows_bf16_dequant(x):
+    y, s = _act_quant_flat(x)
+    return (y.to(torch.bfloat16).view(-1, BLOCK) * s.to(torch.bfloat16).view(-1, 1)).view(x.shape)
+
+
 def _quantised_blocks(x):
     """(e4m3 blocks [..., n, 32], their fp32 scales [..., n, 1]) of the reference's round trip."""
     xf = _blocks(x)
@@ -150,6 +157,7 @@ def no_amax_floor(x):
 
 
 SAME = {f.__name__: f for f in (exp2_scale, rows, clamp_kw, max_values, times_reciprocal, type_cast, no_clamp,
-                                flat_unflatten, flat_rows_dequant, cast_before_merge, bf16_dequant)}
+                                flat_unflatten, flat_rows_dequant, flat_rows_bf16_dequant, cast_before_merge,
+                                bf16_dequant)}
 ONE_BLOCK = {f.__name__: f for f in (one_block_flat,)}
 DIFFERENT = {f.__name__: f for f in (floor_scale, e5m2, no_amax_floor)}
