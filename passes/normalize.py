@@ -442,16 +442,15 @@ def _times_reciprocal(graph: fx.Graph, node: fx.Node) -> bool:
     return False
 
 
-# addcmul / addcdiv -> the op that joins the product or quotient to the input
 # narrow float type -> the float types each of whose values it holds exactly (range and precision)
 _HOLDS = {torch.bfloat16: (torch.float8_e4m3fn, torch.float8_e5m2),
           torch.float16: (torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
 def _held_exactly(a: fx.Node, narrow: torch.dtype) -> fx.Node | None:
-    """For a = convert(src, narrow) that loses nothing, the fp32 value equal to a: convert(src, fp32) for a src of
-    a narrower float type (`_HOLDS`: e4m3 in bf16), or src itself for an fp32 src whose every value is a normal power
-    of two (`_normal_power_of_two`; bf16 has fp32's exponent range, so each is a bf16 value); else None."""
+    """src, for a = convert(src, narrow) that loses nothing (a holds every value of src exactly): a src of a
+    narrower float type (`_HOLDS`: e4m3 in bf16), or an fp32 src each of whose values is a normal power of two
+    (`_normal_power_of_two`; bf16 has fp32's exponent range, so each is a bf16 value); else None."""
     if not (isinstance(a, fx.Node) and a.op == "call_function" and a.target is prims.convert_element_type.default
             and a.args[1:] == (narrow,) and not a.kwargs and isinstance(_val(a.args[0]), torch.Tensor)):
         return None
@@ -465,12 +464,13 @@ def _held_exactly(a: fx.Node, narrow: torch.dtype) -> fx.Node | None:
 
 def _narrow_product_of_casts(graph: fx.Graph, node: fx.Node) -> bool:
     """a.to(N) * b.to(N) with N bf16 or fp16 and both casts exact (`_held_exactly`: an e4m3 value, a normal power
-    of two scale cast to bf16; either may be viewed after its cast) is (a.float() * b.float()).to(N): torch computes an N product in fp32 and rounds it
-    once to N (its opmath on CPU and CUDA), and the fp32 operands are the N ones exactly, so both forms are bit for
-    bit one (the FP8 dequantisation `y.to(bf16) * s.to(bf16)` is the reference's `(y.float() * s).to(bf16)`). The
-    fp32 product of an e4m3 value and such a scale is itself exact (4 significant bits times a power of two, at
-    least 2^-9 * 2^-126 > 2^-149, overflow to inf alike), so the form also equals a correctly rounded N product.
-    Casts that round (a bf16 cast of an arbitrary fp32 value, any fp32 value to fp16) keep the product in N."""
+    of two scale cast to bf16; either may be viewed after its cast) is (a.float() * b.float()).to(N): torch computes
+    an N product in fp32 and rounds it once to N (its opmath on CPU and CUDA), and the fp32 operands are the N ones
+    exactly, so both forms are bit for bit one (the FP8 dequantisation `y.to(bf16) * s.to(bf16)` is the reference's
+    `(y.float() * s).to(bf16)`). The fp32 product of two fp8 values, or of one and such a scale, is itself exact (at
+    most 8 significant bits on a multiple of 2^-142 or coarser, inf where it overflows), so the form also equals a
+    correctly rounded N product. Casts that round (a bf16 cast of an arbitrary fp32 value, any fp32 value to fp16)
+    keep the product in N."""
     out = _val(node)
     if not (node.target is aten.mul.Tensor and len(node.args) == 2 and not node.kwargs
             and isinstance(out, torch.Tensor) and out.dtype in _HOLDS):
@@ -497,6 +497,7 @@ def _narrow_product_of_casts(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+# addcmul / addcdiv -> the op that joins the product or quotient to the input
 _FUSED_ARITH = {aten.addcmul.default: aten.mul.Tensor, aten.addcdiv.default: aten.div.Tensor}
 
 
