@@ -34,12 +34,15 @@
   `unbind(x, d)[i]` is `select(x, d, i)`;
 - FP8 spellings: a cast to float8_e4m3fn of an unclamped x / s is the cast of it clamped to +-448 (the conversion
   saturates), `x * reciprocal(s)` is `x / s` for a scale that is a normal power of two (exponent bits, or an exp2
-  scale of a floored amax), and `x * 1.0` is `x`;
+  scale of a floored amax), `x * 1.0` is `x`, and a bf16/fp16 product of two casts that lose nothing (e4m3 values,
+  a normal power of two scale to bf16) is the cast of their fp32 product (`y.to(bf16) * s.to(bf16)`: torch rounds a
+  narrow product once from fp32);
 - implicit promotion: an fp32 add/sub/mul/div/maximum/minimum with a bf16/fp16 tensor operand takes it cast to fp32
   (`xf * w` for a bf16 RMSNorm weight is `xf * w.float()`);
 - block rows: pointwise ops and keepdim last-dim reductions on `x.reshape(-1, k)` rows of blocks of x's last dim
   run at `x.unflatten(-1, (-1, k))` (`_split_rows`), and the cast where they end moves below the view merging the
-  blocks back, so the reference's `view(-1, block)` quantisation and the model's unflatten form are one form;
+  blocks back, so the reference's `view(-1, block)` quantisation and the model's unflatten form are one form; so
+  does the cast of blocks computed pointwise from an unflatten view (`(q * s).to(bf16).reshape(x.shape)`);
 - a cast of blocked rows merged back by one view that also inserts size-1 dims (`reshape(x.shape).to(bf16)` of a
   [B, 1, d] x) is the cast of the merged value, then the view (the unflatten form's order);
 - view round trips: pointwise ops between a view and the view back to the value's own shape run at that shape
@@ -408,16 +411,19 @@ def _lower_bound(n) -> float | None:
 
 def _normal_power_of_two(s) -> bool:
     """Every value of s is a power of two at least 2^-126 (so 1/s is exact), +-0, +-inf or NaN: a float32 built from
-    exponent bits (`(e << 23).view(float32)`: no mantissa bits), or exp2(ceil(log2(u))) of a u bounded below by
-    2^-120 or more (`_lower_bound`: the reference's amax floor over 448)."""
+    exponent bits (`(e << 23).view(float32)`: no mantissa bits), or exp2(ceil(log2(u))) (or `torch.pow(2, ...)` of
+    it, the same integer powers of two) of a u bounded below by 2^-120 or more (`_lower_bound`: the reference's amax
+    floor over 448)."""
     s = view_root(s)
     if not (isinstance(s, fx.Node) and s.op == "call_function"):
         return False
     if s.target is aten.view.dtype and s.args[1] == torch.float32:
         bits = s.args[0]
         return isinstance(bits, fx.Node) and bits.target is aten.__lshift__.Scalar and bits.args[1] == 23
-    if s.target is aten.exp2.default and isinstance(s.args[0], fx.Node) and s.args[0].target is aten.ceil.default:
-        log = s.args[0].args[0]
+    exponent = s.args[0] if s.target is aten.exp2.default else \
+        s.args[1] if s.target is aten.pow.Scalar and s.args[0] == 2 else None
+    if isinstance(exponent, fx.Node) and exponent.target is aten.ceil.default:
+        log = exponent.args[0]
         if isinstance(log, fx.Node) and log.target is aten.log2.default:
             low = _lower_bound(log.args[0])
             return low is not None and low >= 2.0**-120
@@ -440,6 +446,61 @@ def _times_reciprocal(graph: fx.Graph, node: fx.Node) -> bool:
                 graph.erase_node(r)
             return True
     return False
+
+
+# narrow float type -> the float types each of whose values it holds exactly (range and precision)
+_HOLDS = {torch.bfloat16: (torch.float8_e4m3fn, torch.float8_e5m2),
+          torch.float16: (torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+def _held_exactly(a: fx.Node, narrow: torch.dtype) -> fx.Node | None:
+    """src, for a = convert(src, narrow) that loses nothing (a holds every value of src exactly): a src of a
+    narrower float type (`_HOLDS`: e4m3 in bf16), or an fp32 src each of whose values is a normal power of two
+    (`_normal_power_of_two`; bf16 has fp32's exponent range, so each is a bf16 value); else None."""
+    if not (isinstance(a, fx.Node) and a.op == "call_function" and a.target is prims.convert_element_type.default
+            and a.args[1:] == (narrow,) and not a.kwargs and isinstance(_val(a.args[0]), torch.Tensor)):
+        return None
+    src = a.args[0]
+    if _val(src).dtype in _HOLDS[narrow]:
+        return src
+    if narrow is torch.bfloat16 and _val(src).dtype is torch.float32 and _normal_power_of_two(src):
+        return src
+    return None
+
+
+def _narrow_product_of_casts(graph: fx.Graph, node: fx.Node) -> bool:
+    """a.to(N) * b.to(N) with N bf16 or fp16 and both casts exact (`_held_exactly`: an e4m3 value, a normal power
+    of two scale cast to bf16; either may be viewed after its cast) is (a.float() * b.float()).to(N): torch computes
+    an N product in fp32 and rounds it once to N (its opmath on CPU and CUDA), and the fp32 operands are the N ones
+    exactly, so both forms are bit for bit one (the FP8 dequantisation `y.to(bf16) * s.to(bf16)` is the reference's
+    `(y.float() * s).to(bf16)`). The fp32 product of two fp8 values, or of one and such a scale, is itself exact (at
+    most 8 significant bits on a multiple of 2^-142 or coarser, inf where it overflows), so the form also equals a
+    correctly rounded N product. Casts that round (a bf16 cast of an arbitrary fp32 value, any fp32 value to fp16)
+    keep the product in N."""
+    out = _val(node)
+    if not (node.target is aten.mul.Tensor and len(node.args) == 2 and not node.kwargs
+            and isinstance(out, torch.Tensor) and out.dtype in _HOLDS):
+        return False
+    held = [_held_exactly(view_root(a), out.dtype) for a in node.args]
+    if None in held:
+        return False
+    wide = []
+    for a, w in zip(node.args, held):
+        if _val(w).dtype is not torch.float32:
+            w = _insert(graph, node, prims.convert_element_type.default, (w, torch.float32), source=node)
+        if a is not view_root(a):  # a view of the cast (`s.to(bf16).view(-1, 1)`) is the cast of the view
+            w = _insert(graph, node, aten.view.default, (w, list(_val(a).shape)), source=node)
+        wide.append(w)
+    product = _insert(graph, node, aten.mul.Tensor, tuple(wide), source=node)
+    cast = _insert(graph, node, prims.convert_element_type.default, (product, out.dtype), source=node)
+    narrow = list(node.args)
+    node.replace_all_uses_with(cast)
+    graph.erase_node(node)
+    for a in dict.fromkeys(narrow):
+        while isinstance(a, fx.Node) and not a.users and a.op == "call_function":
+            a, dead = (a.args[0] if a.target is aten.view.default else None), a
+            graph.erase_node(dead)
+    return True
 
 
 # addcmul / addcdiv -> the op that joins the product or quotient to the input
@@ -607,6 +668,9 @@ def _local_forms(graph: fx.Graph) -> int:
         changed += _view_of_full(node)
         changed += _add_of_neg(node) + _square(node) + _negation(node) + _max_values(graph, node) + _keepdim(graph, node)
         changed += _keepdim_dropped(graph, node) + _clamp_before_e4m3(graph, node) + _times_reciprocal(graph, node)
+        if _narrow_product_of_casts(graph, node):
+            changed += 1
+            continue
         if _times_one(node):
             graph.erase_node(node)
             changed += 1
@@ -1275,21 +1339,42 @@ def _split_rows(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+def _split_from(x: fx.Node, merged: list[int]) -> bool:
+    """x [*A, n, k] is computed from a view of a value [*A, n k] (`merged`) into its blocks: a value `_split_rows`
+    computed, or a chain of pointwise ops each with one operand of its own shape, back to a view of a [merged] value
+    to that shape (`x.float().unflatten(-1, (-1, k))` and the quantisation's ops on it)."""
+    shape = list(_val(x).shape)
+    while isinstance(x, fx.Node) and x.op == "call_function" and _static(_val(x)) and list(_val(x).shape) == shape:
+        if x.meta.get(_ROWS):
+            return True
+        if x.target is aten.view.default:
+            return _static(_val(x.args[0])) and list(_val(x.args[0]).shape) == merged
+        if not (isinstance(x.target, torch._ops.OpOverload) and torch.Tag.pointwise in x.target.tags) or x.kwargs:
+            return False
+        full = [a for a in x.args if isinstance(a, fx.Node) and _static(_val(a)) and list(_val(a).shape) == shape]
+        if len(full) != 1:
+            return False
+        x = full[0]
+    return False
+
+
 def _cast_below_merge(graph: fx.Graph, node: fx.Node) -> bool:
-    """convert(x).flatten(-2) = convert(x.flatten(-2)) for an x that `_split_rows` computed: where blocked rows end,
-    a cast moves below the view that merges the blocks back (`(q * s).to(bf16).reshape(shape)` of rows and
-    `(q * s).flatten(-2).to(bf16)` are one form); exact. A view to the merged shape with size-1 dims inserted (a
-    layout chain `y.reshape(shape)[:, None]` collapsed to one view) is the cast's merged value viewed so. Other
-    casts stay: a cast's output may be a pattern's input, which the pattern then views."""
+    """convert(x).flatten(-2) = convert(x.flatten(-2)) for an x [*A, n, k] computed from blocks of a [*A, n k] value
+    (`_split_from`: by `_split_rows`, or by pointwise ops on its unflatten view): where blocks end, a cast moves below
+    the view that merges them back (`(q * s).to(bf16).reshape(shape)` of rows or of `x.unflatten(-1, (-1, k))`
+    blocks and `(q * s).flatten(-2).to(bf16)` are one form); exact, as a cast works element by element and a view
+    renames the elements. A view to the merged shape with size-1 dims inserted (a layout chain
+    `y.reshape(shape)[:, None]` collapsed to one view) is the cast's merged value viewed so. Other casts stay: a
+    cast's output may be a pattern's input, which the pattern then views (a bmm output cast, then flattened)."""
     src = node.args[0]
     if not (node.target is aten.view.default and isinstance(src, fx.Node) and src.op == "call_function"
             and src.target is prims.convert_element_type.default and len(src.users) == 1 and not src.kwargs
-            and isinstance(src.args[0], fx.Node) and src.args[0].meta.get(_ROWS)
-            and _static(_val(node)) and _static(_val(src))):
+            and isinstance(src.args[0], fx.Node) and _static(_val(node)) and _static(_val(src))):
         return False
     x, v = list(_val(src).shape), list(_val(node).shape)
     merged = x[:-2] + [x[-2] * x[-1]] if len(x) >= 2 else None
-    if merged is None or [d for d in v if d != 1] != [d for d in merged if d != 1]:
+    if merged is None or [d for d in v if d != 1] != [d for d in merged if d != 1] \
+            or not _split_from(src.args[0], merged):
         return False
     if v != merged and any(u.target in _LAYOUT_OPS for u in node.users):
         return False  # (a view that a layout chain continues: the chain is one view first)

@@ -4,6 +4,8 @@ inputs bit for bit."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -557,7 +559,157 @@ def test_a_view_round_trip_stays_where_rewriting_it_would_change_values_or_shape
         assert torch.equal(got.float(), want.float())
 
 
-def _rotate_every_two(x):
+BF16 = torch.bfloat16
+
+
+def _exp2_scale(xf):
+    """The FP8 step's per-block scale of fp32 blocks xf [..., n, 32]: a normal power of two from 2^-22 up."""
+    return torch.exp2(torch.ceil(torch.log2(xf.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448.0)))
+
+
+def _blocks_cast_then_merged(x):
+    xf = x.float().unflatten(-1, (-1, 32))
+    s = _exp2_scale(xf)
+    q = (xf / s).clamp(-448.0, 448.0)
+    return (q.to(E4M3).float() * s).to(BF16).reshape(x.shape), q.to(E4M3).reshape(x.shape)
+
+
+def _blocks_merged_then_cast(x):
+    xf = x.float().unflatten(-1, (-1, 32))
+    s = _exp2_scale(xf)
+    q = (xf / s).clamp(-448.0, 448.0)
+    return (q.to(E4M3).float() * s).flatten(-2).to(BF16), q.flatten(-2).to(E4M3)
+
+
+def test_cast_of_unflattened_blocks_moves_below_the_merge_view():
+    """A cast of blocks computed from `x.unflatten(-1, (-1, k))` by pointwise ops, then reshaped back, is the cast
+    of the merged blocks: `(q * s).to(bf16).reshape(x.shape)` is `(q * s).flatten(-2).to(bf16)`, and the e4m3 cast
+    (a narrowing one) likewise; one form, both casts at [3, 64] after a view, bit for bit."""
+    x = (torch.randn(3, 64, generator=gen(2)) * torch.logspace(-6, 30, 3)[:, None]).bfloat16()
+    forms = [normalized(f, x) for f in (_blocks_cast_then_merged, _blocks_merged_then_cast)]
+    assert _ops(forms[0]) == _ops(forms[1])
+    assert _casts(forms[0])[-2:] == [((3, 64), BF16), ((3, 64), E4M3)], forms[0].code
+    for gm, f in zip(forms, (_blocks_cast_then_merged, _blocks_merged_then_cast)):
+        for got, want in zip(gm(x), f(x), strict=True):
+            assert torch.equal(got.float(), want.float())
+    for got, want in zip(forms[0](x), forms[1](x), strict=True):
+        assert torch.equal(got.float(), want.float())
+
+
+def _gemm_output_cast(x, w):
+    """A bmm output [2, 3, 32] cast, then flattened: a pattern's input may be the cast (no split view upstream)."""
+    return torch.bmm(x.view(2, 3, 32), w).to(BF16).reshape(2, 96)
+
+
+def _scan_between(x, w):
+    return x.float().view(3, 2, 32).cumsum(-1).to(BF16).reshape(3, 64)
+
+
+def _other_merge(x, w):
+    return (x.float().view(3, 2, 32) * 2.0).to(BF16).reshape(6, 32)
+
+
+def _two_full_operands(x, w):
+    """A product of two blocked values: no one chain back to the split view."""
+    xf = x.float().view(3, 2, 32)
+    return (xf * xf.exp()).to(BF16).reshape(3, 64)
+
+
+CAST_STAYS = {"a GEMM output": _gemm_output_cast, "a scan between": _scan_between, "another merge": _other_merge,
+              "two full operands": _two_full_operands}
+
+
+@pytest.mark.parametrize("name", sorted(CAST_STAYS))
+def test_cast_before_a_view_stays_without_a_split_it_undoes(name):
+    """The cast stays above the view where its value is not computed pointwise from blocks the view merges back:
+    a GEMM output's layout (a pattern may take the cast as its input), a scan between the split and the cast, a view
+    to another shape than the split's input, a chain of two blocked operands; the graph computes as traced."""
+    f = CAST_STAYS[name]
+    g = gen(3)
+    x = (torch.randn(3, 64, generator=g), torch.randn(2, 32, 32, generator=g))
+    gm = normalized(f, *x)
+    (cast,) = [n for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default
+               and n.args[1] == BF16]
+    assert len(cast.meta["val"].shape) == 3 and [u.target for u in cast.users] == [aten.view.default], gm.code
+    assert torch.equal(gm(*x), f(*x))
+
+
+def test_narrow_product_of_exact_casts_is_the_cast_of_the_fp32_product():
+    """`y.to(bf16) * s.to(bf16)` for e4m3 y and the FP8 step's exp2 scale s (a normal power of two: bf16 holds it)
+    is `(y.float() * s).to(bf16)`, so is it with the scale as `torch.pow(2, ...)` viewed after its cast, and an fp16
+    product of two e4m3 values is that of their fp32 product: the products in fp32, one cast to the narrow type
+    each; bit for bit, on blocks whose amax spans 1e-6 to 1e30."""
+    def pow_scale(xf):
+        return torch.pow(2.0, torch.ceil(torch.log2(xf.abs().amax(-1).clamp_min(1e-4) / 448.0)))
+
+    def bf16_dequant(x):
+        xf = x.float().unflatten(-1, (-1, 32))
+        s = _exp2_scale(xf)
+        y = (xf / s).clamp(-448.0, 448.0).to(E4M3)
+        return (y.to(BF16) * s.to(BF16), y[:, :1].to(torch.float16) * y[:, 1:].to(torch.float16),
+                y.to(BF16) * pow_scale(xf).to(BF16).unsqueeze(-1))
+
+    def fp32_dequant(x):
+        xf = x.float().unflatten(-1, (-1, 32))
+        s = _exp2_scale(xf)
+        y = (xf / s).clamp(-448.0, 448.0).to(E4M3)
+        return ((y.float() * s).to(BF16), (y[:, :1].float() * y[:, 1:].float()).to(torch.float16),
+                (y.float() * pow_scale(xf).unsqueeze(-1)).to(BF16))
+
+    x = (torch.randn(4, 64, generator=gen(6)) * torch.logspace(-6, 30, 4)[:, None]).bfloat16()
+    forms = [normalized(f, x) for f in (bf16_dequant, fp32_dequant)]
+    assert Counter(_ops(forms[0])) == Counter(_ops(forms[1]))  # (the casts made at the product: the order differs)
+    muls = [n for n in forms[0].graph.nodes if n.target is aten.mul.Tensor]
+    assert [n.meta["val"].dtype for n in muls] == [torch.float32] * 3, forms[0].code
+    assert Counter(c[1] for c in _casts(forms[0])) == {torch.float32: 5, E4M3: 1, BF16: 2, torch.float16: 1}, \
+        forms[0].code  # x's, y's (or a slice's) made at each product; two bf16 outputs, one fp16
+    for got, want, ref in zip(forms[0](x), bf16_dequant(x), fp32_dequant(x), strict=True):
+        assert torch.equal(got, want) and torch.equal(got, ref)
+
+
+def _rounding_cast(x, a):
+    return x.to(BF16) * a.to(BF16)  # x.to(bf16) rounds an arbitrary fp32 value
+
+
+def _unfloored_scale(x, a):
+    return x.to(E4M3).to(BF16) * torch.exp2(torch.ceil(torch.log2(a / 448.0))).to(BF16)  # no amax floor
+
+
+def _scale_to_fp16(x, a):
+    s = torch.exp2(torch.ceil(torch.log2(a.clamp_min(1e-4) / 448.0)))
+    return x.to(E4M3).to(torch.float16) * s.to(torch.float16)  # fp16 does not hold every such scale (2^16 and up)
+
+
+NARROW_STAYS = {"a rounding cast": _rounding_cast, "an unfloored scale": _unfloored_scale,
+                "a scale cast to fp16": _scale_to_fp16}
+
+
+@pytest.mark.parametrize("name", sorted(NARROW_STAYS))
+def test_narrow_product_stays_where_a_cast_rounds(name):
+    """The product stays in the narrow type where an operand's cast may round (an arbitrary fp32 value to bf16, a
+    power of two scale to fp16) or is not shown to hold every value (a scale without the amax floor may be
+    subnormal): removing that rounding would change values. The graph computes as traced."""
+    f = NARROW_STAYS[name]
+    g = gen(7)
+    x = (torch.randn(4, 32, generator=g) * 100, torch.rand(4, 1, generator=g) * 1e6)
+    gm = normalized(f, *x)
+    (mul,) = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor]
+    assert mul.meta["val"].dtype in (BF16, torch.float16) and op_counts(gm)["aten.mul.Tensor"] == 1, gm.code
+    assert torch.equal(gm(*x), f(*x))
+
+
+def test_e4m3_times_a_normal_power_of_two_is_exact_in_bf16():
+    """The arithmetic behind the narrow product rule at the FP8 step: every e4m3 value times every normal power of
+    two scale 2^-126..2^127, as bf16 operands, equals the fp32 product cast to bf16 (inf where it overflows)."""
+    y = torch.arange(256, dtype=torch.uint8).view(E4M3)
+    y = y[~y.float().isnan()]
+    s = torch.exp2(torch.arange(-126, 128, dtype=torch.float32))
+    narrow = y.to(BF16)[:, None] * s.to(BF16)[None, :]
+    assert torch.equal(narrow, (y.float()[:, None] * s[None, :]).to(BF16))
+    assert torch.equal(s.to(BF16).float(), s)
+    n = torch.arange(-126, 128, dtype=torch.float32)  # the exp2 and pow spellings of the scale: exact powers of two
+    assert torch.equal(torch.pow(2.0, n), s) and torch.equal(torch.exp2(n), s)
+    assert torch.equal(s, torch.ldexp(torch.ones(254), n))
     return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
 

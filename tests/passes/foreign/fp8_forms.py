@@ -19,7 +19,16 @@ SAME: equal to the reference on every bf16 input without NaN, so the fusion must
   values returned flat (`.flatten(-2)`) with scales without keepdim (`torch.pow(2, ...)`), then unflattened into
   blocks again around the cast to fp32 and multiplied by `s.unsqueeze(-1)`;
 - `flat_rows_dequant`: the same flat values dequantised as `[M, 32]` rows, `y.float().view(-1, 32) * s.view(-1, 1)`,
-  then viewed back to x's shape (a per-row group scale, as vLLM's kernels take it).
+  then viewed back to x's shape (a per-row group scale, as vLLM's kernels take it);
+- `cast_before_merge`: the dequantised `[..., n, 32]` blocks cast to bf16, then reshaped back
+  (`(q * s).to(torch.bfloat16).reshape(x.shape)`; a cast and a view commute);
+- `bf16_dequant`: the dequantisation in bf16, `y.to(torch.bfloat16) * s.to(torch.bfloat16)`, then reshaped back:
+  the scale is a normal power of two (2^-22 <= s: amax >= 1e-4), which bf16 holds exactly (fp32's exponent range),
+  e4m3 values are bf16 values, and torch computes a bf16 product in fp32 and rounds it once, so this is the
+  reference's `(y.float() * s).to(torch.bfloat16)` on every input (that fp32 product is exact besides: at most 4
+  significant bits on a multiple of 2^-31, overflowing to inf alike);
+- `flat_rows_bf16_dequant`: `flat_rows_dequant` in bf16, `y.to(torch.bfloat16).view(-1, 32) *
+  s.to(torch.bfloat16).view(-1, 1)` (the `torch.pow(2, ...)` scale cast, then viewed), equal for the same reasons.
 DIFFERENT (the fusion must leave the step out and record why):
 - `floor_scale`: s = 2^floor(...), which is below amax / 448 and so clamps;
 - `e5m2`: the round trip through float8_e5m2;
@@ -109,6 +118,28 @@ def flat_rows_dequant(x):
     return (y.float().view(-1, BLOCK) * s.view(-1, 1)).view(x.shape).to(x.dtype)
 
 
+def flat_rows_bf16_dequant(x):
+    y, s = _act_quant_flat(x)
+    return (y.to(torch.bfloat16).view(-1, BLOCK) * s.to(torch.bfloat16).view(-1, 1)).view(x.shape)
+
+
+def _quantised_blocks(x):
+    """(e4m3 blocks [..., n, 32], their fp32 scales [..., n, 1]) of the reference's round trip."""
+    xf = _blocks(x)
+    s = _exp2_scale(xf.abs().amax(-1, keepdim=True).clamp_min(1e-4))
+    return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
+
+
+def cast_before_merge(x):
+    y, s = _quantised_blocks(x)
+    return (y.float() * s).to(torch.bfloat16).reshape(x.shape)
+
+
+def bf16_dequant(x):
+    y, s = _quantised_blocks(x)
+    return (y.to(torch.bfloat16) * s.to(torch.bfloat16)).reshape(x.shape)
+
+
 def floor_scale(x):
     xf = _blocks(x)
     s = torch.exp2(torch.floor(torch.log2(xf.abs().amax(-1, keepdim=True).clamp_min(1e-4) / FP8_MAX)))
@@ -126,6 +157,7 @@ def no_amax_floor(x):
 
 
 SAME = {f.__name__: f for f in (exp2_scale, rows, clamp_kw, max_values, times_reciprocal, type_cast, no_clamp,
-                                flat_unflatten, flat_rows_dequant)}
+                                flat_unflatten, flat_rows_dequant, flat_rows_bf16_dequant, cast_before_merge,
+                                bf16_dequant)}
 ONE_BLOCK = {f.__name__: f for f in (one_block_flat,)}
 DIFFERENT = {f.__name__: f for f in (floor_scale, e5m2, no_amax_floor)}
