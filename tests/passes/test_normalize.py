@@ -710,6 +710,9 @@ def test_e4m3_times_a_normal_power_of_two_is_exact_in_bf16():
     n = torch.arange(-126, 128, dtype=torch.float32)  # the exp2 and pow spellings of the scale: exact powers of two
     assert torch.equal(torch.pow(2.0, n), s) and torch.equal(torch.exp2(n), s)
     assert torch.equal(s, torch.ldexp(torch.ones(254), n))
+
+
+def _rotate_every_two(x):
     return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
 
