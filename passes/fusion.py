@@ -269,15 +269,19 @@ class FusionPass(GraphPass):
     def _wider_accepted(self, index: int, anchor: fx.Node, narrow: MatchResult):
         """(the accepted match of the first pattern in `wider(index)` whose region at `anchor` holds every node of
         the op-for-op match `narrow` and more, or None; the failure of the last one tried that got past the narrow
-        region, or None): a wider formulation whose extra part the graph writes with other ops (the FP8 scale by
-        exp2) would otherwise lose to the narrower one, which the op-for-op phase tries first."""
+        region or matched there over another region, or None): a wider formulation whose extra part the graph writes
+        with other ops (the FP8 scale by exp2) would otherwise lose to the narrower one, which the op-for-op phase
+        tries first."""
         why = None
         for j in self.wider(index):
             m = self._patterns.match_one(j, anchor, True)
             if isinstance(m, MatchFailure):
                 why = m if m.progress > len(narrow.nodes) else why
                 continue
-            if not set(narrow.nodes) < set(m.nodes):
+            if not set(narrow.nodes) < set(m.nodes):  # matched elsewhere: it does not extend this region
+                why = MatchFailure(m.pattern.name, anchor.name, len(m.nodes), len(m.nodes), "check",
+                                   f"its match at this anchor covers {len(m.nodes)} nodes, not the "
+                                   f"{len(narrow.nodes)} of {narrow.pattern.name}'s match and more")
                 continue
             accepted = self._accept(m, anchor)
             if not isinstance(accepted, MatchFailure):

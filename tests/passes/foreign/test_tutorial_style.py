@@ -47,3 +47,18 @@ def test_qkv_norm_holds_the_fp8_step(compiled):
 
 def test_agrees_with_eager(compiled):
     assert_outputs_agree(compiled[1])
+
+
+def test_a_site_fused_without_its_fp8_step_says_why(monkeypatch):
+    """With the rule that moves the KV's cast below its merge view switched off, qkv_norm fuses RoPE only there; the
+    FP8 formulation's match at that anchor covers another region, and the report says so in `narrowed` (it used to
+    record nothing for that site)."""
+    from dsv41.passes import normalize
+
+    monkeypatch.setattr(normalize, "_cast_of_merge_with_units", lambda graph, node: False)
+    backend, _ = compile_and_run(TutorialStyleBlock(), inputs, (1,))
+    (qkv,) = [p for p in backend.reports[-1].passes if p.name == "qkv_norm"]
+    assert [r["pattern"] for r in qkv.replaced] == ["q_kv_norm_rope_split"]
+    ((narrow, why),) = qkv.narrowed
+    assert narrow == "q_kv_norm_rope_split" and why.pattern == "q_kv_norm_rope_fp8_split", qkv.narrowed
+    assert why.kind == "check" and "not the" in why.reason and "q_kv_norm_rope_split's match" in why.reason, why
