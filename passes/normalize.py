@@ -1248,7 +1248,7 @@ def _view_below_pointwise(graph: fx.Graph, node: fx.Node) -> bool:
         if a.op != "call_function" or a.target is not aten.view.default or _boundary_view(a):
             return False
         src = _val(a.args[0])
-        if not _static(src) or [d for d in src.shape if d != 1] == [d for d in v.shape if d != 1]:
+        if not _static(src) or _nonunit(src.shape) == _nonunit(v.shape):
             return False
         mine = _tails(list(src.shape), list(v.shape))
         if mine is None or tails not in (None, mine) or not mine[1] or list(out.shape[out.dim() - len(mine[1]):]) != mine[1]:
@@ -1373,7 +1373,7 @@ def _cast_below_merge(graph: fx.Graph, node: fx.Node) -> bool:
         return False
     x, v = list(_val(src).shape), list(_val(node).shape)
     merged = x[:-2] + [x[-2] * x[-1]] if len(x) >= 2 else None
-    if merged is None or [d for d in v if d != 1] != [d for d in merged if d != 1] \
+    if merged is None or _nonunit(v) != _nonunit(merged) \
             or not _split_from(src.args[0], merged):
         return False
     if v != merged and any(u.target in _LAYOUT_OPS for u in node.users):
@@ -1400,7 +1400,7 @@ def _cast_of_merge_with_units(graph: fx.Graph, node: fx.Node) -> bool:
         return False
     x, v = list(_val(view.args[0]).shape), list(_val(view).shape)
     merged = x[:-2] + [x[-2] * x[-1]] if len(x) >= 2 else None
-    if merged is None or v == merged or [d for d in v if d != 1] != [d for d in merged if d != 1]:
+    if merged is None or v == merged or _nonunit(v) != _nonunit(merged):
         return False
     flat = _insert(graph, node, aten.view.default, (view.args[0], merged), source=view)
     cast = _insert(graph, node, node.target, (flat, *node.args[1:]), source=node)
@@ -1412,6 +1412,7 @@ def _cast_of_merge_with_units(graph: fx.Graph, node: fx.Node) -> bool:
 
 
 def _nonunit(shape) -> list[int]:
+    """The sizes of `shape` other than 1, in order."""
     return [d for d in shape if d != 1]
 
 
