@@ -141,7 +141,7 @@ whatever the pre-pass computed (were its sampled scores not bit-equal to the wri
 change). A warp's list overflow, too few or too many candidates, N_c < K, NaN / -inf rows and constant rows all go
 to the fallback, which selects from the written scores. The candidate-masked and block modes compose (the pre-pass
 applies the candidate mask to its samples; the block maxima are written as before and selected as before). Three
-launches, no host decision, no atomics: CUDA-graph capturable and bit-deterministic. The critical path gains the
+launches, no host decision, no global atomics: CUDA-graph capturable and bit-deterministic. The critical path gains the
 pre-pass (one round of scattered key loads, a cluster barrier, 2-3 histogram rounds) and loses the filter; what
 that nets is for the GPU bench (``bench kernels --op indexer_topk``, variant ``dsv41_fused``).
 
