@@ -111,40 +111,6 @@ order among the candidates, which the select receives in column order; its top K
 rows, many ties at tau) the cluster computes the row's result itself. The numpy model of the filter, the gather and
 the fallback is checked against the tie rule on the CPU, including forced misses.
 
-The fused path (``indexer_topk(path="fused")``, Ncap > CTA_COLUMNS; "auto" does not take it yet: not measured) moves
-tau before the scores, so the filter launch and its pass over the written scores disappear:
-- ``SampleThreshold`` (the pre-pass, launch 1 of 3): one cluster a row of M / THRESHOLD_COLUMNS CTAs (4, 8 or 16)
-  of THRESHOLD_WARPS = 8 warps (146 registers: 256 threads); CTA r scores the sampled columns i * floor(Ncap / M),
-  i in [256 r, 256 r + 256), one tile round a warp (32 sampled key rows of 256 bytes, all loads in flight before
-  the MMAs), with the score kernel's own code (``_head_operands``, ``_tile_sums``, ``_visible``: the same
-  instructions on the same operands, so the sampled scores equal the ones the score kernel writes, which the GPU
-  test checks), and stores their keys into the rank-0 CTA's shared memory (``st.shared::cluster``); after a
-  cluster barrier (release / acquire) the rank-0 CTA runs the register select (16 keys a thread) and writes
-  mTau[t] = max(lo, -inf's key + 1), the same tau as CandidateFilter's from the same keys (``sample_plan``'s M and
-  j). It waits for its predecessor (q and the keys are written upstream) and then lets the score kernel launch.
-- ``IndexScore(fused=True)`` (launch 2): the score kernel's grid and reads (``score_grid``; 168 registers as the
-  plain build, so 3 CTAs an SM still); after its griddepcontrol.wait (which orders it after the whole pre-pass) it
-  reads tau[t], and each tile's keys >= tau (never -inf or NaN: tau is above their key) go, in column order, to its
-  warp's list in shared memory (two ballots a tile give each lane its slot; at most WARP_CANDIDATES = 256 a warp).
-  After the rounds one barrier, then the 4 warps' lists (each ascending; the warps' columns interleave by round)
-  are merged into the CTA's segment p of mCandCols, mCandKeys [T, P * seg], seg = min(rounds x 128, 1024): warp
-  w's i-th candidate at i + the other warps' candidates of lower columns (binary searches), and the count to
-  mCounts [T, P], CANDIDATES + 1 when a warp found more than its list holds (so the row falls back). No atomics:
-  each warp owns its list, each CTA its segment. The scores are written as the plain build writes them.
-- ``TopkSelect(sampled=True, segments=FUSED_SEGMENTS)`` (launch 3): the sampled path's select unchanged but for
-  summing up to 1024 segments (P = the score CTAs a row, 373 at 524288 columns and T = 1; sSegs 8 KB), so the
-  same decision: the rank-0 CTA selects among k <= total <= CANDIDATES candidates, else the cluster selects from
-  the written scores.
-Exactness is the sampled path's argument with S = the columns whose key, as the score kernel writes it, is >= tau
-and above -inf's: it needs nothing of tau but that one value is compared with every written score, so it holds
-whatever the pre-pass computed (were its sampled scores not bit-equal to the written ones, only the miss rate would
-change). A warp's list overflow, too few or too many candidates, N_c < K, NaN / -inf rows and constant rows all go
-to the fallback, which selects from the written scores. The candidate-masked and block modes compose (the pre-pass
-applies the candidate mask to its samples; the block maxima are written as before and selected as before). Three
-launches, no host decision, no global atomics: CUDA-graph capturable and bit-deterministic. The critical path gains the
-pre-pass (one round of scattered key loads, a cluster barrier, 2-3 histogram rounds) and loses the filter; what
-that nets is for the GPU bench (``bench kernels --op indexer_topk``, variant ``dsv41_fused``).
-
 Candidate-block mode selects min(cand_topk_blocks, ceil(Ncap / 8)) blocks from bs with the same select kernel
 (K = 2048, no offset) and expands the chosen blocks to the [T, Ncap] bool mask in torch.
 
@@ -152,14 +118,12 @@ Resources (ptxas for sm_90a, CUDA 13.0's ptxas -v on the PTX the DSL emits, CUTE
 takes 168 registers (3 CTAs of 128 threads per SM); the cluster select 55 (at most 64 for 1024 threads), no spills,
 and 2 * capacity bytes + 4.3 KB of shared memory (132 KB at capacity 65536: one CTA an SM); the one-CTA select 43
 (41 before it shared its rounds with the sampled path, ``_register_select``) and 2.3 KB; the sampled build of the
-cluster select 58, no spills, 1 KB more shared memory; the candidate filter 54 and 2.3 KB; the fused path's score
-kernel 168 (as the plain build), no spills, and 8 KB of candidate lists; its pre-pass 146, no spills, 16 KB of
-sampled keys + 2.3 KB; its select 58, no spills, 8 KB of segment sums. SASS (nvdisasm) of the cluster select's
-loops, instructions per 8 keys a thread: pass 1 199, round 1 101, collection 470 (the build before had 338, 152 and
-544: per-key branches around loads and match.any); the candidate filter's chunk (CUDA 13.0 ptxas, nvdisasm 13.5):
-192 without candidates (24 a key: 8 scalar loads, keys, the block scan), 215 more in a thread holding candidates;
-the candidates' select, per thread: the gather of its 8 candidates 252 (skipped past the total), a round 178 to 212
-(8 keys' histogram and the pick), the collection at most 296.
+cluster select 58, no spills, 1 KB more shared memory; the candidate filter 54 and 2.3 KB. SASS (nvdisasm) of the
+cluster select's loops, instructions per 8 keys a thread: pass 1 199, round 1 101, collection 470 (the build before
+had 338, 152 and 544: per-key branches around loads and match.any); the candidate filter's chunk (CUDA 13.0 ptxas,
+nvdisasm 13.5): 192 without candidates (24 a key: 8 scalar loads, keys, the block scan), 215 more in a thread
+holding candidates; the candidates' select, per thread: the gather of its 8 candidates 252 (skipped past the total),
+a round 178 to 212 (8 keys' histogram and the pick), the collection at most 296.
 
 Measured on the H200 (2026-12-02, ``benchmarks/results/kernels_s11_indexer.json``, T = 1, k = 512, scores from the
 score kernel on random q and keys, all columns visible, under CUDA graphs), the select alone at 65536 / 2^17 / 2^18 /
@@ -215,38 +179,27 @@ CANDIDATES = _GROUP * THREADS  # the most candidates the sampled path selects fr
 MAX_SEGMENTS = MAX_COLUMNS // _CHUNK  # filter CTAs a row: each at least one chunk of _CHUNK columns
 SAMPLED_MIN_COLUMNS = 1 << 17  # path "auto": rows wider take the sampled path, narrower ones the cluster (below)
 MISS_TARGET = 1e-9  # sample_plan: the binomial miss probability under which fewer samples and candidates win
-WARP_CANDIDATES = 256  # the fused score kernel: a warp's shared list of candidates (4 warps: a segment <= 1024)
-FUSED_SEGMENTS = THREADS  # the fused path's select: score CTAs a row it takes (one count a thread)
-THRESHOLD_WARPS = 8  # of a pre-pass CTA (SampleThreshold)
-THRESHOLD_COLUMNS = THRESHOLD_WARPS * _TILES * _TILE  # sampled columns a pre-pass CTA scores: one tile round a warp
-_SAMPLE_KEYS = SAMPLE_SIZES[-1] // (THRESHOLD_WARPS * 32)  # sampled keys a thread of the pre-pass's rank 0 selects
 
 
 class IndexScore:
     """The index scores (and, with ``blocks``, the candidate-block maxima) of every column; ``masked``: the
-    candidate-masked mode; ``fused``: the fused path's build (module docstring), which also writes CTA p's keys >=
-    mTau[t] in column order to segment p of mCandCols, mCandKeys [T, P * seg] int32 and their count (CANDIDATES + 1
-    where a warp's shared buffer overflowed) to mCounts [T, P], P = ``ctas_per_row``."""
+    candidate-masked mode."""
 
-    def __init__(self, masked: bool, blocks: bool, pdl: bool, fused: bool = False):
+    def __init__(self, masked: bool, blocks: bool, pdl: bool):
         self.masked = masked
         self.blocks = blocks
         self.pdl = pdl
-        self.fused = fused
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mW: cute.Tensor, mKeys: cute.Tensor, mNc: cute.Tensor, mCand: cute.Tensor,
-                 mScores: cute.Tensor, mBlocks: cute.Tensor, mTau: cute.Tensor, mCounts: cute.Tensor,
-                 mCandCols: cute.Tensor, mCandKeys: cute.Tensor, seg: Int32, rounds: Int32, ctas_per_row: Int32,
-                 n_ctas: Int32, stream):
-        self.kernel(mQ, mW, mKeys, mNc, mCand, mScores, mBlocks, mTau, mCounts, mCandCols, mCandKeys, seg, rounds,
-                    ctas_per_row).launch(grid=[n_ctas, 1, 1], block=[_WARPS * 32, 1, 1], stream=stream,
-                                         use_pdl=self.pdl)
+                 mScores: cute.Tensor, mBlocks: cute.Tensor, rounds: Int32, ctas_per_row: Int32, n_ctas: Int32,
+                 stream):
+        self.kernel(mQ, mW, mKeys, mNc, mCand, mScores, mBlocks, rounds, ctas_per_row).launch(
+            grid=[n_ctas, 1, 1], block=[_WARPS * 32, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mW: cute.Tensor, mKeys: cute.Tensor, mNc: cute.Tensor, mCand: cute.Tensor,
-               mScores: cute.Tensor, mBlocks: cute.Tensor, mTau: cute.Tensor, mCounts: cute.Tensor,
-               mCandCols: cute.Tensor, mCandKeys: cute.Tensor, seg: Int32, rounds: Int32, ctas_per_row: Int32):
+               mScores: cute.Tensor, mBlocks: cute.Tensor, rounds: Int32, ctas_per_row: Int32):
         cta, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
@@ -255,56 +208,54 @@ class IndexScore:
         t = cta // ctas_per_row
         col0 = (cta % ctas_per_row) * (rounds * _ROUND_COLS)
         n_cap = mKeys.shape[1]
-        sCandCols = None
-        sCandKeys = None
-        sCounts = None
-        if const_expr(self.fused):  # each warp's candidates in column order: slots [0, WARP_CANDIDATES) of its column
-            smem = cutlass.memory.SmemAllocator()
-            sCandCols = smem.allocate_tensor(Int32, cute.make_layout((WARP_CANDIDATES, _WARPS)), byte_alignment=16)
-            sCandKeys = smem.allocate_tensor(Int32, cute.make_layout((WARP_CANDIDATES, _WARPS)), byte_alignment=16)
-            sCounts = smem.allocate_tensor(Int32, cute.make_layout(_WARPS), byte_alignment=16)
+        vec = (_VEC,)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
         n_c = Int32(cutlass.max(cutlass.min(mNc[t], Int64(n_cap)), Int64(-1)))
-        tau = Int32(0)
-        if const_expr(self.fused):
-            tau = mTau[t]
-        a, w = _head_operands(mQ, mW, t, r, q)
 
-        found = Int32(0)  # the fused build: this warp's candidates so far (warp-uniform)
+        # A operand: a[m][h][c] = the 4 bf16 pairs of head 16m + 8h + r in chunk c; w of the same heads
+        a = [[cute_utils.load_bf16_pairs(cute.tiled_divide(mQ[t, 16 * m + 8 * h + r, None], vec)[None, 4 * c + q])
+              for c in range(_CHUNKS)] for m in range(2) for h in range(2)]
+        w = [mW[t, 16 * m + 8 * h + r] for m in range(2) for h in range(2)]
+
         for rnd in cutlass.range(rounds):
             base = col0 + rnd * _ROUND_COLS + warp * (_TILES * _TILE)
             b_tiles = []  # every tile's B operand, requested before the first MMA
             for i in cutlass.range_constexpr(_TILES):
                 n = base + i * _TILE + r
-                gK = cute.tiled_divide(mKeys[t, cutlass.min(n, n_cap - 1), None], (_VEC,))
+                gK = cute.tiled_divide(mKeys[t, cutlass.min(n, n_cap - 1), None], vec)
                 b_tiles.append([cute_utils.load_bf16_pairs(gK[None, 4 * c + q], n < n_cap) for c in range(_CHUNKS)])
             for i in cutlass.range_constexpr(_TILES):
                 n0 = base + i * _TILE
                 if n0 < n_cap:  # warp-uniform
-                    vals = self.tile(t, n0, n_cap, n_c, q, a, w, b_tiles[i], mCand, mScores, mBlocks)
-                    if const_expr(self.fused):
-                        found = _append_candidates(vals, n0, q, lane, tau, found, sCandCols[None, warp],
-                                                   sCandKeys[None, warp])
-        if const_expr(self.fused):
-            if lane == 0:
-                sCounts[warp] = found
-            cute.arch.barrier()
-            self.write_candidates(t, cta % ctas_per_row, seg, sCandCols, sCandKeys, sCounts, mCounts, mCandCols,
-                                  mCandKeys)
+                    self.tile(t, n0, n_cap, n_c, q, a, w, b_tiles[i], mCand, mScores, mBlocks)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def tile(self, t: Int32, n0: Int32, n_cap: Int32, n_c: Int32, q: Int32, a: list, w: list, b: list,
              mCand: cute.Tensor, mScores: cute.Tensor, mBlocks: cute.Tensor):
-        """Scores of key columns [n0, n0 + 8) of row t (one warp); lanes 0..3 store columns n0 + 2q, n0 + 2q + 1.
-        Returns the lane's two scores (columns n0 + 2q + e, e = 0, 1; every lane of the same q holds the same)."""
+        """Scores of key columns [n0, n0 + 8) of row t (one warp); lanes 0..3 store columns n0 + 2q, n0 + 2q + 1."""
         lane = cute.arch.lane_idx()
+        acc = [[Float32(0.0)] * 4 for _ in range(2)]
+        for m in cutlass.range_constexpr(2):
+            for c in cutlass.range_constexpr(_CHUNKS):
+                for j in cutlass.range_constexpr(2):  # the chunk's two k-steps of 16 (relabelled) columns
+                    acc[m] = cute_utils.mma_m16n8k16(
+                        acc[m], [a[2 * m][c][2 * j], a[2 * m + 1][c][2 * j], a[2 * m][c][2 * j + 1],
+                                 a[2 * m + 1][c][2 * j + 1]], [b[c][2 * j], b[c][2 * j + 1]])
+        # accumulator fragment of head tile m: (head 16m + r, columns 2q, 2q + 1), (head 16m + 8 + r, the same)
         vals = []
-        for e, part in enumerate(_tile_sums(a, w, b)):
+        for e in cutlass.range_constexpr(2):
+            part = (w[0] * _relu(acc[0][e]) + w[1] * _relu(acc[0][2 + e])) + (
+                w[2] * _relu(acc[1][e]) + w[3] * _relu(acc[1][2 + e]))
+            for off in cutlass.range_constexpr(3):  # sum over the 8 lanes of this q (the other heads)
+                part = part + cute.arch.shuffle_sync_bfly(part, offset=4 << off)
             col = n0 + 2 * q + e
-            vals.append(_visible(part, col, n_c, n_cap, t, mCand, self.masked))
+            hidden = (col >= n_c) | _is_nan(part)
+            if const_expr(self.masked):
+                hidden = hidden | (mCand[t, cutlass.min(col, n_cap - 1)] == Uint8(0))
+            vals.append(cutlass.select_(hidden, Float32(-math.inf), part))
             if lane < 4:
                 if col < n_cap:
                     mScores[t, col] = vals[e]
@@ -315,180 +266,6 @@ class IndexScore:
             pinned = (n_c > 0) & (n0 // BLOCK == (n_c - 1) // BLOCK)
             if lane == 0:
                 mBlocks[t, n0 // BLOCK] = cutlass.select_(pinned, Float32(math.inf), best)
-        return vals
-
-    @cute.jit
-    def write_candidates(self, t: Int32, p: Int32, seg: Int32, sCandCols: cute.Tensor, sCandKeys: cute.Tensor,
-                         sCounts: cute.Tensor, mCounts: cute.Tensor, mCandCols: cute.Tensor, mCandKeys: cute.Tensor):
-        """The fused build's epilogue (after a barrier): the 4 warps' column-ordered lists merged into segment p of
-        row t, candidate i of warp w at i + (the other warps' candidates of lower columns, by binary search); the
-        count to mCounts[t, p], CANDIDATES + 1 (the row falls back) when a warp found more than WARP_CANDIDATES."""
-        tidx, _, _ = cute.arch.thread_idx()
-        counts = [sCounts[v] for v in range(_WARPS)]
-        overflows = [cutlass.select_(c > Int32(WARP_CANDIDATES), Int32(1), Int32(0)) for c in counts]
-        if cute_utils.tree_sum(overflows) == 0:  # CTA-uniform
-            for v in cutlass.range_constexpr(_WARPS):
-                for s in cutlass.range_constexpr(WARP_CANDIDATES // (_WARPS * 32)):
-                    i = tidx + s * (_WARPS * 32)
-                    if i < counts[v]:
-                        col = sCandCols[i, v]
-                        pos = i
-                        for other in cutlass.range_constexpr(_WARPS):
-                            if const_expr(other != v):
-                                pos = pos + _count_below(sCandCols[None, other], counts[other], col)
-                        mCandCols[t, p * seg + pos] = col
-                        mCandKeys[t, p * seg + pos] = sCandKeys[i, v]
-        if tidx == 0:
-            mCounts[t, p] = cutlass.select_(cute_utils.tree_sum(overflows) == 0, cute_utils.tree_sum(counts),
-                                            Int32(CANDIDATES + 1))
-
-
-class SampleThreshold:
-    """The fused path's pre-pass (module docstring): one cluster of ``samples`` / THRESHOLD_COLUMNS CTAs of
-    THRESHOLD_WARPS warps a row; CTA r scores the sampled columns i * floor(Ncap / samples), i in [r *
-    THRESHOLD_COLUMNS, (r + 1) * THRESHOLD_COLUMNS), as the score kernel does (``_tile_sums``, ``_visible``), and
-    stores their keys in the rank-0 CTA's shared memory (DSMEM); after a cluster barrier the rank-0 CTA writes the
-    row's threshold mTau[t] int32: the lowest key of the bin the register select stops at for the ``take``-th
-    largest sampled key, raised above -inf's key (the CandidateFilter's tau of the same keys)."""
-
-    def __init__(self, masked: bool, pdl: bool):
-        self.masked = masked
-        self.pdl = pdl
-
-    @cute.jit
-    def __call__(self, mQ: cute.Tensor, mW: cute.Tensor, mKeys: cute.Tensor, mNc: cute.Tensor, mCand: cute.Tensor,
-                 mTau: cute.Tensor, samples: Int32, take: Int32, cluster_n: Int32, n_ctas: Int32, stream):
-        self.kernel(mQ, mW, mKeys, mNc, mCand, mTau, samples, take, cluster_n).launch(
-            grid=[n_ctas, 1, 1], block=[THRESHOLD_WARPS * 32, 1, 1], cluster=[cluster_n, 1, 1], stream=stream,
-            use_pdl=self.pdl)
-
-    @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mW: cute.Tensor, mKeys: cute.Tensor, mNc: cute.Tensor, mCand: cute.Tensor,
-               mTau: cute.Tensor, samples: Int32, take: Int32, cluster_n: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
-        warp = cute.arch.warp_idx()
-        lane = cute.arch.lane_idx()
-        rank = Int32(cute.arch.block_idx_in_cluster())
-        r = lane // 4
-        q = lane % 4
-        smem = cutlass.memory.SmemAllocator()
-        sHist, _, sPick = _select_smem(smem, tidx)
-        sSample = smem.allocate_tensor(Int32, cute.make_layout(SAMPLE_SIZES[-1]), byte_alignment=16)
-        if const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()
-            # the score kernel may launch now: its griddepcontrol.wait still waits for this whole grid and its writes
-            cute.arch.griddepcontrol_launch_dependents()
-        t = cta // cluster_n
-        n_cap = mKeys.shape[1]
-        stride = n_cap // samples
-        n_c = Int32(cutlass.max(cutlass.min(mNc[t], Int64(n_cap)), Int64(-1)))
-        a, w = _head_operands(mQ, mW, t, r, q)
-        first = rank * THRESHOLD_COLUMNS + warp * (_TILES * _TILE)  # the warp's first sample
-        b_tiles = []  # every tile's B operand (sampled key rows; all below Ncap), requested before the first MMA
-        for i in cutlass.range_constexpr(_TILES):
-            gK = cute.tiled_divide(mKeys[t, (first + i * _TILE + r) * stride, None], (_VEC,))
-            b_tiles.append([cute_utils.load_bf16_pairs(gK[None, 4 * c + q]) for c in range(_CHUNKS)])
-        for i in cutlass.range_constexpr(_TILES):
-            for e, part in enumerate(_tile_sums(a, w, b_tiles[i])):
-                s = first + i * _TILE + 2 * q + e
-                key = _order_key(_visible(part, s * stride, n_c, n_cap, t, mCand, self.masked))
-                if lane < 4:
-                    _store_shared_remote(key, sSample.iterator + s, Int32(0))
-        cute.arch.cluster_arrive()  # release: the stores into the rank-0 CTA; acquire: every peer's
-        cute.arch.cluster_wait()
-        if rank == 0:  # CTA-uniform
-            keys = []
-            for j in cutlass.range_constexpr(_SAMPLE_KEYS):
-                i = tidx * _SAMPLE_KEYS + j
-                key = Int32(_PAD)
-                if i < samples:
-                    key = sSample[i]
-                keys.append(key)
-            lo, _, _ = _register_select(keys, take, sHist, sPick, tidx, warp, lane)
-            if tidx == 0:
-                mTau[t] = cutlass.max(lo, Int32(_KEY_NEG_INF + 1))  # never an -inf (or NaN) score
-
-
-@cute.jit
-def _head_operands(mQ: cute.Tensor, mW: cute.Tensor, t: Int32, r: Int32, q: Int32):
-    """(a, w) of lane (r, q) for row t: a[2m + h][c] = the 4 bf16 pairs of head 16m + 8h + r in 32-column chunk c
-    (the A operand of ``mma.sync.m16n8k16``, columns relabelled as the B operand's), w the weights of those heads."""
-    a = [[cute_utils.load_bf16_pairs(cute.tiled_divide(mQ[t, 16 * m + 8 * h + r, None], (_VEC,))[None, 4 * c + q])
-          for c in range(_CHUNKS)] for m in range(2) for h in range(2)]
-    w = [mW[t, 16 * m + 8 * h + r] for m in range(2) for h in range(2)]
-    return a, w
-
-
-@cute.jit
-def _tile_sums(a: list, w: list, b: list) -> list:
-    """sum_h w_h relu(q_h . k) of the tile's columns 2q and 2q + 1 (lane (r, q); every r the same): the MMAs over
-    the 4 chunks and two 16-head tiles, the 4 heads the lane holds, then a butterfly over the 8 lanes of this q."""
-    acc = [[Float32(0.0)] * 4 for _ in range(2)]
-    for m in cutlass.range_constexpr(2):
-        for c in cutlass.range_constexpr(_CHUNKS):
-            for j in cutlass.range_constexpr(2):  # the chunk's two k-steps of 16 (relabelled) columns
-                acc[m] = cute_utils.mma_m16n8k16(
-                    acc[m], [a[2 * m][c][2 * j], a[2 * m + 1][c][2 * j], a[2 * m][c][2 * j + 1],
-                             a[2 * m + 1][c][2 * j + 1]], [b[c][2 * j], b[c][2 * j + 1]])
-    # accumulator fragment of head tile m: (head 16m + r, columns 2q, 2q + 1), (head 16m + 8 + r, the same)
-    parts = []
-    for e in cutlass.range_constexpr(2):
-        part = (w[0] * _relu(acc[0][e]) + w[1] * _relu(acc[0][2 + e])) + (
-            w[2] * _relu(acc[1][e]) + w[3] * _relu(acc[1][2 + e]))
-        for off in cutlass.range_constexpr(3):  # sum over the 8 lanes of this q (the other heads)
-            part = part + cute.arch.shuffle_sync_bfly(part, offset=4 << off)
-        parts.append(part)
-    return parts
-
-
-@cute.jit
-def _visible(part: Float32, col: Int32, n_c: Int32, n_cap: Int32, t: Int32, mCand: cute.Tensor,
-             masked: cutlass.Constexpr[bool]) -> Float32:
-    """The score of column ``col``: ``part``, or -inf where col >= n_c, part is NaN or (``masked``) not
-    mCand[t, col]."""
-    hidden = (col >= n_c) | _is_nan(part)
-    if const_expr(masked):
-        hidden = hidden | (mCand[t, cutlass.min(col, n_cap - 1)] == Uint8(0))
-    return cutlass.select_(hidden, Float32(-math.inf), part)
-
-
-@cute.jit
-def _append_candidates(vals: list, n0: Int32, q: Int32, lane: Int32, tau: Int32, found: Int32, sCols: cute.Tensor,
-                       sKeys: cute.Tensor) -> Int32:
-    """The fused score kernel: the tile's columns n0 + 2q + e (``vals``: lane (r, q)'s two scores) whose key is >=
-    tau, in column order, to slots found + (such columns before them) of the warp's shared lists (those below
-    WARP_CANDIDATES); lanes 0..3 write, one ballot a column parity. Returns ``found`` past the tile (warp-uniform)."""
-    keys = [_order_key(v) for v in vals]
-    flags = [(lane < 4) & (key >= tau) for key in keys]
-    ballots = [cute.arch.vote_ballot_sync(flag) for flag in flags]  # bit q: column n0 + 2q + e
-    below = (Int32(1) << q) - Int32(1)
-    before = cute.arch.popc(ballots[0] & below) + cute.arch.popc(ballots[1] & below)
-    slots = [found + before, found + before + ((ballots[0] >> q) & Int32(1))]
-    for e in cutlass.range_constexpr(2):
-        if flags[e] & (slots[e] < WARP_CANDIDATES):
-            sCols[slots[e]] = n0 + 2 * q + e
-            sKeys[slots[e]] = keys[e]
-    return found + cute.arch.popc(ballots[0]) + cute.arch.popc(ballots[1])
-
-
-@cute.jit
-def _count_below(sCols: cute.Tensor, count: Int32, col: Int32) -> Int32:
-    """How many of the first ``count`` (<= WARP_CANDIDATES) entries of the ascending sCols are below ``col``
-    (binary lifting)."""
-    below = Int32(0)
-    for step in cutlass.range_constexpr(WARP_CANDIDATES.bit_length() - 1, -1, -1):
-        probe = below + (1 << step)
-        below = cutlass.select_((probe <= count) & (sCols[cutlass.min(probe - 1, WARP_CANDIDATES - 1)] < col), probe,
-                                below)
-    return below
-
-
-@cute.jit
-def _store_shared_remote(val: Int32, smem_ptr: cute.Pointer, peer: Int32):
-    """``st.shared::cluster`` of the Int32 ``val`` to CTA ``peer``'s copy of ``smem_ptr``."""
-    dst = cute.arch.map_dsmem_ptr(smem_ptr, peer).toint()
-    cute.arch.inline_ptx("st.shared::cluster.u32 [{$r0}], {$r1};", read_only_args=[Int32(dst), val])
 
 
 class TopkSelect:
@@ -502,13 +279,12 @@ class TopkSelect:
     the other CTAs exit, else the cluster selects from the scores as the plain build does. Writes mOut [T, k] int64.
     """
 
-    def __init__(self, k: int, capacity: int, pdl: bool, sampled: bool = False, segments: int = MAX_SEGMENTS):
+    def __init__(self, k: int, capacity: int, pdl: bool, sampled: bool = False):
         self.k = k
         self.capacity = capacity
         self.resident = capacity == 0
         self.pdl = pdl
         self.sampled = sampled
-        self.segments = segments  # the most segments (P) a row's candidates come in: MAX_SEGMENTS or FUSED_SEGMENTS
         if sampled and self.resident:
             raise ValueError("TopkSelect: sampled needs a cluster build (capacity > 0)")
 
@@ -563,7 +339,7 @@ class TopkSelect:
         elif const_expr(self.sampled):
             # the row's candidate count (every CTA of the cluster the same sum) and, for the r-th non-empty segment,
             # its index sSegs[0, r] and first candidate sSegs[1, r] (strictly increasing in r)
-            sSegs = smem.allocate_tensor(Int32, cute.make_layout((2, self.segments)), byte_alignment=16)
+            sSegs = smem.allocate_tensor(Int32, cute.make_layout((2, MAX_SEGMENTS)), byte_alignment=16)
             mine = Int32(0)
             if tidx < mCounts.shape[1]:
                 mine = mCounts[t, tidx]
@@ -610,14 +386,13 @@ class TopkSelect:
         keys = []
         cols = []
         r = Int32(0)
-        for step in cutlass.range_constexpr(self.segments.bit_length() - 2, -1, -1):  # binary search
+        for step in cutlass.range_constexpr(MAX_SEGMENTS.bit_length() - 2, -1, -1):  # binary search
             probe = r + (1 << step)
-            r = cutlass.select_((probe < n_filled) & (sSegs[1, cutlass.min(probe, self.segments - 1)] <= i0), probe,
-                                r)
+            r = cutlass.select_((probe < n_filled) & (sSegs[1, cutlass.min(probe, MAX_SEGMENTS - 1)] <= i0), probe, r)
         for j in cutlass.range_constexpr(_GROUP):
             i = i0 + j
             if const_expr(j > 0):
-                step_on = (r + 1 < n_filled) & (sSegs[1, cutlass.min(r + 1, self.segments - 1)] <= i)
+                step_on = (r + 1 < n_filled) & (sSegs[1, cutlass.min(r + 1, MAX_SEGMENTS - 1)] <= i)
                 r = cutlass.select_(step_on, r + 1, r)
             slot = sSegs[0, r] * seg + cutlass.min(i - sSegs[1, r], seg - 1)
             key = Int32(_PAD)
@@ -1062,28 +837,14 @@ def select_plan(n: int) -> tuple[int, int, int]:
 
 
 @cached_kernel(__file__, cute_utils.__file__)
-def _compile_index_score(masked: bool, blocks: bool, pdl: bool, fused: bool):
-    t, n, m = cute.sym_int(), cute.sym_int(), cute.sym_int()
+def _compile_index_score(masked: bool, blocks: bool, pdl: bool):
+    t, n = cute.sym_int(), cute.sym_int()
     return compile_tvm_ffi(
-        IndexScore(masked, blocks, pdl, fused),
+        IndexScore(masked, blocks, pdl),
         fake_tensor(BFloat16, (t, HEADS, HEAD_DIM)), fake_tensor(Float32, (t, HEADS), 4),
         fake_tensor(BFloat16, (t, n, HEAD_DIM)), fake_tensor(Int64, (t,), 8),
         fake_tensor(Uint8, (cute.sym_int(), cute.sym_int()), 1), fake_tensor(Float32, (t, n), 4),
-        fake_tensor(Float32, (cute.sym_int(), cute.sym_int()), 4), fake_tensor(Int32, (cute.sym_int(),), 4),
-        fake_tensor(Int32, (cute.sym_int(), cute.sym_int()), 4), fake_tensor(Int32, (cute.sym_int(), m), 4),
-        fake_tensor(Int32, (cute.sym_int(), m), 4), Int32(1), Int32(1), Int32(1), Int32(1), env_stream(),
-    )
-
-
-@cached_kernel(__file__, cute_utils.__file__)
-def _compile_sample_threshold(masked: bool, pdl: bool):
-    t, n = cute.sym_int(), cute.sym_int()
-    return compile_tvm_ffi(
-        SampleThreshold(masked, pdl),
-        fake_tensor(BFloat16, (t, HEADS, HEAD_DIM)), fake_tensor(Float32, (t, HEADS), 4),
-        fake_tensor(BFloat16, (t, n, HEAD_DIM)), fake_tensor(Int64, (t,), 8),
-        fake_tensor(Uint8, (cute.sym_int(), cute.sym_int()), 1), fake_tensor(Int32, (t,), 4), Int32(1), Int32(1),
-        Int32(1), Int32(1), env_stream(),
+        fake_tensor(Float32, (cute.sym_int(), cute.sym_int()), 4), Int32(1), Int32(1), Int32(1), env_stream(),
     )
 
 
@@ -1137,10 +898,10 @@ def sampled_plan(t: int, n: int, sms: int) -> tuple[int, int, int]:
 
 
 @cached_kernel(__file__, cute_utils.__file__)
-def _compile_topk_select(k: int, capacity: int, pdl: bool, sampled: bool = False, segments: int = MAX_SEGMENTS):
+def _compile_topk_select(k: int, capacity: int, pdl: bool, sampled: bool = False):
     t, m = cute.sym_int(), cute.sym_int()
     return compile_tvm_ffi(
-        TopkSelect(k, capacity, pdl, sampled, segments), fake_tensor(Float32, (cute.sym_int(), cute.sym_int()), 4),
+        TopkSelect(k, capacity, pdl, sampled), fake_tensor(Float32, (cute.sym_int(), cute.sym_int()), 4),
         fake_tensor(Int64, (cute.sym_int(), k), 8), fake_tensor(Int32, (cute.sym_int(), cute.sym_int()), 4),
         fake_tensor(Int32, (t, m), 4), fake_tensor(Int32, (t, m), 4), Int64(0), Int32(1), Int32(1), Int32(1),
         Int32(1), env_stream(),
@@ -1158,14 +919,13 @@ def _compile_candidate_filter(pdl: bool):
     )
 
 
-def compile_scores(masked: bool, blocks: bool, pdl: bool = True, fused: bool = False):
-    """The compiled score launch of a mode (``masked``: candidate-masked; ``blocks``: with the block maxima;
-    ``fused``: the fused path's build, writing the candidates too), from memory, disk or a fresh compile."""
-    return _compile_index_score(masked, blocks, pdl, fused)
+def compile_scores(masked: bool, blocks: bool, pdl: bool = True):
+    """The compiled score launch of a mode (``masked``: candidate-masked; ``blocks``: with the block maxima), from
+    memory, disk or a fresh compile."""
+    return _compile_index_score(masked, blocks, pdl)
 
 
-PATHS = ("auto", "sampled", "cluster")  # of the select on given scores (topk_indices)
-OP_PATHS = (*PATHS, "fused")  # of the op (indexer_topk): "fused" puts the sampled threshold before the scores
+PATHS = ("auto", "sampled", "cluster")
 
 
 def _sampled(n_cols: int, path: str) -> bool:
@@ -1214,7 +974,12 @@ def topk_indices(scores: torch.Tensor, k: int, offset: int = 0, *, out: torch.Te
     if reason is not None:
         raise ValueError(f"topk_indices: {reason}")
     t, n = scores.shape
-    out = _index_output(out, k, "scores", scores, "topk_indices")
+    if out is None:
+        out = scores.new_empty((t, k), dtype=torch.int64)
+    else:
+        reason = shape_reason("out", out, torch.int64, (t, k)) or hopper_reason(scores=scores, out=out)
+        if reason is not None:
+            raise ValueError(f"topk_indices: {reason}")
     if t == 0:
         return out
     cluster_n, span, _ = select_plan(n)
@@ -1224,18 +989,6 @@ def topk_indices(scores: torch.Tensor, k: int, offset: int = 0, *, out: torch.Te
         counts = cols = keys = scores.new_empty((1, 1), dtype=torch.int32)  # not read
         seg = 1
     select_launch(n, k, pdl, path)(scores, out, counts, cols, keys, offset, cluster_n, span, seg, t * cluster_n)
-    return out
-
-
-def _index_output(out: torch.Tensor | None, k: int, name: str, rows: torch.Tensor, caller: str) -> torch.Tensor:
-    """The idx output [T, k] int64 (T = rows.shape[0]) on the device of ``rows`` (named ``name`` in the error):
-    ``out`` when given and fit (else ValueError from ``caller``), else a new tensor."""
-    t = rows.shape[0]
-    if out is None:
-        return rows.new_empty((t, k), dtype=torch.int64)
-    reason = shape_reason("out", out, torch.int64, (t, k)) or hopper_reason(**{name: rows, "out": out})
-    if reason is not None:
-        raise ValueError(f"{caller}: {reason}")
     return out
 
 
@@ -1272,89 +1025,23 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_c: torc
     cand = (candidates if candidates is not None else scores.new_empty((1, 1), dtype=torch.bool)).view(torch.uint8)
     if t > 0:
         rounds, ctas_per_row = score_grid(t, n_cap, torch.cuda.get_device_properties(q.device).multi_processor_count)
-        unused = scores.new_empty((1, 1), dtype=torch.int32)  # the fused build's tau and candidates: not read
-        compile_scores(candidates is not None, blocks, pdl)(q, w, keys, n_c, cand, scores, block_max, unused[0],
-                                                           unused, unused, unused, 1, rounds, ctas_per_row,
-                                                           t * ctas_per_row)
+        compile_scores(candidates is not None, blocks, pdl)(q, w, keys, n_c, cand, scores, block_max, rounds,
+                                                           ctas_per_row, t * ctas_per_row)
     return scores, block_max if blocks else None
-
-
-def fused_plan(t: int, n_cap: int, sms: int) -> tuple[int, int, int]:
-    """(rounds, P, seg) of the fused path's score kernel: its grid (``score_grid``: P CTAs a row) and each CTA's
-    segment of seg = min(its columns, 4 x WARP_CANDIDATES) candidate slots (a CTA with more has a warp past its
-    shared list: the fallback)."""
-    rounds, ctas_per_row = score_grid(t, n_cap, sms)
-    return rounds, ctas_per_row, min(rounds * _ROUND_COLS, _WARPS * WARP_CANDIDATES)
-
-
-def fused_candidates(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_c: torch.Tensor,
-                     candidates: torch.Tensor | None, k: int, blocks: bool = False, pdl: bool = True):
-    """The fused path's first two launches for the top k (Ncap > CTA_COLUMNS, 1 <= k <= min(Ncap, MAX_K)):
-    (s [T, Ncap] fp32, bs [T, ceil(Ncap / 8)] fp32 or None, tau [T] int32, counts [T, P], cols [T, P * seg],
-    keys [T, P * seg] int32, seg): the pre-pass's thresholds (``SampleThreshold``), then the score kernel's scores
-    (as ``index_scores``), block maxima and candidates (``IndexScore(fused=True)``), CTA p's in the first
-    counts[t, p] slots of segment p when counts[t, p] <= seg (``fused_plan``)."""
-    t, n_cap = keys.shape[0], keys.shape[1]
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    rounds, ctas_per_row, seg = fused_plan(max(t, 1), n_cap, sms)  # T = 0: empty outputs, no launch
-    samples, take = sample_plan(n_cap, k)
-    scores = q.new_empty((t, n_cap), dtype=torch.float32)
-    block_max = q.new_empty((t, -(-n_cap // BLOCK)) if blocks else (1, 1), dtype=torch.float32)
-    cand = (candidates if candidates is not None else scores.new_empty((1, 1), dtype=torch.bool)).view(torch.uint8)
-    tau = q.new_empty((t,), dtype=torch.int32)
-    counts = q.new_empty((t, ctas_per_row), dtype=torch.int32)
-    cand_cols = q.new_empty((t, ctas_per_row * seg), dtype=torch.int32)
-    cand_keys = q.new_empty((t, ctas_per_row * seg), dtype=torch.int32)
-    if t > 0:
-        cluster_n = samples // THRESHOLD_COLUMNS
-        _compile_sample_threshold(candidates is not None, pdl)(q, w, keys, n_c, cand, tau, samples, take, cluster_n,
-                                                               t * cluster_n)
-        compile_scores(candidates is not None, blocks, pdl, True)(q, w, keys, n_c, cand, scores, block_max, tau,
-                                                                  counts, cand_cols, cand_keys, seg, rounds,
-                                                                  ctas_per_row, t * ctas_per_row)
-    return scores, block_max if blocks else None, tau, counts, cand_cols, cand_keys, seg
-
-
-def fused_reason(t: int, n_cap: int, sms: int) -> str | None:
-    """Why the fused path has no launch for T = t rows of Ncap = n_cap columns on ``sms`` SMs (None when it has)."""
-    if n_cap <= CTA_COLUMNS:
-        return f"path 'fused' needs Ncap > {CTA_COLUMNS} (one CTA selects a narrower row), got Ncap = {n_cap}"
-    ctas_per_row = fused_plan(max(t, 1), n_cap, sms)[1]
-    if ctas_per_row > FUSED_SEGMENTS:
-        return f"path 'fused' takes at most {FUSED_SEGMENTS} score CTAs a row, got {ctas_per_row}"
-    return None
 
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_c: torch.Tensor,
                  candidates: torch.Tensor | None, *, topk: int, offset: int, cand_block: int, cand_topk_blocks: int,
-                 out: torch.Tensor | None = None, pdl: bool = True, path: str = "auto"
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 out: torch.Tensor | None = None, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(idx [T, K] int64, cand [T, Ncap] bool or [T, 0]) = ``dsv41::indexer_topk`` in its index form (module
-    docstring; sizes as ``supports`` accepts them). ``out`` optionally supplies idx. ``path``: the select's
-    (``topk_indices``) after the score kernel, or "fused" (Ncap > CTA_COLUMNS: the pre-pass, the score kernel
-    writing the candidates, the sampled select); every path gives the same idx."""
+    docstring; sizes as ``supports`` accepts them). ``out`` optionally supplies idx."""
     reason = supports(q, w, keys, n_c, candidates, topk=topk, offset=offset, cand_block=cand_block,
                       cand_topk_blocks=cand_topk_blocks)
-    if reason is None and path not in OP_PATHS:
-        reason = f"path must be one of {OP_PATHS}, got {path!r}"
-    t, n_cap = keys.shape[0], keys.shape[1]
-    if reason is None and path == "fused":
-        reason = fused_reason(t, n_cap, torch.cuda.get_device_properties(q.device).multi_processor_count)
     if reason is not None:
         raise ValueError(f"indexer_topk: {reason}")
-    k = min(topk, n_cap)
-    if path == "fused":
-        out = _index_output(out, k, "q", q, "indexer_topk")
-        scores, block_max, _, counts, cand_cols, cand_keys, seg = fused_candidates(
-            q, w, keys, n_c, candidates, k, cand_topk_blocks > 0, pdl)
-        if t > 0:
-            cluster_n, span, capacity = select_plan(n_cap)
-            _compile_topk_select(k, capacity, pdl, True, FUSED_SEGMENTS)(
-                scores, out, counts, cand_cols, cand_keys, offset, cluster_n, span, seg, t * cluster_n)
-        idx = out
-    else:
-        scores, block_max = index_scores(q, w, keys, n_c, candidates, cand_topk_blocks > 0, pdl)
-        idx = topk_indices(scores, k, offset, out=out, pdl=pdl, path=path)
+    t, n_cap = keys.shape[0], keys.shape[1]
+    scores, block_max = index_scores(q, w, keys, n_c, candidates, cand_topk_blocks > 0, pdl)
+    idx = topk_indices(scores, min(topk, n_cap), offset, out=out, pdl=pdl)
     if cand_topk_blocks == 0:
         return idx, q.new_empty((t, 0), dtype=torch.bool)
     n_blocks = block_max.shape[1]

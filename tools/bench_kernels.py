@@ -20,10 +20,8 @@ indexer sizes (32 heads x 128, top-512); its floor is the bf16 keys read once (p
 Inductor variant compiles the reference in the default mode (the autotuning modes take minutes per width). Its extra
 variants: ``select`` (the kernel's exact top-512 alone, on the score kernel's scores; above 4096 columns the
 sampled path), ``select_cluster`` (the same on the path without the sample: one cluster a row) and ``torch_topk``
-(``torch.topk(s, 512, sorted=False)`` on the same scores), all three with the scores' read as their floor,
-``dsv41_blocks`` (the kernel in layer 20's candidate-block mode) and, above 4096 columns, ``dsv41_fused`` (the op
-on its fused path: the sampled threshold's pre-pass, the score kernel writing the candidates, the select; the op's
-floor).
+(``torch.topk(s, 512, sorted=False)`` on the same scores), all three with the scores' read as their floor, and
+``dsv41_blocks`` (the kernel in layer 20's candidate-block mode).
 
 Writes ``kernels.json`` ({"gpu", "torch", ..., "rows": [{"op", "tokens", "variant", "us", "floor_us", ...}]}) and
 ``kernels.png`` under ``--out`` and prints a table.
@@ -236,7 +234,7 @@ def _finalize_op(cfg) -> Op:
 
 def _indexer_op(cfg, columns: int) -> Op:
     """dsv41::indexer_topk (index form) over a key cache of ``columns`` rows per token, all visible."""
-    from dsv41.kernels.indexer_topk import CTA_COLUMNS, index_scores, indexer_topk, topk_indices
+    from dsv41.kernels.indexer_topk import index_scores, indexer_topk, topk_indices
     from dsv41.lowerings.indexer_topk import reference
 
     heads, dim, k, offset = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, cfg.window_size
@@ -266,16 +264,13 @@ def _indexer_op(cfg, columns: int) -> Op:
                "select_cluster": (scores, lambda s: topk_indices(s, min(k, columns), offset, path="cluster")),
                "torch_topk": (scores, lambda s: torch.topk(s, min(k, columns), dim=-1, sorted=False).indices),
                "dsv41_blocks": (lambda *inputs: list(inputs), lambda q, w, keys, n_c: indexer_topk(
-                   q, w, keys, n_c, None, **blocks)[1]),
-               **({"dsv41_fused": (lambda *inputs: list(inputs), lambda q, w, keys, n_c: indexer_topk(
-                   q, w, keys, n_c, None, **scalars, path="fused")[0])} if columns > CTA_COLUMNS else {})},
+                   q, w, keys, n_c, None, **blocks)[1])},
     )
 
 
 OPS = {"mhc_coeffs": _coeffs_op, "mhc_post_pre": _post_pre_op, "moe_route": _route_op, "moe_experts": _experts_op,
        "moe_metadata": _metadata_op, "moe_finalize": _finalize_op, "indexer_topk": _indexer_op}
 COLUMN_OPS = ("indexer_topk",)  # built per --columns width
-OP_VARIANTS = ("dsv41_blocks", "dsv41_fused")  # further variants that run the whole op: its floor
 DEFAULT_COLUMNS = "4096,65536,524288,1048576"
 
 
@@ -358,7 +353,7 @@ def run(ops: list[str], tokens: list[int], variants: list[str], replays: int, bu
                 if variant in extra:
                     prepare, fn = extra[variant]
                     sets = [prepare(*s) for s in input_sets]
-                    if variant not in OP_VARIANTS:  # the select variants: their floor is the scores' read
+                    if variant != "dsv41_blocks":  # the select variants: their floor is the scores' read
                         set_bytes = sum(a.numel() * a.element_size() for a in sets[0])
                 else:
                     fn = {"dsv41": op.kernel, "eager": op.reference,

@@ -1,9 +1,8 @@
 """The indexer kernels (dsv41.kernels.indexer_topk): the score kernel and the exact top-K select.
 
-CPU: every kind of launch compiles for sm_90a (score: plain, candidate-masked, block maxima, without PDL, and the
-fused path's build in those modes; select: the one-CTA register build and the smallest and largest shared capacity
-at k = 512 and 2048, without PDL, the sampled path's cluster build and its candidate filter, the fused path's select
-and its pre-pass); `score_grid` fills one wave and covers the rows;
+CPU: every kind of launch compiles for sm_90a (score: plain, candidate-masked, block maxima, without PDL; select:
+the one-CTA register build and the smallest and largest shared capacity at k = 512 and 2048, without PDL, the
+sampled path's cluster build and its candidate filter); `score_grid` fills one wave and covers the rows;
 `select_plan`'s clusters and `sampled_plan`'s filter CTAs cover every width; `sample_plan`'s sample sizes, miss
 probabilities and expected candidate counts; a numpy model of the select's steps (one CTA holding a row's full keys
 up to 4096 columns, else a cluster of CTAs a row, 16-bit prefixes on chip, the full key re-read where a prefix does
@@ -13,9 +12,7 @@ candidates' select, else the cluster) equals the tie rule and torch.topk's value
 = 1 to 2^20 on both paths, writes every output position once, and reaches the early stop, all 4 rounds, few re-reads
 for random scores and all of a CTA's for a constant row, the candidates' select on random rows and the fallback on
 the forced misses (constant rows wider than CANDIDATES, ties at tau, the sample holding the largest scores, few
-valid scores); the fused path's model (tau from the sample, each score CTA's candidates in a segment, a warp's
-list overflowing to the fallback) equals the tie rule at every width above one CTA and reaches both selects, its
-plan covers the grids; `supports` and `select_reason` explain what they reject; the bench rows per width (the op's NaN and
+valid scores); `supports` and `select_reason` explain what they reject; the bench rows per width (the op's NaN and
 tie rules and `compare_kernel` are tested in tests/lowerings/test_indexer_topk.py).
 GPU (H200), outputs poisoned (-7) before each call:
 - the select (`topk_indices`, path "cluster" and, above 4096 columns, "sampled") on given scores equals the tie rule
@@ -39,12 +36,7 @@ GPU (H200), outputs poisoned (-7) before each call:
   kernel's own scores; N_c = 0, N_c < 512, N_c = Ncap in every batch;
 - the op (impl "cute" and "auto", index and mask form) calls the entry; CUDA-graph replays (DSV41_TEST_REPLAYS, default
   100) alternating two input sets are bit-identical to direct calls (the op at 65536 columns: the sampled path; the
-  select alone at 2^20 on both paths, round robin over rows that take the candidates and rows that fall back);
-- the fused path (``indexer_topk(path="fused")``) at 4097 to 2^20 columns, T = 1 and 3: its scores bit-identical to
-  the plain score kernel's, the pre-pass's tau and every score CTA's candidates equal to the model's, idx equal to
-  the cluster path's bit for bit and to the reference; forced misses (the sampled columns the largest, constant
-  keys, a warp's list overflowing, NaN keys and N_c < k) fall back, the candidate-masked and block modes agree;
-  CUDA-graph replays at 524288 columns rotating a fast-path set and two fallback sets bit-identical to direct calls.
+  select alone at 2^20 on both paths, round robin over rows that take the candidates and rows that fall back).
 DSV41_TEST_MAX_COLUMNS (default 1048576) caps the widths, so compute-sanitizer runs stay short, e.g.
 `DSV41_TEST_TOKENS=1,3 DSV41_TEST_MAX_COLUMNS=65536 DSV41_TEST_REPLAYS=2 compute-sanitizer --tool racecheck python3 -m
 pytest -m gpu tests/kernels/test_indexer_topk.py`. When CUDA is present these tests fail (never skip) if the kernel
@@ -182,14 +174,11 @@ def _assert_op_matches(got, inputs, topk=TOPK, cand_topk_blocks=0):
 # CPU
 
 
-SCORE_VARIANTS = [(False, False, True, False), (True, False, True, False), (False, True, True, False),
-                  (False, False, False, False), (False, False, True, True), (True, False, True, True),
-                  (False, True, False, True)]
+SCORE_VARIANTS = [(False, False, True), (True, False, True), (False, True, True), (False, False, False)]
 SELECT_VARIANTS = [(512, 0, True, False), (2048, 0, True, False), (512, 4096, True, False),
                    (512, 65536, True, False), (2048, 8192, True, False), (2048, 32768, True, False),
                    (512, 16384, False, False), (512, 4096, True, True), (512, 65536, True, True),
-                   (2048, 8192, False, True), (512, 4096, True, True, K.FUSED_SEGMENTS),
-                   (512, 65536, False, True, K.FUSED_SEGMENTS)]
+                   (2048, 8192, False, True)]
 
 
 # A model of the select (TopkSelect: a cluster of CTAs per row, each its span's 16-bit key prefixes on chip), step
@@ -281,61 +270,35 @@ def _model_row(row, k, offset, cluster_n, span, resident, stats):
     return idx
 
 
-def _model_tau(row, k):
-    """The sampled threshold of one row for the top k: the lowest key of the bin the register select stops at for
-    the j-th largest key of the strided sample (``sample_plan``), raised above -inf's key."""
+def _model_candidates(row, k, t, sms):
+    """(counts [P], cols [P * seg], keys [P * seg]) of one row as CandidateFilter writes them (POISON in the slots
+    it leaves): tau from the row's strided sample by the register select, the keys >= tau and above -inf's."""
     n = len(row)
     samples, j = K.sample_plan(n, k)
     prefix, _, level, _, _ = _model_rounds(row[np.arange(samples) * (n // samples)], j, 1, samples, True,
                                            {"levels": set(), "reread": 0})
-    return max(_bin_edges(prefix, level)[0], _KEY_NEG_INF + 1)
-
-
-def _model_candidates(row, k, t, sms):
-    """(counts [P], cols [P * seg], keys [P * seg], seg) of one row as CandidateFilter writes them (POISON in the
-    slots it leaves): the keys >= tau (``_model_tau``) of each CTA's columns."""
-    tau = _model_tau(row, k)
-    ctas, width, seg = K.sampled_plan(t, len(row), sms)
+    tau = max(_bin_edges(prefix, level)[0], _KEY_NEG_INF + 1)
+    ctas, width, seg = K.sampled_plan(t, n, sms)
     counts = np.zeros(ctas, np.int64)
     cols, keys = np.full(ctas * seg, POISON), np.full(ctas * seg, POISON)
     for p in range(ctas):
         hit = np.flatnonzero(row[p * width:(p + 1) * width] >= tau) + p * width
         counts[p], m = len(hit), min(len(hit), seg)
         cols[p * seg:p * seg + m], keys[p * seg:p * seg + m] = hit[:m], row[hit[:m]]
-    return counts, cols, keys, seg
+    return counts, cols, keys
 
 
-def _model_fused_candidates(row, k, t, sms):
-    """(counts [P], cols [P * seg], keys [P * seg], seg) of one row as the fused score kernel writes them (POISON
-    in the slots it leaves): the keys >= tau (``_model_tau``, the pre-pass's) of each score CTA's rounds x 128
-    columns (``fused_plan``); CANDIDATES + 1 and none written where a warp of the CTA (32 columns of each 128-column
-    round) found more than WARP_CANDIDATES."""
-    tau = _model_tau(row, k)
-    rounds, ctas, seg = K.fused_plan(t, len(row), sms)
-    width = rounds * 128
-    counts = np.zeros(ctas, np.int64)
-    cols, keys = np.full(ctas * seg, POISON), np.full(ctas * seg, POISON)
-    for p in range(ctas):
-        hit = np.flatnonzero(row[p * width:(p + 1) * width] >= tau)
-        if np.bincount(hit % 128 // 32, minlength=4).max() > K.WARP_CANDIDATES:
-            counts[p] = K.CANDIDATES + 1
-            continue
-        counts[p] = len(hit)
-        cols[p * seg:p * seg + len(hit)], keys[p * seg:p * seg + len(hit)] = hit + p * width, row[hit + p * width]
-    return counts, cols, keys, seg
-
-
-def _model_sampled_row(row, k, offset, t, sms, stats, candidates=_model_candidates):
-    """idx [k] of one row as the sampled path selects it: the candidates (``candidates``: the filter's or the fused
-    score kernel's), gathered in column order and selected on one CTA when k <= their count <= CANDIDATES, else the
-    cluster's select."""
-    counts, ws_cols, ws_keys, seg = candidates(row, k, t, sms)
+def _model_sampled_row(row, k, offset, t, sms, stats):
+    """idx [k] of one row as the sampled path selects it: the candidates (``_model_candidates``), gathered in
+    column order and selected on one CTA when k <= their count <= CANDIDATES, else the cluster's select."""
+    counts, ws_cols, ws_keys = _model_candidates(row, k, t, sms)
     total = int(counts.sum())
     if not k <= total <= K.CANDIDATES:
         stats["paths"].add("fallback")
         cluster_n, span, _ = K.select_plan(len(row))
         return _model_row(row, k, offset, cluster_n, span, False, stats)
     stats["paths"].add("sampled")
+    seg = K.sampled_plan(t, len(row), sms)[2]
     filled = np.flatnonzero(counts)  # the non-empty segments, and their first candidates (strictly increasing)
     starts = (np.cumsum(counts) - counts)[filled]
     i = np.arange(total)
@@ -354,15 +317,13 @@ def _model_sampled_row(row, k, offset, t, sms, stats, candidates=_model_candidat
 
 
 def _model_select(scores, k, offset, stats=None, path="cluster", sms=132):
-    """idx [T, k] as topk_indices computes it on ``path`` ("cluster" or "sampled"), or indexer_topk's select on
-    path "fused" (``scores`` standing for the score kernel's), on a GPU of ``sms`` SMs, through the model; `stats`
-    collects the round levels reached, the most full keys a CTA re-reads from global memory in a pass, and which
-    of the sampled path's selects ran."""
+    """idx [T, k] as topk_indices computes it on ``path`` ("cluster" or "sampled") on a GPU of ``sms`` SMs,
+    through the model; `stats` collects the round levels reached, the most full keys a CTA re-reads from global
+    memory in a pass, and which of the sampled path's selects ran."""
     stats = {"levels": set(), "reread": 0, "paths": set()} if stats is None else stats
     t, n = scores.shape
-    if path in ("sampled", "fused"):
-        candidates = _model_fused_candidates if path == "fused" else _model_candidates
-        rows = [_model_sampled_row(row, k, offset, t, sms, stats, candidates) for row in _order_keys(scores)]
+    if path == "sampled":
+        rows = [_model_sampled_row(row, k, offset, t, sms, stats) for row in _order_keys(scores)]
     else:
         cluster_n, span, capacity = K.select_plan(n)
         rows = [_model_row(row, k, offset, cluster_n, span, capacity == 0, stats) for row in _order_keys(scores)]
@@ -374,12 +335,11 @@ MODEL_WIDTHS = [1, 7, 600, 4095, 4096, 4097, 16385, 61441, 65537, 300001, 1 << 2
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n,path", [(n, "cluster") for n in MODEL_WIDTHS]
-                         + [(n, p) for n in MODEL_WIDTHS if n > K.CTA_COLUMNS for p in ("sampled", "fused")],
-                         ids=lambda v: f"{v}")
+                         + [(n, "sampled") for n in MODEL_WIDTHS if n > K.CTA_COLUMNS], ids=lambda v: f"{v}")
 def test_select_model_is_exact(n, path, kind):
     """The model equals the tie rule exactly and selects the values torch.topk selects (as multisets), at k = 512
     and 2048: one CTA, clusters of 2 (4097: spans 2049 and 2048) to 16 CTAs, widths the cluster does not divide,
-    2^20; the sampled and fused paths (candidates, their select or the cluster's) at every width above one CTA."""
+    2^20; the sampled path (candidates, their select or the cluster's) at every width above one CTA."""
     t = 1 if n > 65537 else 2
     g = torch.Generator().manual_seed(7 * n + KINDS.index(kind))
     s = _score_rows(kind, t, n, g)
@@ -430,44 +390,6 @@ def test_sampled_model_paths():
             assert expected / 2 <= counts.sum() <= 2 * expected, (n, counts.sum(), expected)
 
 
-def _warp_columns(t, n, sms, p=0, warp=0):
-    """The columns of a row of n that warp ``warp`` of the fused score kernel's CTA ``p`` scores (T = t)."""
-    rounds, _, _ = K.fused_plan(t, n, sms)
-    cols = p * rounds * 128 + np.arange(rounds)[:, None] * 128 + warp * 32 + np.arange(32)
-    return cols.ravel()[cols.ravel() < n]
-
-
-def test_fused_model_paths():
-    """The fused path selects from the score kernel's candidates on random rows (within 2x of j * N / samples, in
-    segments of at most 1024 slots) and falls back where the sample misses (the sampled columns holding the largest
-    scores, few valid scores), at ties (a constant row wider than CANDIDATES) and where one warp of a score CTA
-    finds more than WARP_CANDIDATES keys >= tau while the row's total would fit (352 boosted columns of warp 0 of
-    CTA 0 at 524288 columns: its count is CANDIDATES + 1); 3 rows share the score grid."""
-    g = torch.Generator().manual_seed(5)
-    for n, kind, t, path in [(65536, "random", 1, "sampled"), (524288, "random", 1, "sampled"),
-                             (1 << 20, "random", 1, "sampled"), (65537, "random", 3, "sampled"),
-                             (8192, "constant", 1, "sampled"), (65536, "constant", 1, "fallback"),
-                             (524288, "sample-high", 1, "fallback"), (65536, "few-valid", 2, "fallback"),
-                             (65536, "spike-unsampled", 1, "sampled"), (524288, "warp-overflow", 1, "fallback")]:
-        if kind == "warp-overflow":
-            s = _score_rows("random", t, n, g)
-            s[:, _warp_columns(t, n, 132)] += 100.0
-        else:
-            s = _score_rows(kind, t, n, g)
-        stats = {"levels": set(), "reread": 0, "paths": set()}
-        got = _model_select(s, TOPK, OFFSET, stats, "fused", 132)
-        assert stats["paths"] == {path}, (n, kind, t, stats["paths"])
-        assert torch.equal(got, _tie_rule(s, TOPK, OFFSET)), (n, kind, t)
-        counts, _, _, seg = _model_fused_candidates(_order_keys(s)[0], TOPK, t, 132)
-        assert seg <= 4 * K.WARP_CANDIDATES and len(counts) == K.score_grid(t, n, 132)[1]
-        if kind == "random":
-            samples, j = K.sample_plan(n, TOPK)
-            expected = j * n / samples
-            assert expected / 2 <= counts.sum() <= 2 * expected, (n, counts.sum(), expected)
-        if kind == "warp-overflow":
-            assert counts[0] == K.CANDIDATES + 1 and counts[1:].sum() + 352 <= K.CANDIDATES
-
-
 def test_sample_and_filter_plans():
     """sample_plan takes the fewest samples (1024 up to 2^17 columns at k = 512, 2048 at 2^18, 4096 from 2^19) with
     a miss probability of at most MISS_TARGET, which holds up to 2^19 columns at k = 512 (2^20: 1.3e-5 with 4096,
@@ -498,13 +420,12 @@ def test_sample_and_filter_plans():
                 assert seg == min(width, K.CANDIDATES) and (t * ctas <= sms or ctas == 1)
 
 
-@pytest.mark.parametrize("variant", SCORE_VARIANTS, ids=lambda c: "masked{}-blocks{}-pdl{}-fused{}".format(*c))
+@pytest.mark.parametrize("variant", SCORE_VARIANTS, ids=lambda c: "masked{}-blocks{}-pdl{}".format(*c))
 def test_score_compiles_for_sm90a(variant, monkeypatch, tmp_path):
     assert_compiles_fresh(monkeypatch, tmp_path, K._compile_index_score, variant)
 
 
-@pytest.mark.parametrize("variant", SELECT_VARIANTS, ids=lambda c: "k{}-capacity{}-pdl{}-sampled{}".format(*c)
-                         + "".join(f"-segments{x}" for x in c[4:]))
+@pytest.mark.parametrize("variant", SELECT_VARIANTS, ids=lambda c: "k{}-capacity{}-pdl{}-sampled{}".format(*c))
 def test_select_compiles_for_sm90a(variant, monkeypatch, tmp_path):
     assert_compiles_fresh(monkeypatch, tmp_path, K._compile_topk_select, variant)
 
@@ -512,28 +433,6 @@ def test_select_compiles_for_sm90a(variant, monkeypatch, tmp_path):
 @pytest.mark.parametrize("pdl", [True, False], ids=lambda p: f"pdl{p}")
 def test_candidate_filter_compiles_for_sm90a(pdl, monkeypatch, tmp_path):
     assert_compiles_fresh(monkeypatch, tmp_path, K._compile_candidate_filter, (pdl,))
-
-
-@pytest.mark.parametrize("variant", [(False, True), (True, False)], ids=lambda c: "masked{}-pdl{}".format(*c))
-def test_sample_threshold_compiles_for_sm90a(variant, monkeypatch, tmp_path):
-    assert_compiles_fresh(monkeypatch, tmp_path, K._compile_sample_threshold, variant)
-
-
-def test_fused_plan():
-    """The fused path's score grid is score_grid's, its segments hold a CTA's columns up to 4 x WARP_CANDIDATES
-    slots, its pre-pass clusters cover the sample in 4 to 16 CTAs, and the fused select takes every score CTA of a
-    row up to 341 SMs (3 CTAs an SM, one row); fused_reason explains the widths it declines."""
-    assert K.fused_plan(1, 524288, 132) == (11, 373, 1024) and K.fused_plan(1, 65536, 132) == (2, 256, 256)
-    for sms in (2, 114, 132, 341):
-        for t in (1, 3, 64):
-            for n in (4097, 65537, 524288, 1 << 20):
-                rounds, ctas, seg = K.fused_plan(t, n, sms)
-                assert (rounds, ctas) == K.score_grid(t, n, sms) and seg == min(rounds * 128, 1024)
-                assert ctas <= K.FUSED_SEGMENTS and K.fused_reason(t, n, sms) is None
-                samples = K.sample_plan(n, TOPK)[0]
-                assert samples % K.THRESHOLD_COLUMNS == 0 and 4 <= samples // K.THRESHOLD_COLUMNS <= K.MAX_CLUSTER
-    assert "needs Ncap > 4096" in K.fused_reason(1, 4096, 132)
-    assert "at most 1024 score CTAs a row, got 1171" in K.fused_reason(1, 1 << 20, 400)
 
 
 def test_select_plan_covers_the_widths():
@@ -662,7 +561,7 @@ def test_filter_matches_the_model(t, n, kind):
     assert seg == K.sampled_plan(t, n, sms)[2]
     fast = []  # per row: whether the select takes the candidates (else the fallback)
     for r, row in enumerate(_order_keys(s)):
-        want_counts, want_cols, want_keys, _ = _model_candidates(row, TOPK, t, sms)
+        want_counts, want_cols, want_keys = _model_candidates(row, TOPK, t, sms)
         assert np.array_equal(counts[r].cpu().numpy(), want_counts), f"row {r}: counts"
         written = want_cols != POISON
         assert np.array_equal(cols[r].cpu().numpy()[written], want_cols[written]), f"row {r}: columns"
@@ -815,113 +714,6 @@ def test_select_cuda_graph_replay(path):
         K.topk_indices(static, TOPK, OFFSET, out=out, path=path)
     for i in range(min(REPLAYS, 30)):
         static.copy_(sets[i % 3])
-        out.fill_(POISON)
-        graph.replay()
-        assert torch.equal(out, direct[i % 3]), f"replay {i}"
-
-
-FUSED_KINDS = ["random", "nan-few-valid", "sample-high", "constant", "warp-overflow", "masked", "blocks"]
-
-
-def _fused_inputs(kind, t, n, seed):
-    """The op's arguments (``_op_inputs``, on the GPU) shaped so the fused path takes its candidates ("random":
-    N_c = Ncap, 0, < 512 in rows 0-2), or misses: "nan-few-valid": NaN keys in every third column and N_c = 600 in
-    row 1 (fewer valid scores than k); "sample-high": w > 0 and the sampled columns' keys x 8, so tau is above every
-    other score (too few candidates); "constant": every key the same (every score ties at tau); "warp-overflow":
-    w > 0 and warp 0 of score CTA 0's columns' keys x 8 (more than WARP_CANDIDATES in one warp, at 524288 columns
-    and T = 1); "masked": candidate-masked mode; "blocks": candidate-block mode (the idx select is the fused one)."""
-    inputs = _op_inputs(t, n, seed, candidates=kind == "masked")
-    if kind != "random":
-        inputs["n_c"].fill_(n)
-    if kind == "nan-few-valid":
-        inputs["keys"][:, ::3] = math.nan
-        inputs["n_c"][min(1, t - 1)] = 600
-    if kind in ("sample-high", "warp-overflow"):
-        inputs["w"].abs_()
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        cols = _sample_columns(n) if kind == "sample-high" else _warp_columns(t, n, sms)
-        inputs["keys"][:, torch.from_numpy(cols).cuda()] *= 8
-    if kind == "constant":
-        inputs["keys"][:] = inputs["keys"][:, :1].clone()
-    return inputs
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n", _widths(4097, 65536, 524288, 1 << 20), ids=lambda n: f"N{n}")
-@pytest.mark.parametrize("t", [1, 3], ids=lambda t: f"T{t}")
-def test_fused_path(t, n):
-    """The fused path's launches against the plain ones and the model: its scores bit-identical to index_scores',
-    tau equal to the model's from those scores at the sampled columns (the pre-pass scores them as the score kernel
-    does), every CTA's count, columns and keys equal to the model's (``_model_fused_candidates``); its idx equal to
-    the cluster path's bit for bit and to the reference by ``compare_kernel`` (rows of N_c = Ncap, 0, < 512)."""
-    inputs = _fused_inputs("random", t, n, 80 + t)
-    plain, _ = K.index_scores(*inputs.values())
-    scores, _, tau, counts, cols, keys, seg = K.fused_candidates(*inputs.values(), TOPK)
-    assert torch.equal(scores.view(torch.int32), plain.view(torch.int32)), "scores differ from index_scores'"
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for r, row in enumerate(_order_keys(scores.cpu())):
-        assert tau[r].item() == _model_tau(row, TOPK), f"row {r}: tau"
-        want_counts, want_cols, want_keys, want_seg = _model_fused_candidates(row, TOPK, t, sms)
-        assert seg == want_seg and np.array_equal(counts[r].cpu().numpy(), want_counts), f"row {r}: counts"
-        written = want_cols != POISON
-        assert np.array_equal(cols[r].cpu().numpy()[written], want_cols[written]), f"row {r}: columns"
-        assert np.array_equal(keys[r].cpu().numpy()[written], want_keys[written]), f"row {r}: keys"
-    got = _op(inputs, path="fused")
-    assert torch.equal(got[0], _op(inputs, path="cluster")[0]), "fused and cluster paths differ"
-    _assert_op_matches(got, inputs)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", FUSED_KINDS[1:])
-def test_fused_path_misses_and_modes(kind):
-    """Rows where the sample misses (each falls back: a count outside [k, CANDIDATES]) and the masked and block
-    modes: the fused path's outputs equal the cluster path's bit for bit and the reference's by compare_kernel."""
-    n = min(524288, MAX_COLUMNS)
-    t = 1 if kind == "warp-overflow" else 2
-    inputs = _fused_inputs(kind, t, n, 90 + FUSED_KINDS.index(kind))
-    blocks = 2048 if kind == "blocks" else 0
-    got = _op(inputs, cand_topk_blocks=blocks, path="fused")
-    want = _op(inputs, cand_topk_blocks=blocks, path="cluster")
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), "fused and cluster paths differ"
-    _assert_op_matches(got, inputs, cand_topk_blocks=blocks)
-    totals = K.fused_candidates(*inputs.values(), TOPK)[3].sum(1)
-    fallback = (totals < TOPK) | (totals > K.CANDIDATES)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    overflows = K.fused_plan(t, n, sms)[0] * 32 > K.WARP_CANDIDATES  # a warp has the columns to overflow
-    if kind in ("sample-high", "constant") or (kind == "warp-overflow" and overflows):
-        assert fallback.all(), totals
-    if kind == "nan-few-valid":
-        assert fallback[1] and not fallback[0], totals
-    if kind in ("masked", "blocks"):
-        assert not fallback.any(), totals
-
-
-@pytest.mark.gpu
-def test_fused_cuda_graph_replay():
-    """The fused op at 524288 columns (T = 1) captured once: replays round robin over a set that takes the
-    candidates and two that fall back (sample-high, warp-overflow), idx poisoned before each, are bit-identical to
-    the direct calls, which equal the cluster path's."""
-    n = min(524288, MAX_COLUMNS)
-    sets = [_fused_inputs(kind, 1, n, 100 + i) for i, kind in enumerate(("random", "sample-high", "warp-overflow"))]
-    call = lambda s, out: K.indexer_topk(*s.values(), topk=TOPK, offset=OFFSET, cand_block=K.BLOCK,  # noqa: E731
-                                         cand_topk_blocks=0, out=out, path="fused")[0]
-    direct = [call(s, None) for s in sets]
-    for got, s in zip(direct, sets, strict=True):
-        assert torch.equal(got, _op(s, path="cluster")[0])
-    static = {k: None if v is None else v.clone() for k, v in sets[0].items()}
-    out = torch.full((1, TOPK), POISON, dtype=torch.int64, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call(static, out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call(static, out)
-    for i in range(min(REPLAYS, 30)):
-        for key, src in sets[i % 3].items():
-            if src is not None:
-                static[key].copy_(src)
         out.fill_(POISON)
         graph.replay()
         assert torch.equal(out, direct[i % 3]), f"replay {i}"
