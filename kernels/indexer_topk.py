@@ -132,6 +132,18 @@ score kernel on random q and keys, all columns visible, under CUDA graphs), the 
 52.87 us at 524288 and 86.47 at 2^20 (the keys' read floor 33.5 and 67.0). The sampled path's time is nearly flat in
 N (its filter reads the row once over the whole GPU); below 2^17 its three launches' chain is slower than one
 cluster launch, hence SAMPLED_MIN_COLUMNS. The prices marked "not measured yet" above were not measured apart.
+
+Tried and dropped (session 12, commit 53f6b17, reverted): the filter launch folded into the score kernel. A pre-pass
+(one cluster a row) scored the sampled columns with the score kernel's code and computed tau; the score kernel, a
+PDL dependent of it, wrote every score and, after its wait, each CTA's keys >= tau to its own segment; the sampled
+select then chose among up to 1024 segments. Exact (its GPU tests passed: 15 of the path, 355 of the existing ones;
+memcheck 0 errors) but **slower at every width**: the op 24.44 / 29.34 / 58.10 / 91.99 us at 65536 / 2^17 / 524288 /
+2^20 columns against this path's 19.88 / 24.77 / 52.19 / 84.36 in the same run (H200, T = 1, k = 512,
+``benchmarks/results/kernels_s12_dropped_indexer_fused.json``): the pre-pass sits on the critical path (it must wait
+for the upstream kernel before it can score, and the score kernel waits for it) and costs more than the filter
+launch it removes. racecheck also reported 100 potential shared-memory writes into a peer CTA that "might not have
+entered yet" in the pre-pass (its CTAs wrote their sampled keys to the first CTA's shared memory without a cluster
+barrier first), a bug of that attempt, not of the paths above.
 """
 
 from __future__ import annotations
