@@ -1,6 +1,9 @@
 """The dsv41 torch.compile backend, read top to bottom:
 
-1. Dynamo hands over a Torch-IR graph.
+1. Dynamo hands over a Torch-IR graph. If its sizes are symbolic (`dynamic=True`, or Dynamo's automatic dynamic
+   shapes after a second batch size), the backend returns a `SizeSpecializedGraph` that runs steps 2-4 for each
+   set of sizes at its first call, statically (`dsv41.size_specialization`), since the decode fusions need static
+   shapes.
 2. AOTAutograd turns it into a functionalised ATen inference graph with Inductor's decompositions (buffer
    mutations such as cache writes stay in the graph as trailing `copy_`s).
 3. The dsv41 pass manager rewrites that graph (normalise, fuse, schedule streams, defunctionalise) and records a
@@ -26,6 +29,7 @@ from torch._inductor.decomposition import select_decomp_table
 
 from dsv41.config import Dsv41Config
 from dsv41.passes.manager import CompileReport, PassManager
+from dsv41.size_specialization import SizeSpecializedGraph, size_locations
 from dsv41.stream_executor import StreamExecutor, has_schedule
 
 log = logging.getLogger("dsv41")
@@ -85,7 +89,14 @@ class Dsv41Backend:
         import dsv41.lowerings  # noqa: F401  (registers the dsv41:: ops)
 
         self.pass_manager  # a bad setting raises here, before any report or fallback
-        report = CompileReport(graph_id=len(self.reports))
+        locations = size_locations(gm) if self.config.specialize_sizes else None
+        if locations is not None:  # symbolic sizes: one static compile per set of sizes, at its first call
+            return SizeSpecializedGraph(gm, locations, self.config.specialize_sizes, self._compile_sizes,
+                                        self._sizes_overflow)
+        return self._compile_reported(gm, example_inputs)
+
+    def _compile_reported(self, gm: fx.GraphModule, example_inputs, sizes: dict[str, int] | None = None):
+        report = CompileReport(graph_id=len(self.reports), sizes=sizes)
         self.reports.append(report)
         try:
             return self._compile(gm, example_inputs, report)
@@ -99,6 +110,24 @@ class Dsv41Backend:
 
             with torch._inductor.config.patch(INDUCTOR_PATCHES):
                 return compile_fx(gm, example_inputs)
+
+    def _compile_sizes(self, gm: fx.GraphModule, inputs: list, sizes: dict[str, int]):
+        """gm compiled statically for one call's real inputs (`SizeSpecializedGraph`). This runs outside Dynamo, so
+        a Dynamo signal cannot restart anything: those sizes run the captured graph uncompiled, on record."""
+        try:
+            return self._compile_reported(gm, inputs, sizes)
+        except DYNAMO_SIGNALS as e:
+            self._uncompiled(sizes, f"{type(e).__name__} while compiling for these sizes")
+            return gm.forward
+
+    def _sizes_overflow(self, sizes: dict[str, int]) -> None:
+        self._uncompiled(sizes, f"more sets of sizes than specialize_sizes = {self.config.specialize_sizes} "
+                                      "(raise it, or compile with dynamic=False)")
+
+    def _uncompiled(self, sizes: dict[str, int], why: str) -> None:
+        report = CompileReport(graph_id=len(self.reports), sizes=sizes, fallback=f"runs uncompiled: {why}")
+        self.reports.append(report)
+        log.warning("dsv41: graph %d for sizes %s %s", report.graph_id, sizes, report.fallback)
 
     def _compile(self, gm: fx.GraphModule, example_inputs, report: CompileReport):
         def inference_compiler(aten_gm: fx.GraphModule, inputs):

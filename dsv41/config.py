@@ -19,6 +19,7 @@ which `dsv41_backend` applies when it is first used, so a bad variable never bre
 | `DSV41_STREAM_MAX_TOKENS=N` | the largest token count the side-stream schedule applies to |
 | `DSV41_STREAM_BRANCHES=a,b` | the branch kinds the side-stream schedule moves (default: all of `STREAM_BRANCHES`) |
 | `DSV41_PASS_CACHE=0\\|1` | keep the passes' rewritten graphs on disk for warm starts (`dsv41.pass_cache`; default on) |
+| `DSV41_SPECIALIZE_SIZES=N` | the most static compiles of a graph whose sizes Dynamo made symbolic, one per set of sizes (`dsv41.size_specialization`; default 8; 0: compile it as Dynamo gives it, fusions declined at symbolic shapes) |
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Dsv41Config:
     stream_max_tokens: int = 16
     stream_branches: frozenset = field(default_factory=lambda: frozenset(STREAM_BRANCHES))
     pass_cache: bool = True
+    specialize_sizes: int = 8
     # model constants checked by the patterns
     norm_eps: float = 1e-20
     hc_eps: float = 1e-6
@@ -81,7 +83,8 @@ class Dsv41Config:
         for name, choices in (("kernel", KERNELS), ("mode", MODES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"Dsv41Config.{name}: {getattr(self, name)!r} is not one of {choices}")
-        for name, low in (("max_tokens", 1), ("stream_max_tokens", 0), ("sinkhorn_iters", 1), ("fp8_block", 1)):
+        for name, low in (("max_tokens", 1), ("stream_max_tokens", 0), ("specialize_sizes", 0), ("sinkhorn_iters", 1),
+                          ("fp8_block", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"Dsv41Config.{name} must be >= {low}, got {getattr(self, name)}")
         for name in ("norm_eps", "hc_eps", "route_scale", "gate_temp", "swiglu_limit"):
@@ -128,7 +131,8 @@ def _names(setting: str, value) -> frozenset:
 
 _NAMES, _PATH = object(), object()  # kinds of setting besides the plain types
 _SETTING_TYPES = {"fusions": _NAMES, "max_tokens": int, "kernel": str, "mode": str, "dump_dir": _PATH, "debug": bool,
-                  "streams": bool, "stream_max_tokens": int, "stream_branches": _NAMES, "pass_cache": bool, "norm_eps": (int, float),
+                  "streams": bool, "stream_max_tokens": int, "stream_branches": _NAMES, "pass_cache": bool,
+                  "specialize_sizes": int, "norm_eps": (int, float),
                   "hc_eps": (int, float), "sinkhorn_iters": int, "route_scale": (int, float), "gate_temp": (int, float),
                   "swiglu_limit": (int, float), "fp8_block": int}
 
@@ -176,4 +180,5 @@ _ENV = (
     ("DSV41_STREAM_MAX_TOKENS", lambda c, t: {"stream_max_tokens": _parse_int(t)}),
     ("DSV41_STREAM_BRANCHES", lambda c, t: {"stream_branches": _name_list(t)}),
     ("DSV41_PASS_CACHE", lambda c, t: {"pass_cache": parse_bool(t)}),
+    ("DSV41_SPECIALIZE_SIZES", lambda c, t: {"specialize_sizes": _parse_int(t)}),
 )

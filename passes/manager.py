@@ -42,7 +42,8 @@ class CompileReport:
     sites fused by a narrower formulation, each with why the wider one was not accepted there; `notes[fusion]` =
     "no candidate: ..." when the graph holds none of the fusion's distinctive ops or only other computations (or a
     graph-break note), `passes` = per-pass results in order, `fallback` = why the backend handed the graph to plain
-    Inductor (None when it did not), `cache` = what the pass cache did (on a hit `passes` stays empty: no pass ran)."""
+    Inductor (None when it did not), `cache` = what the pass cache did (on a hit `passes` stays empty: no pass ran),
+    `sizes` = the values of Dynamo's size symbols this compile of a symbolic graph is for (None: as Dynamo gave it)."""
 
     graph_id: int
     matches: dict[str, int] = field(default_factory=dict)
@@ -54,6 +55,7 @@ class CompileReport:
     passes: list[PassResult] = field(default_factory=list)
     fallback: str | None = None
     cache: str | None = None  # the pass cache: "hit", "miss" (stored), "off: <why>"
+    sizes: dict[str, int] | None = None  # a graph with symbolic sizes compiled for these (`dsv41.size_specialization`)
 
 
 class NormalizePass(GraphPass):

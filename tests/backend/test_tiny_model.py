@@ -35,6 +35,7 @@ from dsv41.config import FUSIONS
 from dsv41.models import TINY, DSV41Model, agreement
 
 BATCH, MAX_CONTEXT = 3, 256
+OTHER_BATCH = 2  # the fx run's last step
 START = torch.tensor([6, 21, 63])
 WARMUP, STEPS = 21, 3
 LOGIT_TOL = dict(atol=1e-2, rtol=1e-2)
@@ -86,7 +87,13 @@ class Run:
             layers = agreement.CompiledLayers(lambda f: torch.compile(
                 f, backend=make_backend(mode=mode), fullgraph=True, dynamic=False)) if mode == "fx" else None
             self.agreement = agreement.check(target, compiled, tokens, layers=layers)
-        self.n_graphs = len(self.backend.reports)
+            self.n_graphs = len(self.backend.reports)
+            # fx mode: one more step at another batch size, which Dynamo recompiles with the batch symbolic
+            # (automatic dynamic shapes) and the backend compiles statically for it (dsv41.size_specialization)
+            self.other_batch = None
+            if mode == "fx":
+                tokens, positions = (x[:OTHER_BATCH] for x in step_inputs(STEPS))
+                self.other_batch = (compiled(tokens, positions), eager(tokens, positions))
         torch._dynamo.reset()
 
 
@@ -104,14 +111,28 @@ def test_expected_counts_follow_the_config():
 
 def test_one_graph_no_fallback(run):
     assert run.n_graphs == 1, "graph break or recompilation over the three steps"
-    report = run.backend.reports[-1]
+    report = run.backend.reports[0]
     assert report.fallback is None
 
 
 def test_fusion_counts_exact(run):
-    report = run.backend.reports[-1]
+    report = run.backend.reports[run.n_graphs - 1]
     assert report.matches == expected_matches(TINY, range(TINY.n_layers))
     assert all(not reasons for reasons in report.declined.values()), report.declined
+
+
+def test_another_batch_size_fuses_every_site(run):
+    """The fx run's step at batch 2 after three at batch 3: Dynamo's recompile makes the batch symbolic, the backend
+    compiles that graph for batch 2 (report.sizes), with every fusion, no fallback, and eager's logits."""
+    if run.other_batch is None:
+        pytest.skip("fx mode only (one more Inductor compile of the model would cost minutes on the CPU)")
+    assert len(run.backend.reports) == run.n_graphs + 1
+    report = run.backend.reports[-1]
+    assert report.fallback is None and report.sizes and set(report.sizes.values()) == {OTHER_BATCH}
+    assert report.matches == expected_matches(TINY, range(TINY.n_layers))
+    got, want = run.other_batch
+    torch.testing.assert_close(got, want, **LOGIT_TOL)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_logits_match_eager(run):

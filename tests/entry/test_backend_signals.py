@@ -70,22 +70,3 @@ def test_a_real_failure_still_falls_back(monkeypatch, caplog):
         assert torch.equal(torch.compile(lambda t: t * 2, backend=backend, fullgraph=True)(x), x * 2)
         torch._dynamo.reset()
     assert backend.reports[-1].fallback == "RuntimeError: pass bug" and "falls back to plain Inductor" in caplog.text
-
-
-@torch.no_grad()
-def test_dynamic_shapes_are_declined_with_the_reason(caplog):
-    """`dynamic=True`: the token count is symbolic, so the MoE combine is declined as a symbolic shape (named in
-    report.declined, with the fix), a warning says so, no fallback, and the output is eager's."""
-    backend = make_backend(mode="fx")
-    g = torch.Generator().manual_seed(1)
-    args = (torch.randn(12, 16, generator=g).bfloat16(), torch.randperm(12, generator=g) // 6,
-            torch.randn(2, 16, generator=g).bfloat16())
-    torch._dynamo.reset()
-    got = torch.compile(moe_tail, backend=backend, fullgraph=True, dynamic=True)(*args)
-    torch._dynamo.reset()
-    (report,) = backend.reports
-    assert report.fallback is None and report.matches["moe_finalize"] == 0
-    (reason,) = report.declined["moe_finalize"]
-    assert ": symbolic shape: " in reason and "dynamic=False" in reason, reason
-    assert "has a symbolic token count, so the decode fusions declined" in caplog.text
-    assert torch.equal(got, moe_tail(*args))
