@@ -1,9 +1,9 @@
 """The dsv41 torch.compile backend, read top to bottom:
 
 1. Dynamo hands over a Torch-IR graph. If its sizes are symbolic (`dynamic=True`, or Dynamo's automatic dynamic
-   shapes after a second batch size), the backend returns a `SizeSpecializedGraph` that runs steps 2-4 for each
-   set of sizes at its first call, statically (`dsv41.size_specialization`), since the decode fusions need static
-   shapes.
+   shapes after a second batch size) and fusions declined for it, the backend also returns a
+   `SizeSpecializedGraph`, which runs steps 2-4 again, statically, for sizes that recur
+   (`dsv41.size_specialization`), since the decode fusions need static shapes.
 2. AOTAutograd turns it into a functionalised ATen inference graph with Inductor's decompositions (buffer
    mutations such as cache writes stay in the graph as trailing `copy_`s).
 3. The dsv41 pass manager rewrites that graph (normalise, fuse, schedule streams, defunctionalise) and records a
@@ -90,13 +90,21 @@ class Dsv41Backend:
 
         self.pass_manager  # a bad setting raises here, before any report or fallback
         locations = size_locations(gm) if self.config.specialize_sizes else None
-        if locations is not None:  # symbolic sizes: one static compile per set of sizes, at its first call
-            return SizeSpecializedGraph(gm, locations, self.config.specialize_sizes, self._compile_sizes,
-                                        self._sizes_overflow)
-        return self._compile_reported(gm, example_inputs)
+        report = CompileReport(graph_id=len(self.reports))
+        symbolic = self._compile_reported(gm, example_inputs, report)
+        if not _declined_for_symbols(report):
+            return symbolic
+        if locations is None:
+            log.warning("dsv41: graph %d has a symbolic token count, so the decode fusions declined; compile with "
+                        "torch.compile(..., dynamic=False) (one graph per batch size)", report.graph_id)
+            return symbolic
+        log.info("dsv41: graph %d has symbolic sizes, so the decode fusions declined there; sizes that recur are "
+                 "compiled statically (at most specialize_sizes = %d)", report.graph_id, self.config.specialize_sizes)
+        return SizeSpecializedGraph(gm, symbolic, locations, self.config.specialize_sizes, self._compile_sizes,
+                                    self._sizes_overflow)
 
-    def _compile_reported(self, gm: fx.GraphModule, example_inputs, sizes: dict[str, int] | None = None):
-        report = CompileReport(graph_id=len(self.reports), sizes=sizes)
+    def _compile_reported(self, gm: fx.GraphModule, example_inputs, report: CompileReport):
+        """`_compile` with `report` appended to `reports`; plain Inductor, on record, where the pipeline fails."""
         self.reports.append(report)
         try:
             return self._compile(gm, example_inputs, report)
@@ -112,29 +120,26 @@ class Dsv41Backend:
                 return compile_fx(gm, example_inputs)
 
     def _compile_sizes(self, gm: fx.GraphModule, inputs: list, sizes: dict[str, int]):
-        """gm compiled statically for one call's real inputs (`SizeSpecializedGraph`). This runs outside Dynamo, so
-        a Dynamo signal cannot restart anything: those sizes run the captured graph uncompiled, on record."""
+        """gm compiled statically for one call's real inputs (`SizeSpecializedGraph`), or None. This runs outside
+        Dynamo, so a Dynamo signal cannot restart anything: those sizes keep the symbolic compile, on record."""
         try:
-            return self._compile_reported(gm, inputs, sizes)
+            return self._compile_reported(gm, inputs, CompileReport(graph_id=len(self.reports), sizes=sizes))
         except DYNAMO_SIGNALS as e:
-            self._uncompiled(sizes, f"{type(e).__name__} while compiling for these sizes")
-            return gm.forward
+            self._symbolic_for(sizes, f"{type(e).__name__} while compiling for these sizes")
+            return None
 
     def _sizes_overflow(self, sizes: dict[str, int]) -> None:
-        self._uncompiled(sizes, f"more sets of sizes than specialize_sizes = {self.config.specialize_sizes} "
-                                      "(raise it, or compile with dynamic=False)")
+        self._symbolic_for(sizes, f"more sets of sizes than specialize_sizes = {self.config.specialize_sizes} "
+                                  "(raise it, or compile with dynamic=False)")
 
-    def _uncompiled(self, sizes: dict[str, int], why: str) -> None:
-        report = CompileReport(graph_id=len(self.reports), sizes=sizes, fallback=f"runs uncompiled: {why}")
+    def _symbolic_for(self, sizes: dict[str, int], why: str) -> None:
+        report = CompileReport(graph_id=len(self.reports), sizes=sizes, fallback=f"runs the symbolic compile: {why}")
         self.reports.append(report)
         log.warning("dsv41: graph %d for sizes %s %s", report.graph_id, sizes, report.fallback)
 
     def _compile(self, gm: fx.GraphModule, example_inputs, report: CompileReport):
         def inference_compiler(aten_gm: fx.GraphModule, inputs):
             self.pass_manager.run_cached(aten_gm, report)
-            if any("symbolic shape" in r for reasons in report.declined.values() for r in reasons):
-                log.warning("dsv41: graph %d has a symbolic token count, so the decode fusions declined; compile "
-                            "with torch.compile(..., dynamic=False) (one graph per batch size)", report.graph_id)
             aten_gm.recompile()
             if has_schedule(aten_gm.graph):
                 return StreamExecutor(aten_gm, self._compile_graph)
@@ -158,6 +163,10 @@ class Dsv41Backend:
 
         with torch._inductor.config.patch(INDUCTOR_PATCHES):
             return compile_fx_inner(gm, inputs)
+
+
+def _declined_for_symbols(report: CompileReport) -> bool:
+    return any(": symbolic shape: " in r for reasons in report.declined.values() for r in reasons)
 
 
 def _only_dsv41_ops(graph: fx.Graph) -> bool:

@@ -19,7 +19,7 @@ which `dsv41_backend` applies when it is first used, so a bad variable never bre
 | `DSV41_STREAM_MAX_TOKENS=N` | the largest token count the side-stream schedule applies to |
 | `DSV41_STREAM_BRANCHES=a,b` | the branch kinds the side-stream schedule moves (default: all of `STREAM_BRANCHES`) |
 | `DSV41_PASS_CACHE=0\\|1` | keep the passes' rewritten graphs on disk for warm starts (`dsv41.pass_cache`; default on) |
-| `DSV41_SPECIALIZE_SIZES=N` | the most static compiles of a graph whose sizes Dynamo made symbolic, one per set of sizes (`dsv41.size_specialization`; default 8; 0: compile it as Dynamo gives it, fusions declined at symbolic shapes) |
+| `DSV41_SPECIALIZE_SIZES=N` | the most static compiles of a graph whose sizes Dynamo made symbolic, one per set of sizes that recurs (`dsv41.size_specialization`; default 8; 0: only the symbolic compile, fusions declined at symbolic shapes) |
 """
 
 from __future__ import annotations

@@ -59,11 +59,24 @@ class CompileReport:
 
 
 class NormalizePass(GraphPass):
+    """The normalisations (`dsv41.passes.normalize`) that let the fusions match other spellings. Not on a graph
+    with symbolic sizes: the fusions need static shapes and decline there, and the rules are written and checked
+    at static shapes."""
+
     name = "normalize"
 
     def __call__(self, graph: fx.Graph) -> PassResult:
+        symbolic = next((n for n in graph.find_nodes(op="placeholder") if _symbolic_sizes(n)), None)
+        if symbolic is not None:
+            return PassResult(self.name, note=f"skipped: input {symbolic.name} has symbolic sizes")
         rewritten, left = real_pairs(graph)  # complex RoPE (DeepSeek's reference) as real pairs, first
         return PassResult(self.name, matches=rewritten + normalize_graph(graph), note="; ".join(left) or None)
+
+
+def _symbolic_sizes(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, (torch.SymInt, torch.SymFloat)) or (
+        isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape))
 
 
 class PassManager:

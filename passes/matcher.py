@@ -365,7 +365,9 @@ class _Matcher:
         if p.target is not aten.view.default or not isinstance(t, fx.Node) or t.target is aten.view.default:
             return False
         pv, tv = p.meta.get("val"), t.meta.get("val")
-        if not isinstance(tv, torch.Tensor) or tv.dim() != pv.dim() or (self.exact and list(tv.shape) != list(pv.shape)):
+        if not isinstance(tv, torch.Tensor) or not all(isinstance(d, int) for d in tv.shape):
+            return False  # a symbolic size is no layout of a pattern's (and comparing it would guard on it)
+        if tv.dim() != pv.dim() or (self.exact and list(tv.shape) != list(pv.shape)):
             return False
         if [d == 1 for d in tv.shape] != [d == 1 for d in pv.shape]:  # the unit dims are the layout (any phase)
             return False
@@ -906,6 +908,13 @@ def _meta_key(v):
     return val
 
 
+def _has_symbols(key) -> bool:
+    """Whether a `_meta_key` (nested tuples) holds a symbolic size."""
+    if isinstance(key, tuple):
+        return any(_has_symbols(k) for k in key)
+    return isinstance(key, (torch.SymInt, torch.SymFloat))
+
+
 def _anchor_targets(pat: Pattern, gm: fx.GraphModule) -> tuple:
     """The pattern's distinctive ops that its trace holds (an op may decompose: index_add into index_put)."""
     if pat.anchor is None:
@@ -947,8 +956,12 @@ class PatternSet:
         return [n for n in graph.nodes if n in found]
 
     def _traces(self, pat: Pattern, bound: list) -> bool:
-        """pat's search runs on fake inputs shaped like `bound` (default free scalars; no graph is built); cached."""
-        key = (pat.name, tuple(_meta_key(b) for b in bound))
+        """pat's search runs on fake inputs shaped like `bound` (default free scalars; no graph is built); cached.
+        Never at a symbolic size: the patterns trace at static shapes."""
+        keys = tuple(_meta_key(b) for b in bound)
+        if _has_symbols(keys):
+            return False
+        key = (pat.name, keys)
         if key not in self._shape_ok:
             try:
                 with quiet_fake_tensor(), FakeTensorMode(allow_non_fake_inputs=True) as mode:

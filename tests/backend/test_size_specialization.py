@@ -1,5 +1,6 @@
-"""Graphs whose sizes Dynamo made symbolic are compiled statically per set of sizes (`dsv41.size_specialization`),
-so the decode fusions fire at every batch size of `torch.compile(model, backend=...)`, not only the first.
+"""Graphs whose sizes Dynamo made symbolic are compiled statically per set of sizes that recurs
+(`dsv41.size_specialization`), so the decode fusions fire at every batch size of `torch.compile(model, backend=...)`
+that recurs, not only the first.
 
 The graph is a small MoE tail (`moe_finalize`'s site: M = T * k routed rows, T tokens), compiled in `fx` mode;
 outputs are compared with eager bit for bit (the op's reference is the same torch ops on the CPU)."""
@@ -40,30 +41,52 @@ def run(fn, backend, calls, **compile_kw):
     torch._dynamo.reset()
 
 
-def test_a_second_batch_size_is_compiled_statically_and_fuses():
-    """Default dynamic: Dynamo compiles T = 2 statically, then (automatic dynamic) T symbolic at T = 3; the backend
-    compiles that graph for T = 3 and T = 4 at their first calls, each with the fusion, and reuses them."""
+def fused(reports):
+    return [r.matches.get("moe_finalize") for r in reports]
+
+
+def test_a_second_batch_size_is_compiled_statically_once_it_recurs():
+    """Default dynamic: Dynamo compiles T = 2 statically, then (automatic dynamic) T symbolic at T = 3, which the
+    backend compiles as given (the fusion declined) and runs for T = 3 and T = 4 once each; the second call at each
+    compiles it statically for those sizes, with the fusion, and later calls reuse that."""
     backend = make_backend(mode="fx")
-    run(moe_tail, backend, [tail_args(2, 0), tail_args(3, 1), tail_args(4, 2), tail_args(3, 3), tail_args(4, 4)])
+    run(moe_tail, backend, [tail_args(t, seed) for seed, t in enumerate((2, 3, 4, 3, 4, 3, 4))])
     reports = backend.reports
-    assert [r.matches["moe_finalize"] for r in reports] == [1, 1, 1]
-    assert [r.fallback for r in reports] == [None, None, None]
-    assert reports[0].sizes is None
-    assert [sorted(set(r.sizes.values())) for r in reports[1:]] == [[3, 18], [4, 24]]  # T and M = T * k
+    assert fused(reports) == [1, 0, 1, 1] and [r.fallback for r in reports] == [None] * 4
+    assert [r.sizes for r in reports[:2]] == [None, None]
+    (reason,) = reports[1].declined["moe_finalize"]
+    assert ": symbolic shape: " in reason
+    assert [sorted(set(r.sizes.values())) for r in reports[2:]] == [[3, 18], [4, 24]]  # T and M = T * k
 
 
-def test_dynamic_true_fuses_from_the_first_call():
+def test_dynamic_true_fuses_from_the_second_call():
     backend = make_backend(mode="fx")
-    run(moe_tail, backend, [tail_args(3, 0), tail_args(5, 1)], dynamic=True)
-    assert [r.matches["moe_finalize"] for r in backend.reports] == [1, 1]
-    assert all(r.sizes for r in backend.reports)
+    run(moe_tail, backend, [tail_args(t, seed) for seed, t in enumerate((3, 5, 3, 5, 5))], dynamic=True)
+    assert fused(backend.reports) == [0, 1, 1]
+    assert [r.sizes is not None for r in backend.reports] == [False, True, True]
+
+
+def test_sizes_that_never_recur_never_compile():
+    """A size new at every call (a cache grown by torch.cat) keeps the symbolic compile: no compile per call."""
+    backend = make_backend(mode="fx")
+    run(moe_tail, backend, [tail_args(t, t) for t in range(2, 8)], dynamic=True)
+    assert fused(backend.reports) == [0]
+
+
+def test_no_compile_while_capturing(monkeypatch):
+    from dsv41 import size_specialization
+
+    monkeypatch.setattr(size_specialization, "_capturing", lambda: True)
+    backend = make_backend(mode="fx")
+    run(moe_tail, backend, [tail_args(3, seed) for seed in range(3)], dynamic=True)
+    assert fused(backend.reports) == [0]
 
 
 def test_specialize_sizes_0_keeps_the_symbolic_graph_and_says_why(caplog):
-    """`specialize_sizes=0`: the graph is compiled as Dynamo gives it; the fusion is declined as a symbolic shape
-    (named in report.declined, with the fix) and a warning says so; the output is eager's."""
+    """`specialize_sizes=0`: the graph is compiled as Dynamo gives it, and only so; the fusion is declined as a
+    symbolic shape (named in report.declined, with the fix) and a warning says so; the output is eager's."""
     backend = make_backend(mode="fx", specialize_sizes=0)
-    run(moe_tail, backend, [tail_args(2, 0), tail_args(3, 1)], dynamic=True)
+    run(moe_tail, backend, [tail_args(2, 0), tail_args(3, 1), tail_args(3, 2)], dynamic=True)
     (report,) = backend.reports
     assert report.fallback is None and report.sizes is None and report.matches["moe_finalize"] == 0
     (reason,) = report.declined["moe_finalize"]
@@ -71,16 +94,17 @@ def test_specialize_sizes_0_keeps_the_symbolic_graph_and_says_why(caplog):
     assert "has a symbolic token count, so the decode fusions declined" in caplog.text
 
 
-def test_past_the_limit_the_captured_graph_runs_uncompiled(caplog):
+def test_past_the_limit_sizes_keep_the_symbolic_compile(caplog):
     backend = make_backend(mode="fx", specialize_sizes=2)
     with caplog.at_level(logging.WARNING, logger="dsv41"):
-        run(moe_tail, backend, [tail_args(t, t) for t in (2, 3, 4, 5, 5)], dynamic=True)
+        run(moe_tail, backend, [tail_args(t, seed) for seed, t in enumerate((2, 2, 3, 3, 4, 4, 5, 5, 5))],
+            dynamic=True)
     reports = backend.reports
-    assert [r.matches.get("moe_finalize") for r in reports] == [1, 1, None, None]
-    for r in reports[2:]:
-        assert r.fallback == ("runs uncompiled: more sets of sizes than specialize_sizes = 2 (raise it, or compile "
-                              "with dynamic=False)")
-    assert "runs uncompiled" in caplog.text
+    assert fused(reports) == [0, 1, 1, None, None]
+    for r in reports[3:]:
+        assert r.fallback == ("runs the symbolic compile: more sets of sizes than specialize_sizes = 2 (raise it, "
+                              "or compile with dynamic=False)")
+    assert "runs the symbolic compile" in caplog.text
 
 
 def test_a_symbolic_int_argument_keeps_the_graph_as_dynamo_gives_it():
@@ -88,15 +112,13 @@ def test_a_symbolic_int_argument_keeps_the_graph_as_dynamo_gives_it():
     compile every step, so the graph is compiled as given (its shapes are static here: the fusion still fires)."""
     backend = make_backend(mode="fx")
     args = tail_args(3, 0)
-    run(moe_tail_at, backend, [(*args, p) for p in (5, 6, 7)])
-    reports = backend.reports
-    assert len(reports) == 2 and [r.sizes for r in reports] == [None, None]
-    assert [r.matches["moe_finalize"] for r in reports] == [1, 1]
+    run(moe_tail_at, backend, [(*args, p) for p in (5, 6, 7, 7)])
+    assert fused(backend.reports) == [1, 1] and [r.sizes for r in backend.reports] == [None, None]
 
 
-def test_a_dynamo_signal_while_specialising_runs_uncompiled(monkeypatch):
-    """A static compile runs outside Dynamo, where a restart signal cannot restart anything: those sizes run the
-    captured graph, on record, and the call still returns eager's output."""
+def test_a_dynamo_signal_while_specialising_keeps_the_symbolic_compile(monkeypatch):
+    """A static compile runs outside Dynamo, where a restart signal cannot restart anything: those sizes keep the
+    symbolic compile, on record, and the calls still return eager's output."""
     backend = make_backend(mode="fx")
     real = Dsv41Backend._compile
 
@@ -106,12 +128,41 @@ def test_a_dynamo_signal_while_specialising_runs_uncompiled(monkeypatch):
         return real(self, gm, inputs, report)
 
     monkeypatch.setattr(Dsv41Backend, "_compile", restart_when_specialised)
-    run(moe_tail, backend, [tail_args(2, 0), tail_args(3, 1)], dynamic=True)
+    run(moe_tail, backend, [tail_args(2, seed) for seed in range(3)], dynamic=True)
     assert [r.fallback for r in backend.reports] == [
-        "runs uncompiled: TensorifyScalarRestartAnalysis while compiling for these sizes"] * 2
+        None, "runs the symbolic compile: TensorifyScalarRestartAnalysis while compiling for these sizes"]
 
 
 @pytest.mark.parametrize("value", [-1, True, "8"])
 def test_a_bad_limit_names_the_setting(value):
     with pytest.raises((TypeError, ValueError), match="specialize_sizes"):
         make_backend(specialize_sizes=value)
+
+
+@torch.no_grad()
+def test_a_model_graph_with_symbolic_sizes_runs_the_passes_without_falling_back():
+    """The TINY model (one indexer layer) under dynamic=True with specialize_sizes=0: the passes run on the symbolic
+    graph (before, the matcher compared symbolic sizes with the patterns' and raised TypeError: BooleanAtom, so the
+    graph fell back to plain Inductor), normalisation is skipped there, every fusion declines as a symbolic shape,
+    and the logits agree with eager's within the agreement bound (the unfused graph runs Inductor's decompositions,
+    which round otherwise than eager, so not bit for bit)."""
+    import copy
+
+    from dsv41.models import TINY, DSV41Model, agreement
+
+    torch.manual_seed(0)
+    model = DSV41Model(TINY, [2], max_batch=4, max_context=64)
+    eager = copy.deepcopy(model)
+    backend = make_backend(mode="fx", specialize_sizes=0)
+    torch._dynamo.reset()
+    tokens, positions = torch.arange(3) + 3, torch.full((3,), 5)
+    got = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)(tokens, positions)
+    torch._dynamo.reset()
+    want = eager(tokens, positions)
+    (report,) = backend.reports
+    assert report.fallback is None and not any(report.matches.values())
+    (note,) = [p.note for p in report.passes if p.name == "normalize"]
+    assert note.startswith("skipped: input ") and note.endswith(" has symbolic sizes"), note
+    reasons = [r for v in report.declined.values() for r in v]
+    assert reasons and all(": symbolic shape: " in r for r in reasons), reasons
+    assert not got.isnan().any() and ((got - want).norm() / want.norm()).item() <= agreement.AGREE_REL_L2
