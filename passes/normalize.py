@@ -374,6 +374,74 @@ def _reads_slice(v: fx.Node, base: fx.Node, dim: int, start: int, end: int, limi
     return False
 
 
+# ops whose output holds only values of their first input (so an index bound carries through them)
+_VALUE_PRESERVING = (aten.view.default, aten.expand.default, aten.clone.default, aten.unsqueeze.default,
+                     aten.squeeze.dim, aten.permute.default, aten.slice.Tensor, aten.select.int)
+
+
+def _index_bound(n, depth: int = 16) -> int | None:
+    """U when every value of the integer tensor n lies in [0, U), read from its ops: the indices of a sort or top-k
+    along a dim of size U, an `arange(U)`, a floor division by a positive k of values below V (U = ceil(V / k)),
+    the values of a sort of such a tensor, and views, expands and slices of one; else None."""
+    if depth == 0 or not (isinstance(n, fx.Node) and n.op == "call_function"):
+        return None
+    if n.target is operator.getitem:
+        src, item = n.args
+        if isinstance(src, fx.Node) and src.target in (aten.sort.default, aten.sort.stable, aten.topk.default):
+            if item == 0:
+                return _index_bound(src.args[0], depth - 1) if src.target is not aten.topk.default else None
+            x = _val(src.args[0])
+            dim = (src.args[2] if len(src.args) > 2 else -1) if src.target is aten.topk.default else \
+                src.kwargs.get("dim", src.args[1] if len(src.args) > 1 and isinstance(src.args[1], int) else -1)
+            return x.shape[dim] if _static(x) and x.dim() else None
+        return None
+    if n.target is prims.iota.default:
+        return n.args[0] if n.kwargs.get("start", 0) == 0 and n.kwargs.get("step", 1) == 1 else None
+    if n.target is aten.div.Tensor_mode and n.kwargs.get("rounding_mode") == "floor" and isinstance(n.args[1], int) \
+            and n.args[1] > 0:
+        v = _index_bound(n.args[0], depth - 1)
+        return None if v is None else -(-v // n.args[1])
+    if n.target in _VALUE_PRESERVING:
+        return _index_bound(n.args[0], depth - 1)
+    return None
+
+
+def _remainder_in_range(node: fx.Node) -> bool:
+    """remainder(i, n) of an integer index whose values all lie in [0, n) (`_index_bound`) is i: `take_along_dim`
+    wraps its indices so, and on indices in range that is the identity (exact)."""
+    if node.target is not aten.remainder.Scalar or not isinstance(node.args[1], int) or node.kwargs:
+        return False
+    i = node.args[0]
+    bound = _index_bound(i)
+    if bound is None or bound > node.args[1] or _val(i).dtype != _val(node).dtype:
+        return False
+    node.replace_all_uses_with(i)
+    return True
+
+
+def _gather_of_broadcast_rows(graph: fx.Graph, node: fx.Node) -> bool:
+    """gather(x, d, v.view(.., M, ..).expand(x's shape with M at d)), a vector of indices broadcast along every other
+    dim (`torch.take_along_dim(x, token[:, None], dim=0)`: `jnp.take(x, token, axis=0)`), is x indexed by v along d,
+    `x[token]` (the same elements; both read only indices in range)."""
+    if node.target is not aten.gather.default or node.kwargs or len(node.args) != 3:
+        return False
+    x, d, idx = node.args
+    vx, vi = _val(x), _val(idx)
+    if not (_static(vx) and _static(vi) and isinstance(idx, fx.Node) and idx.target is aten.expand.default):
+        return False
+    d %= vx.dim()
+    v = idx.args[0]
+    while isinstance(v, fx.Node) and v.op == "call_function" and v.target in (aten.view.default, aten.unsqueeze.default):
+        v = v.args[0]
+    vv, src = _val(v), _val(idx.args[0])
+    if not (_static(vv) and vv.dim() == 1 and _static(src) and src.dim() == vx.dim()
+            and [s for j, s in enumerate(src.shape) if j != d] == [1] * (vx.dim() - 1) and src.shape[d] == vv.shape[0]
+            and [s for j, s in enumerate(vi.shape) if j != d] == [s for j, s in enumerate(vx.shape) if j != d]):
+        return False
+    node.target, node.args = aten.index.Tensor, (x, [None] * d + [v])
+    return True
+
+
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
 
 
@@ -778,7 +846,11 @@ def _local_forms(graph: fx.Graph) -> int:
             continue
         changed += _scalar_overload(node) + _fused_arith(graph, node) + _gemm_plus_input(graph, node)
         changed += _scatter_reduce_sum(node) + _ldexp(graph, node) + _extremum_with_constant(graph, node)
-        changed += _sum_of_widening_cast(graph, node)
+        changed += _sum_of_widening_cast(graph, node) + _gather_of_broadcast_rows(graph, node)
+        if _remainder_in_range(node):
+            graph.erase_node(node)
+            changed += 1
+            continue
         if _slice_update_as_cat(graph, node):
             changed += 1
             continue

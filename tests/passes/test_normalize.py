@@ -881,3 +881,32 @@ def test_a_unit_dim_put_back_by_a_view_of_a_pointwise_result_at_the_lower_rank_s
     assert list(amax.meta["val"].shape) == [3, 4, 1], gm.code
     assert op_counts(gm) == op_counts(normalized(flat, *args)), gm.code
     assert torch.equal(gm(*args), aten_graph(f, *args)(*args))  # the traced ops (eager's softmax kernel rounds otherwise)
+
+
+def test_take_along_dim_of_indices_in_range_is_a_gather_or_an_index():
+    """take_along_dim wraps its indices (`remainder(i, n)`), the identity on indices known to lie in [0, n): a
+    top-k's or sort's indices along a dim of size n, their sorted values, a floor division of them by k (the
+    token of an expert-sorted row, `order // k` < T). Its gather of a vector broadcast along the other dims,
+    `take_along_dim(x, token[:, None], dim=0)` (`jnp.take(x, token, axis=0)`), is `x[token]`. Indices of unknown
+    range keep the remainder; bit for bit."""
+    def f(x, ids, s, free):
+        order = torch.argsort(ids.flatten(), stable=True)
+        rows = torch.take_along_dim(x, (order // 2)[:, None], dim=0)
+        picks = torch.sort(torch.topk(s, 3, dim=-1).indices, dim=-1).values
+        return rows, torch.take_along_dim(s, picks, dim=-1), torch.take_along_dim(s, free, dim=-1)
+
+    def plain(x, ids, s, free):
+        order = torch.argsort(ids.flatten(), stable=True)
+        picks = torch.sort(torch.topk(s, 3, dim=-1).indices, dim=-1).values
+        return x[order // 2], s.gather(-1, picks)
+
+    g = gen(0)
+    args = (torch.randn(4, 8, generator=g), torch.randint(0, 5, (4, 2), generator=g), torch.randn(4, 6, generator=g),
+            torch.randint(-6, 6, (4, 2), generator=g))
+    gm = normalized(f, *args)
+    ops = op_counts(gm)
+    assert ops["aten.remainder.Scalar"] == 1 and ops["aten.gather"] == 2 and ops["aten.index.Tensor"] == 1, gm.code
+    want = op_counts(normalized(plain, *args))
+    assert ops["aten.index.Tensor"] == want["aten.index.Tensor"] and ops["aten.gather"] == want["aten.gather"] + 1
+    for got, ref in zip(gm(*args), f(*args), strict=True):
+        assert torch.equal(got, ref)

@@ -54,8 +54,8 @@ from .params import param_factory
 EPS, HC_EPS, SINKHORN_ITERS, ROUTE_SCALE, SWIGLU_LIMIT, WINDOW, FP8_BLOCK = 1e-20, 1e-6, 20, 1.5, 10.0, 8, 32
 ROPE_THETA = 10000.0
 # the sites that fuse, and those still missed, each with a record (wo_a declined: its [G, in, R] kernel)
-T_SITES = {"mhc_coeffs": 2, "qkv_norm": 1, "indexer_topk": 1, "mhc_post_pre": 2, "moe_route": 1}
-T_MISSED = {"wo_a": 1, "moe_metadata": 1, "moe_experts": 1, "moe_finalize": 1}
+T_SITES = {"mhc_coeffs": 2, "qkv_norm": 1, "indexer_topk": 1, "mhc_post_pre": 2, "moe_route": 1, "moe_experts": 1}
+T_MISSED = {"wo_a": 1, "moe_metadata": 1, "moe_finalize": 1}
 F32, BF16 = torch.float32, torch.bfloat16
 
 
