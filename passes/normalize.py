@@ -54,12 +54,21 @@
   is the pairwise form `stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), -1).flatten(-2)` (the same products and
   adds; a half-split `rotate_half` or a tiled cos is another rotation and stays);
 - contractions: a batched matrix times a vector, `bmm(a, v)` with v [B, K, 1], is the vector times the matrix
-  transposed, `bmm(v^T, a^T)^T`;
+  transposed, `bmm(v^T, a^T)^T`; a bmm of batch 1 against a 2-D value viewed with a unit batch dim
+  (`einsum('bld,dq->blq', h, w)` with a Flax-style [in, out] kernel) is an mm;
+- JAX-port spellings: `ldexp(x, e)` is `x * pow(2, e)` (`ldexp(1, e)` the power alone); maximum / minimum with a
+  nonzero constant are clamp_min / clamp_max; an int64 sum of a lossless integer cast (`one_hot.to(int32).sum(0)`)
+  is the sum of the int64 cast; a slice_scatter of a value computed from that slice (`x.at[..., -r:].set(...)`)
+  is the cat of the rest and the value; take_along_dim's wrap (`remainder`) of indices known to lie in range (a
+  sort's or top-k's indices, their floor division) is dropped, and its gather of an index vector broadcast along
+  the other dims is `x[idx]`;
 - unit dims: a non-leading size-1 dim that a graph input or a view of a GEMM output adds (HF's `[B, S=1, ...]`
   decode layout) sinks below the ops that do not touch it (`_sink_units`: pointwise ops, lookups, reductions,
   slices, softmax, top-k, sort, gather, scatter, cat), so they run at `[B, ...]`; a bmm output's unit dims (an
   einsum at S = 1) count as such, and a permute whose input has unit dims right after its leading dim and whose
-  users are views permutes the input without them (an einsum's layout chain at `[B, 1, G, D]` and at `[T, G, D]`).
+  users are views permutes the input without them (an einsum's layout chain at `[B, 1, G, D]` and at `[T, G, D]`);
+  a view of a pointwise result computed from sunk values adds the unit dims its input lacks, so they sink again
+  (`m[..., 8:].reshape(B, 1, 4, 4) * s` at L = 1).
 
 Shapes come from `meta["val"]`; a node without it is left alone.
 """
@@ -1756,13 +1765,15 @@ def _single_batch_bmm(graph: fx.Graph, node: fx.Node) -> bool:
     """bmm(a [1, M, K], b [1, K, N]) where b is a 2-D [K, N] value viewed with a unit batch dim in front is mm(a[0],
     w) viewed to [1, M, N]: one GEMM against w (`einsum('bld,dq->blq', h, w)` with a Flax-style [in, out] kernel
     traces as such a bmm); the views join the operands' layout chains. A batch of 1 that is a dim of the operands
-    (an einsum over T = 1 tokens, a grouped GEMM of one group) stays a bmm, as the patterns trace it."""
+    (an einsum over T = 1 tokens) stays a bmm, as the patterns trace it, and so does one against a permuted value
+    (a grouped einsum of one group, `einsum('tgd,grd->tgr')` at G = 1, which wo_a's patterns trace as a bmm)."""
     a, b = node.args
     va, vb, out = _val(a), _val(b), _val(node)
     if not (_static(va) and _static(vb) and _static(out)) or va.shape[0] != 1:
         return False
     w = b.args[0] if isinstance(b, fx.Node) and b.target is aten.view.default else None
-    if not (isinstance(w, fx.Node) and _static(_val(w)) and list(_val(w).shape) == list(vb.shape[1:])):
+    if not (isinstance(w, fx.Node) and w.target is not aten.permute.default and _static(_val(w))
+            and list(_val(w).shape) == list(vb.shape[1:])):
         return False
     rows = _insert(graph, node, aten.view.default, (a, list(va.shape[1:])), source=node)
     product = _insert(graph, node, aten.mm.default, (rows, w), source=node)
