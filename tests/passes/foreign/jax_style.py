@@ -71,7 +71,9 @@ causes, and their general fixes (`dsv41.passes.normalize` unless named):
   the replacement derives is reused where the graph computes it already, `FusionPass`) and the weights gathered
   by the order, the metadata is the model's formulation.
 After: 10 of the 11 fused (test_jax_style.py), wo_a declined (its `DenseGeneral` kernel [G, in, R] would be copied
-into the op's layout on every call, as ref_style.py's), outputs equal to eager.
+into the op's layout on every call, as ref_style.py's), outputs equal to eager. Left: at one request (B = 1) the
+last mhc_post_pre site is a near miss (the re-trace of the einsum formulation at the [1, 1, hc, D] value its
+collapse einsum reads directly fails), so 9 fuse there.
 """
 
 from __future__ import annotations
