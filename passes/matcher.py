@@ -1281,12 +1281,13 @@ def _without_units(ph: fx.Node, b: fx.Node, val) -> "Derived | None":
 
 @dataclass(frozen=True)
 class Derived:
-    """A value the replacement computes from matched values just before the op: `op(*args)` (the cat that joins
-    two GEMM outputs into the op's one input, an input reshaped to the op's declared shape); args may hold Nodes
-    and other Derived values. `meta["val"]` is its fake value, as for a node."""
+    """A value the replacement computes from matched values just before the op: `op(*args, **dict(kwargs))` (the cat
+    that joins two GEMM outputs into the op's one input, an input reshaped to the op's declared shape); args may
+    hold Nodes and other Derived values. `meta["val"]` is its fake value, as for a node."""
 
     op: torch._ops.OpOverload
     args: tuple
+    kwargs: tuple = ()  # (name, value) pairs
 
     @property
     def meta(self) -> dict:
@@ -1312,7 +1313,7 @@ def leaves(args) -> list[fx.Node]:
 def evaluate(args, leaf):
     """args with every Node replaced by leaf(node) and every Derived by its op applied to its evaluated args."""
     if isinstance(args, Derived):
-        return args.op(*evaluate(args.args, leaf))
+        return args.op(*evaluate(args.args, leaf), **dict(args.kwargs))
     if isinstance(args, tuple):
         return tuple(evaluate(a, leaf) for a in args)
     if isinstance(args, list):

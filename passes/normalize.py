@@ -54,12 +54,21 @@
   is the pairwise form `stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), -1).flatten(-2)` (the same products and
   adds; a half-split `rotate_half` or a tiled cos is another rotation and stays);
 - contractions: a batched matrix times a vector, `bmm(a, v)` with v [B, K, 1], is the vector times the matrix
-  transposed, `bmm(v^T, a^T)^T`;
+  transposed, `bmm(v^T, a^T)^T`; a bmm of batch 1 against a 2-D value viewed with a unit batch dim
+  (`einsum('bld,dq->blq', h, w)` with a Flax-style [in, out] kernel) is an mm;
+- JAX-port spellings: `ldexp(x, e)` is `x * pow(2, e)` (`ldexp(1, e)` the power alone); maximum / minimum with a
+  nonzero constant are clamp_min / clamp_max; an int64 sum of a lossless integer cast (`one_hot.to(int32).sum(0)`)
+  is the sum of the int64 cast; a slice_scatter of a value computed from that slice (`x.at[..., -r:].set(...)`)
+  is the cat of the rest and the value; take_along_dim's wrap (`remainder`) of indices known to lie in range (a
+  sort's or top-k's indices, their floor division) is dropped, and its gather of an index vector broadcast along
+  the other dims is `x[idx]`;
 - unit dims: a non-leading size-1 dim that a graph input or a view of a GEMM output adds (HF's `[B, S=1, ...]`
   decode layout) sinks below the ops that do not touch it (`_sink_units`: pointwise ops, lookups, reductions,
   slices, softmax, top-k, sort, gather, scatter, cat), so they run at `[B, ...]`; a bmm output's unit dims (an
   einsum at S = 1) count as such, and a permute whose input has unit dims right after its leading dim and whose
-  users are views permutes the input without them (an einsum's layout chain at `[B, 1, G, D]` and at `[T, G, D]`).
+  users are views permutes the input without them (an einsum's layout chain at `[B, 1, G, D]` and at `[T, G, D]`);
+  a view of a pointwise result computed from sunk values adds the unit dims its input lacks, so they sink again
+  (`m[..., 8:].reshape(B, 1, 4, 4) * s` at L = 1).
 
 Shapes come from `meta["val"]`; a node without it is left alone.
 """
@@ -252,6 +261,193 @@ def _keepdim(graph: fx.Graph, node: fx.Node) -> bool:
     node.target, node.args = src.target, (x, [dims[0] % rank], True)
     if not src.users:
         graph.erase_node(src)
+    return True
+
+
+def _constant_value(a):
+    """The number a 0-d `scalar_tensor(v)` or a `full(shape, v)` node holds, or None."""
+    if isinstance(a, fx.Node) and a.op == "call_function" and a.target in (aten.scalar_tensor.default, aten.full.default):
+        v = a.args[0] if a.target is aten.scalar_tensor.default else a.args[1]
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    return None
+
+
+def _ldexp(graph: fx.Graph, node: fx.Node) -> bool:
+    """ldexp(x, e) is x * pow(2.0, e), torch's definition of it (`at::ldexp`), and ldexp(ones, e) (`jnp.ldexp(1.0,
+    e)`: a power-of-two scale) is pow(2.0, e) where that has the output's dtype and shape: exact."""
+    if node.target is not aten.ldexp.Tensor or len(node.args) != 2 or node.kwargs:
+        return False
+    x, e = node.args
+    power = _insert(graph, node, aten.pow.Scalar, (2.0, e), source=node)
+    vp, out = _val(power), _val(node)
+    if _constant_value(x) == 1 and vp.dtype == out.dtype and list(vp.shape) == list(out.shape):
+        node.replace_all_uses_with(power)
+        graph.erase_node(node)
+        if not x.users:
+            graph.erase_node(x)
+        return True
+    node.target, node.args = aten.mul.Tensor, (x, power)
+    return True
+
+
+# maximum / minimum with a constant -> the clamp that bounds by it
+_EXTREMUM_CLAMPS = {aten.maximum.default: aten.clamp_min.default, aten.minimum.default: aten.clamp_max.default}
+
+
+def _extremum_with_constant(graph: fx.Graph, node: fx.Node) -> bool:
+    """maximum(x, c) / minimum(x, c) (either order) of a float x and a nonzero constant c (a 0-d `scalar_tensor` or a
+    `full`, `torch.maximum(amax, torch.full_like(amax, 1e-4))`: `jnp.maximum(amax, 1e-4)`) whose result has x's
+    dtype and shape is clamp_min(x, c) / clamp_max(x, c): the same value, NaN propagated by both (c = 0 stays: the
+    sign of a zero result may differ)."""
+    clamp = _EXTREMUM_CLAMPS.get(node.target)
+    if clamp is None or len(node.args) != 2 or node.kwargs:
+        return False
+    for x, c in (node.args, node.args[::-1]):
+        value, vx, out = _constant_value(c), _val(x), _val(node)
+        if value is None or value == 0 or not isinstance(x, fx.Node) or not isinstance(vx, torch.Tensor) \
+                or not vx.dtype.is_floating_point or vx.dtype != out.dtype or list(vx.shape) != list(out.shape):
+            continue
+        node.target, node.args = clamp, (x, float(value))
+        if not c.users:
+            graph.erase_node(c)
+        return True
+    return False
+
+
+# integer types an integer sum promotes to int64, and those a cast to one of them loses nothing from
+_LOSSLESS_INT = {torch.int32: (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32),
+                 torch.int16: (torch.bool, torch.uint8, torch.int8, torch.int16),
+                 torch.int8: (torch.bool, torch.int8), torch.uint8: (torch.bool, torch.uint8)}
+
+
+def _sum_of_widening_cast(graph: fx.Graph, node: fx.Node) -> bool:
+    """An int64 sum of x cast losslessly to a narrower integer type (`one_hot.astype(int32).sum(0)`: bool -> int32,
+    which the sum promotes to int64) is the sum of x cast to int64: every value of x is held by both integer types,
+    and the sum adds in int64 either way (exact)."""
+    if node.target is not aten.sum.dim_IntList or node.kwargs or not isinstance(node.args[0], fx.Node):
+        return False
+    cast, out = node.args[0], _val(node)
+    if not (cast.op == "call_function" and cast.target is prims.convert_element_type.default and not cast.kwargs
+            and isinstance(out, torch.Tensor) and out.dtype is torch.int64):
+        return False
+    src = cast.args[0]
+    if not isinstance(_val(src), torch.Tensor) or _val(src).dtype not in _LOSSLESS_INT.get(cast.args[1], ()):
+        return False
+    node.args = (_insert(graph, node, prims.convert_element_type.default, (src, torch.int64), source=cast),
+                 *node.args[1:])
+    if not cast.users:
+        graph.erase_node(cast)
+    return True
+
+
+def _slice_update_as_cat(graph: fx.Graph, node: fx.Node) -> bool:
+    """slice_scatter(x, v, d, start, end) of a v computed from that slice of x (`x.at[..., -rd:].set(rope(x[...,
+    -rd:]))`, `torch.slice_scatter`, or the functionalised `x[..., -rd:] = ...`) is cat(x[.., :start], v,
+    x[.., end:]) along d (exact: the same elements). A write of other values (a cache row) stays as it is."""
+    if node.target is not aten.slice_scatter.default or node.kwargs:
+        return False
+    base, src, dim, start, end, step = list(node.args) + [0, None, None, 1][len(node.args) - 2:]
+    vb, vs = _val(base), _val(src)
+    if step != 1 or not (_static(vb) and _static(vs)) or vb.dtype != vs.dtype:
+        return False
+    dim %= vb.dim()
+    size = vb.shape[dim]
+    start = 0 if start is None else (start + size if start < 0 else min(start, size))
+    end = size if end is None else (end + size if end < 0 else min(end, size))
+    if end - start != vs.shape[dim] or not _reads_slice(src, base, dim, start, end):
+        return False
+    pieces = [_insert(graph, node, aten.slice.Tensor, (base, dim, 0, start), source=node)] if start > 0 else []
+    pieces.append(src)
+    if end < size:
+        pieces.append(_insert(graph, node, aten.slice.Tensor, (base, dim, end, size), source=node))
+    cat = _insert(graph, node, aten.cat.default, (pieces, dim), source=node)
+    node.replace_all_uses_with(cat)
+    graph.erase_node(node)
+    return True
+
+
+def _reads_slice(v: fx.Node, base: fx.Node, dim: int, start: int, end: int, limit: int = 64) -> bool:
+    """v depends on base[.., start:end] along dim (a slice of base with those bounds among its nearest `limit`
+    ancestors)."""
+    seen, stack = set(), [v]
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if n.target is aten.slice.Tensor and n.args[0] is base and len(n.args) >= 4 \
+                and n.args[1] % _val(base).dim() == dim and (n.args[2] or 0) == start \
+                and min(n.args[3], _val(base).shape[dim]) == end and (n.args[4:] or [1])[0] == 1:
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+# ops whose output holds only values of their first input (so an index bound carries through them)
+_VALUE_PRESERVING = (aten.view.default, aten.expand.default, aten.clone.default, aten.unsqueeze.default,
+                     aten.squeeze.dim, aten.permute.default, aten.slice.Tensor, aten.select.int)
+
+
+def _index_bound(n, depth: int = 16) -> int | None:
+    """U when every value of the integer tensor n lies in [0, U), read from its ops: the indices of a sort or top-k
+    along a dim of size U, an `arange(U)`, a floor division by a positive k of values below V (U = ceil(V / k)),
+    the values of a sort of such a tensor, and views, expands and slices of one; else None."""
+    if depth == 0 or not (isinstance(n, fx.Node) and n.op == "call_function"):
+        return None
+    if n.target is operator.getitem:
+        src, item = n.args
+        if isinstance(src, fx.Node) and src.target in (aten.sort.default, aten.sort.stable, aten.topk.default):
+            if item == 0:
+                return _index_bound(src.args[0], depth - 1) if src.target is not aten.topk.default else None
+            x = _val(src.args[0])
+            dim = (src.args[2] if len(src.args) > 2 else -1) if src.target is aten.topk.default else \
+                src.kwargs.get("dim", src.args[1] if len(src.args) > 1 and isinstance(src.args[1], int) else -1)
+            return x.shape[dim] if _static(x) and x.dim() else None
+        return None
+    if n.target is prims.iota.default:
+        return n.args[0] if n.kwargs.get("start", 0) == 0 and n.kwargs.get("step", 1) == 1 else None
+    if n.target is aten.div.Tensor_mode and n.kwargs.get("rounding_mode") == "floor" and isinstance(n.args[1], int) \
+            and n.args[1] > 0:
+        v = _index_bound(n.args[0], depth - 1)
+        return None if v is None else -(-v // n.args[1])
+    if n.target in _VALUE_PRESERVING:
+        return _index_bound(n.args[0], depth - 1)
+    return None
+
+
+def _remainder_in_range(node: fx.Node) -> bool:
+    """remainder(i, n) of an integer index whose values all lie in [0, n) (`_index_bound`) is i: `take_along_dim`
+    wraps its indices so, and on indices in range that is the identity (exact)."""
+    if node.target is not aten.remainder.Scalar or not isinstance(node.args[1], int) or node.kwargs:
+        return False
+    i = node.args[0]
+    bound = _index_bound(i)
+    if bound is None or bound > node.args[1] or _val(i).dtype != _val(node).dtype:
+        return False
+    node.replace_all_uses_with(i)
+    return True
+
+
+def _gather_of_broadcast_rows(graph: fx.Graph, node: fx.Node) -> bool:
+    """gather(x, d, v.view(.., M, ..).expand(x's shape with M at d)), a vector of indices broadcast along every other
+    dim (`torch.take_along_dim(x, token[:, None], dim=0)`: `jnp.take(x, token, axis=0)`), is x indexed by v along d,
+    `x[token]` (the same elements; both read only indices in range)."""
+    if node.target is not aten.gather.default or node.kwargs or len(node.args) != 3:
+        return False
+    x, d, idx = node.args
+    vx, vi = _val(x), _val(idx)
+    if not (_static(vx) and _static(vi) and isinstance(idx, fx.Node) and idx.target is aten.expand.default):
+        return False
+    d %= vx.dim()
+    v = idx.args[0]
+    while isinstance(v, fx.Node) and v.op == "call_function" and v.target in (aten.view.default, aten.unsqueeze.default):
+        v = v.args[0]
+    vv, src = _val(v), _val(idx.args[0])
+    if not (_static(vv) and vv.dim() == 1 and _static(src) and src.dim() == vx.dim()
+            and [s for j, s in enumerate(src.shape) if j != d] == [1] * (vx.dim() - 1) and src.shape[d] == vv.shape[0]
+            and [s for j, s in enumerate(vi.shape) if j != d] == [s for j, s in enumerate(vx.shape) if j != d]):
+        return False
+    node.target, node.args = aten.index.Tensor, (x, [None] * d + [v])
     return True
 
 
@@ -658,7 +854,15 @@ def _local_forms(graph: fx.Graph) -> int:
             changed += 1
             continue
         changed += _scalar_overload(node) + _fused_arith(graph, node) + _gemm_plus_input(graph, node)
-        changed += _scatter_reduce_sum(node)
+        changed += _scatter_reduce_sum(node) + _ldexp(graph, node) + _extremum_with_constant(graph, node)
+        changed += _sum_of_widening_cast(graph, node) + _gather_of_broadcast_rows(graph, node)
+        if _remainder_in_range(node):
+            graph.erase_node(node)
+            changed += 1
+            continue
+        if _slice_update_as_cat(graph, node):
+            changed += 1
+            continue
         changed += _piece_of_split(graph, node) + _implicit_promotion(graph, node)
         changed += _fill_defaults(node)
         if node.target is aten._unsafe_view.default:
@@ -1270,6 +1474,8 @@ def _view_below_pointwise(graph: fx.Graph, node: fx.Node) -> bool:
     with graph.inserting_before(node):
         low = graph.call_function(t, tuple(args))
     low.meta["val"] = low_val
+    if any(isinstance(a, fx.Node) and a.meta.get(_SUNK) for a in args):
+        low.meta[_SUNK] = True  # computed from values at the lower rank: its views may add their unit dims back
     _copy_source(node, low)
     lifted = _insert(graph, node, aten.view.default, (low, list(out.shape)), source=node)
     node.replace_all_uses_with(lifted)
@@ -1555,6 +1761,27 @@ def _vector_on_the_left(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+def _single_batch_bmm(graph: fx.Graph, node: fx.Node) -> bool:
+    """bmm(a [1, M, K], b [1, K, N]) where b is a 2-D [K, N] value viewed with a unit batch dim in front is mm(a[0],
+    w) viewed to [1, M, N]: one GEMM against w (`einsum('bld,dq->blq', h, w)` with a Flax-style [in, out] kernel
+    traces as such a bmm); the views join the operands' layout chains. A batch of 1 that is a dim of the operands
+    (an einsum over T = 1 tokens) stays a bmm, as the patterns trace it, and so does one against a permuted value
+    (a grouped einsum of one group, `einsum('tgd,grd->tgr')` at G = 1, which wo_a's patterns trace as a bmm)."""
+    a, b = node.args
+    va, vb, out = _val(a), _val(b), _val(node)
+    if not (_static(va) and _static(vb) and _static(out)) or va.shape[0] != 1:
+        return False
+    w = b.args[0] if isinstance(b, fx.Node) and b.target is aten.view.default else None
+    if not (isinstance(w, fx.Node) and w.target is not aten.permute.default and _static(_val(w))
+            and list(_val(w).shape) == list(vb.shape[1:])):
+        return False
+    rows = _insert(graph, node, aten.view.default, (a, list(va.shape[1:])), source=node)
+    product = _insert(graph, node, aten.mm.default, (rows, w), source=node)
+    node.replace_all_uses_with(_insert(graph, node, aten.view.default, (product, list(out.shape)), source=node))
+    graph.erase_node(node)
+    return True
+
+
 def _canonical_forms(graph: fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
@@ -1584,7 +1811,7 @@ def _canonical_forms(graph: fx.Graph) -> int:
         elif _sink_units(graph, node):
             changed += 1
             continue
-        elif node.target is aten.bmm.default and _vector_on_the_left(graph, node):
+        elif node.target is aten.bmm.default and (_single_batch_bmm(graph, node) or _vector_on_the_left(graph, node)):
             changed += 1
             continue
         elif node.target is aten.add.Tensor and _add_of_constant_where(graph, node):

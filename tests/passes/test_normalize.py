@@ -753,3 +753,160 @@ def test_gptj_rope_is_the_pairwise_rope():
         gm = normalized(other, *x)
         assert op_counts(gm)["aten.sub.Tensor"] == 0 and op_counts(gm)["aten.neg"] == 1, gm.code
         assert torch.equal(gm(*x), other(*x))
+
+
+def test_ldexp_is_the_product_with_a_power_of_two():
+    """ldexp(x, e) is x * pow(2.0, e) (torch's definition), and ldexp(ones, e) (`jnp.ldexp(1.0, e)`, a power-of-two
+    scale) is pow(2.0, e) alone, the form of `torch.pow(2, ...)`; bit for bit."""
+    def f(amax, x, e):
+        return torch.ldexp(torch.ones_like(amax), torch.ceil(torch.log2(amax / 448.0))), torch.ldexp(x, e)
+
+    def pow_form(amax):
+        return torch.pow(2.0, torch.ceil(torch.log2(amax / 448.0)))
+
+    g = gen(0)
+    x = (torch.rand(4, 8, generator=g) * 1e3 + 1e-4, torch.randn(4, 8, generator=g),
+         torch.randint(-20, 20, (4, 8), generator=g).float())
+    gm = normalized(f, *x)
+    ops = op_counts(gm)
+    assert ops["aten.ldexp.Tensor"] == 0 and ops["aten.pow.Scalar"] == 2 and ops["aten.mul.Tensor"] == 1, gm.code
+    assert ops["aten.full"] == 0, gm.code
+    scale = [n for n in gm.graph.nodes if n.target is aten.pow.Scalar][0]
+    assert op_counts(normalized(pow_form, x[0]))["aten.pow.Scalar"] == 1 and scale in gm.graph.output_node().args[0]
+    for got, want in zip(gm(*x), f(*x), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_maximum_and_minimum_with_a_nonzero_constant_are_clamps():
+    """torch.maximum(x, full_like(x, c)) / minimum (either operand order) are clamp_min / clamp_max(x, c), NaN
+    propagated alike; with c = 0 (the sign of a zero result may differ) or a varying operand they stay."""
+    def f(x, y):
+        return (torch.maximum(x, torch.full_like(x, 1e-4)), torch.minimum(torch.full_like(x, 10.0), x),
+                torch.maximum(x, torch.zeros_like(x)), torch.minimum(x, y))
+
+    g = gen(0)
+    x = torch.randn(4, 8, generator=g) * 20
+    x[0, :3] = torch.tensor([float("nan"), 0.0, -0.0])
+    args = (x, torch.randn(4, 8, generator=g))
+    gm = normalized(f, *args)
+    ops = op_counts(gm)
+    assert ops["aten.clamp_min"] == 1 and ops["aten.clamp_max"] == 1, gm.code
+    assert ops["aten.maximum"] == 1 and ops["aten.minimum"] == 1, gm.code
+    for got, want in zip(gm(*args), f(*args), strict=True):
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)) and torch.equal(got.isnan(), want.isnan())
+
+
+def test_int64_sum_of_a_lossless_narrow_integer_cast_is_the_sum_of_the_int64_cast():
+    """A one-hot count cast to int32 before its (int64) sum, `(ids[:, None] == arange(E)).to(int32).sum(0)`, is the
+    sum of the comparison cast to int64, the form of `F.one_hot(ids, E).sum(0)`; a cast that can lose values
+    (int64 -> int32) stays."""
+    def f(ids, big):
+        onehot = ids[:, None] == torch.arange(8)[None, :]
+        return onehot.to(torch.int32).sum(0), big.to(torch.int32).sum(0)
+
+    def one_hot(ids):
+        return F.one_hot(ids, 8).sum(0)
+
+    g = gen(0)
+    args = (torch.randint(0, 8, (12,), generator=g), torch.randint(2**31, 2**33, (5, 3), generator=g))
+    gm = normalized(f, *args)
+    casts = [n.args[1] for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default]
+    assert sorted(map(str, casts)) == ["torch.int32", "torch.int64"], gm.code
+    assert op_counts(normalized(one_hot, args[0])) == op_counts(normalized(lambda i: f(i, args[1])[0], args[0]))
+    for got, want in zip(gm(*args), f(*args), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_slice_updated_from_itself_is_a_cat():
+    """`torch.slice_scatter(x, rope(x[..., -r:]), -1, d - r)` and the functionalised `y[..., -r:] = ...` (a slice
+    written from that slice, `x.at[..., -r:].set(...)`) are cat(x[..., :d - r], the new slice); a slice_scatter of
+    values not computed from the slice it replaces (a cache row) stays; bit for bit."""
+    def f(x, row):
+        tail = x[..., 12:] * 2.0
+        a = torch.slice_scatter(x, tail, dim=-1, start=12)
+        b = x.clone()
+        b[..., 4:8] = b[..., 4:8].neg()
+        cache = torch.slice_scatter(x, row, dim=1, start=2, end=3)
+        return a, b, cache
+
+    g = gen(0)
+    args = (torch.randn(3, 4, 16, generator=g), torch.randn(3, 1, 16, generator=g))
+    gm = normalized(f, *args)
+    ops = op_counts(gm)
+    assert ops["aten.cat"] == 2 and ops["aten.slice_scatter"] == 1, gm.code
+    for got, want in zip(gm(*args), f(*args), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_batch_one_bmm_against_a_2d_weight_is_a_gemm():
+    """`einsum('bld,dq->blq', h, w)` with a 2-D [in, out] kernel traces as a bmm of batch 1 against w viewed
+    [1, in, out]: it is mm(h rows, w), the form of `h @ w`. A batch of 1 that is a dim of the operands (an einsum
+    over one token, `'tj,tjd->td'` at T = 1) stays a bmm."""
+    def flax(h, w):
+        return torch.einsum("bld,dq->blq", h, w)
+
+    def matmul(h, w):
+        return (h.view(-1, h.shape[-1]) @ w).view(*h.shape[:-1], -1)
+
+    def one_token(pre, x):
+        return torch.einsum("tj,tjd->td", pre, x)
+
+    g = gen(0)
+    args = (torch.randn(3, 1, 16, generator=g), torch.randn(16, 8, generator=g))
+    gm = normalized(flax, *args)
+    assert op_counts(gm)["aten.bmm"] == 0 and op_counts(gm) == op_counts(normalized(matmul, *args)), gm.code
+    assert torch.equal(gm(*args), flax(*args))
+    tok = (torch.randn(1, 4, generator=g), torch.randn(1, 4, 16, generator=g))
+    gm = normalized(one_token, *tok)
+    assert op_counts(gm)["aten.bmm"] == 1 and op_counts(gm)["aten.mm"] == 0, gm.code
+    assert torch.equal(gm(*tok), one_token(*tok))
+
+
+def test_a_unit_dim_put_back_by_a_view_of_a_pointwise_result_at_the_lower_rank_sinks_again():
+    """MaxText's `m[..., 8:].reshape(B, L, 4, 4) * s + b.reshape(4, 4)` at L = 1: the product, moved above the
+    view, is computed from values whose unit dim sank, so the view that splits its last dim and puts L back adds
+    that dim, and the softmax below runs at [B, 4, 4] as in the [T, ...] form; bit for bit."""
+    def f(x, s, b):
+        m = x.float() * 2.0
+        return torch.softmax(m[..., 8:].reshape(3, 1, 4, 4) * s + b.reshape(4, 4), dim=-1)
+
+    def flat(x, s, b):
+        m = x.view(3, 24).float() * 2.0
+        return torch.softmax(m[:, 8:].view(3, 4, 4) * s + b.view(4, 4), dim=-1).view(3, 1, 4, 4)
+
+    g = gen(0)
+    args = (torch.randn(3, 1, 24, generator=g).bfloat16(), torch.randn((), generator=g), torch.randn(16, generator=g))
+    gm = normalized(f, *args)
+    (amax,) = [n for n in gm.graph.nodes if n.target is aten.amax.default]
+    assert list(amax.meta["val"].shape) == [3, 4, 1], gm.code
+    assert op_counts(gm) == op_counts(normalized(flat, *args)), gm.code
+    assert torch.equal(gm(*args), aten_graph(f, *args)(*args))  # the traced ops (eager's softmax kernel rounds otherwise)
+
+
+def test_take_along_dim_of_indices_in_range_is_a_gather_or_an_index():
+    """take_along_dim wraps its indices (`remainder(i, n)`), the identity on indices known to lie in [0, n): a
+    top-k's or sort's indices along a dim of size n, their sorted values, a floor division of them by k (the
+    token of an expert-sorted row, `order // k` < T). Its gather of a vector broadcast along the other dims,
+    `take_along_dim(x, token[:, None], dim=0)` (`jnp.take(x, token, axis=0)`), is `x[token]`. Indices of unknown
+    range keep the remainder; bit for bit."""
+    def f(x, ids, s, free):
+        order = torch.argsort(ids.flatten(), stable=True)
+        rows = torch.take_along_dim(x, (order // 2)[:, None], dim=0)
+        picks = torch.sort(torch.topk(s, 3, dim=-1).indices, dim=-1).values
+        return rows, torch.take_along_dim(s, picks, dim=-1), torch.take_along_dim(s, free, dim=-1)
+
+    def plain(x, ids, s, free):
+        order = torch.argsort(ids.flatten(), stable=True)
+        picks = torch.sort(torch.topk(s, 3, dim=-1).indices, dim=-1).values
+        return x[order // 2], s.gather(-1, picks)
+
+    g = gen(0)
+    args = (torch.randn(4, 8, generator=g), torch.randint(0, 5, (4, 2), generator=g), torch.randn(4, 6, generator=g),
+            torch.randint(-6, 6, (4, 2), generator=g))
+    gm = normalized(f, *args)
+    ops = op_counts(gm)
+    assert ops["aten.remainder.Scalar"] == 1 and ops["aten.gather"] == 2 and ops["aten.index.Tensor"] == 1, gm.code
+    want = op_counts(normalized(plain, *args))
+    assert ops["aten.index.Tensor"] == want["aten.index.Tensor"] and ops["aten.gather"] == want["aten.gather"] + 1
+    for got, ref in zip(gm(*args), f(*args), strict=True):
+        assert torch.equal(got, ref)

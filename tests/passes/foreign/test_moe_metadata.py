@@ -61,8 +61,16 @@ def weights_first(flat_e, flat_w):
     return order // K, offsets, row_weights
 
 
+def one_hot_int32(flat_e, flat_w):
+    """counts as `jax.nn.one_hot(ids, E, dtype=int32).sum(0)` ports it: the comparison cast to int32, which the sum
+    promotes to int64; the order by torch.argsort(stable=True) of torch.ravel."""
+    order = torch.argsort(torch.ravel(flat_e), stable=True)
+    counts = (flat_e[:, None] == torch.arange(E)[None, :]).to(torch.int32).sum(0)
+    return order // K, torch.cumsum(counts, dim=0).to(torch.int32), flat_w[order]
+
+
 CASES = {f.__name__: f for f in (sort_indices_floor_divide, sort_tuple_take, arange_comparison, out_of_place_scatter,
-                                 index_add_int32, weights_first)}
+                                 index_add_int32, weights_first, one_hot_int32)}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
