@@ -16,7 +16,11 @@
   others already broadcast to the output's shape is a 0-d `scalar_tensor`;
 - split dims: `select(x.view(..., n, k, ...), d, i)` is a slice of x: the stride-k slice `x[..., i::k]` on the k
   factor (interleaved elements), the run `x[..., i*k:(i+1)*k]` on the n factor (`view(-1, 2, I).unbind(1)` halves);
-  a cast moves below a strided slice;
+  a cast moves below a strided slice, and a widening cast that only slices read below them
+  (`torch.chunk(y.float(), 2, -1)` is the casts of y's halves);
+- routing maps: the column sums of a map scattered from top-k ids, `zeros(T, E).scatter(1, ids, 1).sum(0)`
+  (Megatron's `tokens_per_expert`), are the counts of the flat ids, `zeros(E).scatter_add(0, ids.view(-1), ones)`;
+  a 1-D `gather(x, 0, i)` is the lookup `x[i]`;
 - an add of a where of two constants is the where of two adds (`s + where(c, 0, -inf)`, an additive mask, is
   `where(c, s + 0, s - inf)`);
 - `where(~m, a, b)` (or `logical_not`) is `where(m, b, a)`, and on integers `where(a >= b, x, y)` is
@@ -639,6 +643,18 @@ def _rotate_every_two(graph: fx.Graph, node: fx.Node) -> bool:
     return False
 
 
+def _gather_1d(node: fx.Node) -> bool:
+    """gather(x, 0, i) of a 1-D x is the lookup x[i] (`torch.gather(probs.view(-1), 0, order)` and
+    `probs.view(-1)[order]` are one form); exact."""
+    if node.target is not aten.gather.default or len(node.args) != 3 or node.kwargs.get("sparse_grad"):
+        return False
+    x, i = _val(node.args[0]), _val(node.args[2])
+    if not (isinstance(x, torch.Tensor) and isinstance(i, torch.Tensor) and x.dim() == 1 and i.dim() == 1):
+        return False
+    node.target, node.args, node.kwargs = aten.index.Tensor, (node.args[0], [node.args[2]]), {}
+    return True
+
+
 def _erase_unused(graph: fx.Graph, nodes) -> None:
     """Erase the pure call nodes among `nodes` left without users, and so on up their inputs."""
     stack = list(nodes)
@@ -658,7 +674,7 @@ def _local_forms(graph: fx.Graph) -> int:
             changed += 1
             continue
         changed += _scalar_overload(node) + _fused_arith(graph, node) + _gemm_plus_input(graph, node)
-        changed += _scatter_reduce_sum(node)
+        changed += _scatter_reduce_sum(node) + _gather_1d(node)
         changed += _piece_of_split(graph, node) + _implicit_promotion(graph, node)
         changed += _fill_defaults(node)
         if node.target is aten._unsafe_view.default:
@@ -975,12 +991,26 @@ def _select_as_strided_slice(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
-def _cast_after_strided_slice(graph: fx.Graph, node: fx.Node) -> bool:
+def _widening(cast: fx.Node) -> bool:
+    """cast converts a float to a wider float (every value held exactly: bf16 or fp16 to fp32)."""
+    a, b = _val(cast.args[0]), _val(cast)
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype.is_floating_point
+            and b.dtype.is_floating_point and torch.finfo(b.dtype).bits > torch.finfo(a.dtype).bits
+            and a.dtype in _NARROW_FLOATS)
+
+
+def _cast_after_slice(graph: fx.Graph, node: fx.Node) -> bool:
     """convert(x)[..., i::k] = convert(x[..., i::k]) for a stride k > 1: the cast moves below the strided slice
-    (`x.float()[..., 0::2]` and `x[..., 0::2].float()` are one form); exact."""
+    (`x.float()[..., 0::2]` and `x[..., 0::2].float()` are one form); so does a widening float cast that only slices
+    read (the halves of a value cast up, `torch.chunk(y.float(), 2, -1)`, are the casts of y's halves,
+    `y[..., :I].float()`), where the cast then goes. A run slice of a rounding cast (a norm's bf16 output, which a
+    pattern may end at) or of a cast that other ops read too stays. Exact: a cast is elementwise."""
     src = node.args[0]
     if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target is prims.convert_element_type.default
-            and len(node.args) == 5 and isinstance(node.args[4], int) and node.args[4] > 1):
+            and len(node.args) in (4, 5) and all(isinstance(a, int) for a in node.args[1:])):
+        return False
+    strided = len(node.args) == 5 and node.args[4] > 1
+    if not strided and not (_widening(src) and all(u.target is aten.slice.Tensor for u in src.users)):
         return False
     strided = _insert(graph, node, aten.slice.Tensor, (src.args[0], *node.args[1:]), source=node)
     cast = _insert(graph, node, src.target, (strided, *src.args[1:]), src.kwargs, source=node)
@@ -1555,6 +1585,63 @@ def _vector_on_the_left(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+def _distinct_rows(idx) -> bool:
+    """idx holds distinct values along its last dim: the indices of a top-k over the last dim of a 2-D value."""
+    if not (isinstance(idx, fx.Node) and idx.op == "call_function" and idx.target is operator.getitem
+            and idx.args[1] == 1):
+        return False
+    topk = idx.args[0]
+    return (isinstance(topk, fx.Node) and topk.op == "call_function" and topk.target is aten.topk.default
+            and _static(_val(topk.args[0])) and _val(topk.args[0]).dim() == 2 and len(topk.args) > 2
+            and topk.args[2] == 1)
+
+
+def _zeros(n) -> bool:
+    """n is a `full` of 0 (through casts: `zeros_like(logits).int()`)."""
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target is prims.convert_element_type.default:
+        n = n.args[0]
+    return (isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.full.default
+            and n.args[1] == 0)
+
+
+def _routing_map_counts(graph: fx.Graph, node: fx.Node) -> bool:
+    """The column sums of a routing map, `zeros(T, E).scatter(1, ids, 1).sum(0)` (Megatron's `tokens_per_expert =
+    routing_map.sum(dim=0)`, the map maybe cast to int or bool), are the counts of each expert among the flat ids,
+    `zeros(E).scatter_add(0, ids.view(-1), ones)`: exact where each row of ids [T, k] holds k distinct experts, as
+    the indices of a top-k over the experts do (a row then sets k different ones of its E entries). Integer counts
+    (int64) only: the sum of an integer or bool map."""
+    out = _val(node)
+    if not (node.target is aten.sum.dim_IntList and len(node.args) >= 2 and list(node.args[1]) == [0]
+            and (len(node.args) < 3 or node.args[2] is False) and not node.kwargs
+            and _static(out) and out.dtype is torch.int64):
+        return False
+    m = node.args[0]
+    while isinstance(m, fx.Node) and m.op == "call_function" and m.target is prims.convert_element_type.default \
+            and not _val(m).dtype.is_floating_point:
+        m = m.args[0]
+    if not (isinstance(m, fx.Node) and m.op == "call_function" and m.target is aten.scatter.value
+            and m.args[1] == 1 and isinstance(m.args[3], (int, bool)) and m.args[3] != 0
+            and not _val(m).dtype.is_floating_point and _zeros(m.args[0]) and _distinct_rows(m.args[2])):
+        return False
+    ids = m.args[2]
+    (t, k), e = _val(ids).shape, _val(m).shape[1]
+    flat = next((u for u in ids.users if u.target is aten.view.default and list(_val(u).shape) == [t * k]), None)
+    if flat is None:
+        flat = _insert(graph, node, aten.view.default, (ids, [t * k]), source=node)
+    elif position(flat) > position(node):
+        node.prepend(flat)  # the ids' one flat view (the sort's) moves up to the counts: its only input is ids
+        graph._dsv41_positions = None
+    kw = {"dtype": torch.int64, "layout": torch.strided, "device": _val(ids).device, "pin_memory": False}
+    zeros = _insert(graph, node, aten.full.default, ([e], 0), kw, source=node)
+    ones = _insert(graph, node, aten.full.default, ([t * k], 1), kw, source=node)
+    counts = _insert(graph, node, aten.scatter_add.default, (zeros, 0, flat, ones), source=node)
+    src = node.args[0]
+    node.replace_all_uses_with(counts)
+    graph.erase_node(node)
+    _erase_unused(graph, [src])
+    return True
+
+
 def _canonical_forms(graph: fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
@@ -1578,7 +1665,7 @@ def _canonical_forms(graph: fx.Graph) -> int:
         elif node.target is aten.select.int and _select_as_strided_slice(graph, node):
             changed += 1
             continue
-        elif node.target is aten.slice.Tensor and _cast_after_strided_slice(graph, node):
+        elif node.target is aten.slice.Tensor and _cast_after_slice(graph, node):
             changed += 1
             continue
         elif _sink_units(graph, node):
@@ -1588,6 +1675,9 @@ def _canonical_forms(graph: fx.Graph) -> int:
             changed += 1
             continue
         elif node.target is aten.add.Tensor and _add_of_constant_where(graph, node):
+            changed += 1
+            continue
+        elif node.target is aten.sum.dim_IntList and _routing_map_counts(graph, node):
             changed += 1
             continue
         elif node.target in _BROADCASTING:

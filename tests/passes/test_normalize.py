@@ -753,3 +753,73 @@ def test_gptj_rope_is_the_pairwise_rope():
         gm = normalized(other, *x)
         assert op_counts(gm)["aten.sub.Tensor"] == 0 and op_counts(gm)["aten.neg"] == 1, gm.code
         assert torch.equal(gm(*x), other(*x))
+
+
+def test_cast_moves_below_a_run_slice():
+    """The halves of a cast value, `torch.chunk(y.float(), 2, -1)`, are the casts of y's halves (a slice of a cast is
+    the cast of the slice, run or strided); bit for bit."""
+    def f(y):
+        a, b = torch.chunk(y.float(), 2, dim=-1)
+        return a * 2.0, b + 1.0, y.float()[1:, 2:6]
+
+    y = torch.randn(3, 8, generator=gen(0)).to(torch.bfloat16)
+    gm = normalized(f, y)
+    for n in gm.graph.nodes:
+        if n.target is aten.slice.Tensor:
+            assert n.args[0].op == "placeholder" or n.args[0].target is aten.slice.Tensor, n.format_node()
+    casts = [n for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default]
+    assert len(casts) == 3 and all(c.args[0].target is aten.slice.Tensor for c in casts)
+    for got, want in zip(gm(y), f(y), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_gather_of_a_1d_value_is_the_lookup():
+    """gather(x, 0, i) of a 1-D x is x[i]; a 2-D gather stays; bit for bit."""
+    def f(x, i, m, j):
+        return torch.gather(x, 0, i), torch.gather(m, 1, j)
+
+    g = gen(0)
+    x = (torch.randn(6, generator=g), torch.randint(0, 6, (9,), generator=g), torch.randn(3, 5, generator=g),
+         torch.randint(0, 5, (3, 2), generator=g))
+    gm = normalized(f, *x)
+    ops = op_counts(gm)
+    assert ops["aten.index.Tensor"] == 1 and ops["aten.gather"] == 1, ops
+    for got, want in zip(gm(*x), f(*x), strict=True):
+        assert torch.equal(got, want)
+
+
+def _map_counts(scores, cast):
+    """Megatron's tokens_per_expert: the column sums of a routing map scattered from the top-2 experts per row."""
+    top = torch.topk(scores, 2, dim=-1).indices
+    return cast(torch.zeros_like(scores).int().scatter(1, top, 1)).sum(dim=0), top.view(-1)
+
+
+@pytest.mark.parametrize("cast", [lambda m: m.bool(), lambda m: m, lambda m: m.long()], ids=["bool", "int32", "int64"])
+def test_routing_map_column_sums_are_the_expert_counts(cast):
+    """zeros(T, E).scatter(1, topk ids, 1).sum(0) is zeros(E).scatter_add(0, ids.view(-1), ones) (k distinct
+    experts per row), the map's scatter gone; reading the ids' flat view, the one a sort of the ids reads; equal to
+    eager on fresh scores."""
+    scores = torch.randn(5, 8, generator=gen(0))
+    gm = normalized(lambda s: _map_counts(s, cast), scores)
+    ops = op_counts(gm)
+    assert ops["aten.scatter_add"] == 1 and ops["aten.scatter.value"] == 0 and ops["aten.sum.dim_IntList"] == 0, ops
+    (add,) = [n for n in gm.graph.nodes if n.target is aten.scatter_add.default]
+    assert add.args[2].target is aten.view.default and len(add.args[2].users) == 2  # the one flat view of the ids
+    for seed in (1, 2):
+        s = torch.randn(5, 8, generator=gen(seed))
+        for got, want in zip(gm(s), _map_counts(s, cast), strict=True):
+            assert torch.equal(got, want)
+
+
+def test_column_sums_of_a_map_without_distinct_rows_stay():
+    """The counts rule needs k distinct ids per row (a top-k's indices): a map scattered from any ids (duplicates
+    set one entry once), a float map, or a row sum stay as written."""
+    def f(scores, ids):
+        top = torch.topk(scores, 2, dim=-1).indices
+        return (torch.zeros_like(scores).int().scatter(1, ids, 1).sum(0),
+                torch.zeros_like(scores).scatter(1, top, 1.0).sum(0),
+                torch.zeros_like(scores).int().scatter(1, top, 1).sum(1))
+
+    x = (torch.randn(5, 8, generator=gen(0)), torch.randint(0, 8, (5, 2), generator=gen(1)))
+    ops = op_counts(normalized(f, *x))
+    assert ops["aten.scatter.value"] == 3 and ops["aten.scatter_add"] == 0, ops
