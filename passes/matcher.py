@@ -1284,6 +1284,8 @@ def _without_units(ph: fx.Node, b: fx.Node, val) -> "Derived | None":
     where that leaves ph's rank: a `[B, S=1, hc, D]` graph input the pattern reads as `[T, hc, D]` (the views
     restate the shape, so the exact phase, re-traced at the derived shape, compares them)."""
     shape = [d for i, d in enumerate(val.shape) if i == 0 or d != 1]
+    if len(shape) == ph.meta["val"].dim() + 1 and shape[0] == 1:
+        shape = shape[1:]  # a sequence-first [S=1, B, hc, D] input read as [T, hc, D]
     if not all(isinstance(d, int) for d in shape) or len(shape) != ph.meta["val"].dim() or len(shape) == val.dim():
         return None
     return Derived(aten.reshape.default, (b, shape))

@@ -64,6 +64,12 @@
   slices, softmax, top-k, sort, gather, scatter, cat), so they run at `[B, ...]`; a bmm output's unit dims (an
   einsum at S = 1) count as such, and a permute whose input has unit dims right after its leading dim and whose
   users are views permutes the input without them (an einsum's layout chain at `[B, 1, G, D]` and at `[T, G, D]`).
+  In a sequence-first graph (`_seq_first_batches`: a linear layer on `[1, B, K]` activations, viewed to `[B, K]`
+  for the mm and back to `[1, B, N]`) the leading S = 1 of a `[1, B, ...]` graph input, GEMM output or value viewed
+  so counts as such a dim too (Megatron's `[S, B, ...]` layout); elsewhere a leading 1 is the token dim;
+- repeats: a cat of copies of one value with size 1 along the cat dim is its `clone(expand(...))` (Megatron's
+  `stack((f.view(-1, 1), f.view(-1, 1)), -1)`, as `repeat_interleave` traces), and cos, sin or neg of a repeat is
+  the repeat of cos, sin or neg (the GPT-J rule then reads cos of repeated angles as a repeated cos).
 
 Shapes come from `meta["val"]`; a node without it is left alone.
 """
@@ -561,8 +567,8 @@ def _scatter_reduce_sum(node: fx.Node) -> bool:
 
 def _pair_repeat(v):
     """c' when v is c' repeated twice along its last dim and viewed, as `c.repeat_interleave(2, -1)` traces
-    (`clone(expand(c[..., None], [..., n, 2]))` then views): c' = c viewed to v's shape with the last dim n; else
-    None."""
+    (`clone(expand(c[..., None], [..., n, 2]))` then views; also Megatron's `stack((f.view(-1, 1), f.view(-1, 1)),
+    -1).view(S, rd)`, `_copies_as_repeat`): c' = c viewed to v's shape with the last dim halved; else None."""
     root, _ = _layout_root(v) if v.op == "call_function" and v.target in _LAYOUT_OPS else (v, [])
     if not (isinstance(root, fx.Node) and root.op == "call_function" and root.target is aten.clone.default):
         return None
@@ -571,10 +577,67 @@ def _pair_repeat(v):
         return None
     src, vv = _val(ex.args[0]), _val(v)
     if not (_static(src) and _static(vv) and src.dim() >= 2 and src.shape[-1] == 1 and src.is_contiguous()
-            and list(_val(ex).shape) == [*src.shape[:-1], 2] and vv.shape[-1] == 2 * src.shape[-2]
+            and list(_val(ex).shape) == [*src.shape[:-1], 2] and vv.shape[-1] % 2 == 0
             and vv.numel() == 2 * src.numel()):
         return None
-    return ex.args[0], [*vv.shape[:-1], src.shape[-2]]
+    return ex.args[0], [*vv.shape[:-1], vv.shape[-1] // 2]  # each element twice: pairs stay in rows of even length
+
+
+def _same_copy(a, b) -> bool:
+    """a and b are one value: one node, or two chains of views (no permute) of one node to one shape."""
+    if a is b:
+        return True
+    if not all(isinstance(n, fx.Node) and n.op == "call_function" and n.target in _LAYOUT_OPS for n in (a, b)):
+        return False
+    (ra, ca), (rb, cb) = _layout_root(a), _layout_root(b)
+    return (ra is rb and list(_val(a).shape) == list(_val(b).shape)
+            and not any(n.target is aten.permute.default for n in (*ca, *cb)))
+
+
+def _copies_as_repeat(graph: fx.Graph, node: fx.Node) -> bool:
+    """cat([u, u, ...], d) of copies of one value u with size 1 at d is u expanded along d and materialised,
+    `clone(expand(u, ...))`, as `repeat_interleave` traces (Megatron's interleaved rotary angles,
+    `torch.stack((f.view(-1, 1), f.view(-1, 1)), dim=-1)`); exact."""
+    if node.target is not aten.cat.default or len(node.args) < 2 or len(node.args[0]) < 2 or node.kwargs:
+        return False
+    xs, out = node.args[0], _val(node)
+    u, d = xs[0], node.args[1]
+    if not (_static(out) and isinstance(u, fx.Node) and _static(_val(u)) and isinstance(d, int)
+            and -out.dim() <= d < out.dim() and _val(u).shape[d] == 1 and all(_same_copy(u, x) for x in xs[1:])):
+        return False
+    expanded = _insert(graph, node, aten.expand.default, (u, list(out.shape)), source=node)
+    copy = _insert(graph, node, aten.clone.default, (expanded,), source=node)
+    node.replace_all_uses_with(copy)
+    graph.erase_node(node)
+    _erase_unused(graph, xs[1:])
+    return True
+
+
+_ABOVE_REPEAT = (aten.cos.default, aten.sin.default, aten.neg.default)
+
+
+def _pointwise_above_repeat(graph: fx.Graph, node: fx.Node) -> bool:
+    """op(views of clone(expand(u))) = views of clone(expand(op(u))) for a unary elementwise op (cos, sin, neg):
+    the op of repeated values is the repetition of its values (`torch.cos(emb)` of rotary angles repeated per pair
+    is the pair repeat of cos, which the GPT-J rule reads); exact."""
+    if node.target not in _ABOVE_REPEAT or len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
+        return False
+    v = node.args[0]
+    root, chain = _layout_root(v) if v.op == "call_function" and v.target in _LAYOUT_OPS else (v, [])
+    if not (isinstance(root, fx.Node) and root.op == "call_function" and root.target is aten.clone.default
+            and not root.kwargs and isinstance(root.args[0], fx.Node) and root.args[0].target is aten.expand.default):
+        return False
+    ex = root.args[0]
+    if any(isinstance(c, fx.Node) and c.target is aten.permute.default for c in chain) or not _static(_val(v)):
+        return False
+    low = _insert(graph, node, node.target, (ex.args[0],), source=node)
+    expanded = _insert(graph, node, aten.expand.default, (low, list(_val(ex).shape)), source=node)
+    copy = _insert(graph, node, aten.clone.default, (expanded,), source=node)
+    out = _insert(graph, node, aten.view.default, (copy, list(_val(node).shape)), source=node)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    _erase_unused(graph, [v])
+    return True
 
 
 def _rotate_pieces(r):
@@ -670,7 +733,7 @@ def _local_forms(graph: fx.Graph) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        if _rotate_every_two(graph, node):
+        if _rotate_every_two(graph, node) or _copies_as_repeat(graph, node) or _pointwise_above_repeat(graph, node):
             changed += 1
             continue
         changed += _scalar_overload(node) + _fused_arith(graph, node) + _gemm_plus_input(graph, node)
@@ -701,6 +764,7 @@ def _local_forms(graph: fx.Graph) -> int:
 def normalize_graph(graph: fx.Graph) -> int:
     """Rewrite `graph` in place (to a fixed point); returns the number of nodes changed."""
     total = 0
+    setattr(graph, _SEQ_FIRST, _seq_first_batches(graph))
     for _ in range(4):
         changed = _local_forms(graph) + _canonical_forms(graph)
         total += changed
@@ -1069,9 +1133,37 @@ def _where_not(graph: fx.Graph, node: fx.Node) -> bool:
 _REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
 
 
-def _units(shape) -> list[int]:
-    """The non-leading size-1 dims of shape (the leading dim is the token or batch dim, which patterns keep)."""
-    return [i for i, d in enumerate(shape) if i > 0 and d == 1]
+def _units(shape, lead: bool = False) -> list[int]:
+    """The non-leading size-1 dims of shape (the leading dim is the token or batch dim, which patterns keep), and
+    with `lead` the leading dim first (a sequence-first [S=1, B, ...] value, `_lead`)."""
+    return [i for i, d in enumerate(shape) if (i > 0 or lead) and d == 1]
+
+
+_SEQ_FIRST = "_dsv41_seq_first"  # graph attribute: the batch sizes of its sequence-first [1, B, ...] linear layers
+
+
+def _seq_first_batches(graph: fx.Graph) -> frozenset:
+    """The sizes B > 1 at which the graph runs a linear layer on sequence-first activations: an mm whose input is a
+    view of a [1, B, K] value to [B, K] and whose output is viewed to [1, B, N] (`F.linear` of Megatron's
+    [S=1, B, ...] activations traces so). Only such evidence tells a leading unit dim from the token dim: [1, hc, D]
+    at T = 1 is batch-first with one token."""
+    batches = set()
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target is not aten.mm.default:
+            continue
+        a, out = n.args[0], _val(n)
+        if not (isinstance(a, fx.Node) and a.op == "call_function" and a.target is aten.view.default and _static(out)):
+            continue
+        b, src = out.shape[0], _val(a.args[0])
+        if b > 1 and _static(src) and list(src.shape) == [1, b, _val(a).shape[1]] and any(
+                u.target is aten.view.default and list(_val(u).shape) == [1, b, out.shape[1]] for u in n.users):
+            batches.add(b)
+    return frozenset(batches)
+
+
+def _lead(shape, graph: fx.Graph) -> bool:
+    """shape is [1, B, ...] with B a batch size of the graph's sequence-first layout (`_seq_first_batches`)."""
+    return len(shape) >= 2 and shape[0] == 1 and shape[1] in getattr(graph, _SEQ_FIRST, ())
 
 
 _GEMMS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
@@ -1083,24 +1175,29 @@ def _added_units(n) -> int:
     graph input or of a GEMM output (or of a permute of one), all of them (`_squeezed` views the input at the lower
     rank directly: a decode GEMM's M = 1 is such a dim); a view of a value `_sink_units` lowered, those its input
     lacks. A view inside a computation (a [M, 1, 32] block view
-    when one block fits) adds none: its unit dim is the computation's, which a pattern traces as it is."""
+    when one block fits) adds none: its unit dim is the computation's, which a pattern traces as it is. In a
+    sequence-first graph (`_lead`) the leading S = 1 of a [1, B, ...] value counts too."""
     v = _val(n)
     if not _static(v):
         return 0
+    units = _units(v.shape, _lead(v.shape, n.graph))
     if n.op == "placeholder" or n.op == "call_function" and n.target is aten.bmm.default:
-        return len(_units(v.shape))  # a graph input; a batched GEMM whose M or N is 1 (an einsum's [B, S=1, ...])
+        return len(units)  # a graph input; a batched GEMM whose M or N is 1 (an einsum's [B, S=1, ...])
     if n.op != "call_function" or n.target is not aten.view.default or not _static(_val(n.args[0])):
         return 0
     src = n.args[0]
     if src.op == "placeholder":
-        return len(_units(v.shape))
+        return len(units)
     root = src
     while root.op == "call_function" and root.target is aten.permute.default:
         root = root.args[0]
     if root.op == "call_function" and root.target in _GEMMS:
-        return len(_units(v.shape))
+        return len(units)
     if root.op == "call_function" and root.meta.get(_SUNK):
-        return max(0, len(_units(v.shape)) - len(_units(_val(src).shape)))
+        below = _val(src).shape
+        return max(0, len(units) - len(_units(below, _lead(below, n.graph))))
+    if _lead(v.shape, n.graph) and list(v.shape[1:]) == list(_val(src).shape):
+        return 1  # a [B, ...] value viewed sequence-first, [1, B, ...] (the MoE output `.view(s, b, d)`)
     return 0
 
 
@@ -1154,7 +1251,7 @@ def _sink_units(graph: fx.Graph, node: fx.Node) -> bool:
             return False
         ranked = [i for i in operands if _val(node.args[i]).dim() == out.dim()]
         added = max((_added_units(node.args[i]) for i in ranked), default=0)
-        drop = set(_units(out.shape)[:added])
+        drop = set(_units(out.shape, _lead(out.shape, graph))[:added])
         if not drop:
             return False
         args = list(node.args)
@@ -1165,7 +1262,7 @@ def _sink_units(graph: fx.Graph, node: fx.Node) -> bool:
                 args[i] = _squeezed(graph, node, args[i], mine)
     elif _is_lookup(node):  # table[idx]: pointwise in idx
         idx = node.args[1][0]
-        drop = set(_units(out.shape)[:_added_units(idx)])
+        drop = set(_units(out.shape, _lead(out.shape, graph))[:_added_units(idx)])
         if not drop:
             return False
         args = [node.args[0], [_squeezed(graph, node, idx, drop)]]
@@ -1180,7 +1277,8 @@ def _sink_units(graph: fx.Graph, node: fx.Node) -> bool:
         dims = list(dim) if isinstance(dim, (list, tuple)) else [] if dim_at is None else [dim]
         if any(not isinstance(d, int) for d in dims):
             return False
-        drop = sorted(s for s in _units(_val(xs[0]).shape) if s not in dims)
+        shape0 = _val(xs[0]).shape
+        drop = sorted(s for s in _units(shape0, _lead(shape0, graph)) if s not in dims)
         drop = set(drop[:max(_added_units(x) for x in xs)])
         if t is aten.expand.default:
             drop = {s for s in drop if node.args[1][s] == 1}

@@ -823,3 +823,67 @@ def test_column_sums_of_a_map_without_distinct_rows_stay():
     x = (torch.randn(5, 8, generator=gen(0)), torch.randint(0, 8, (5, 2), generator=gen(1)))
     ops = op_counts(normalized(f, *x))
     assert ops["aten.scatter.value"] == 3 and ops["aten.scatter_add"] == 0, ops
+
+
+def test_megatron_interleaved_rope_is_the_pairwise_rope():
+    """Megatron's interleaved rotary: each angle repeated by `stack((f.view(-1, 1), f.view(-1, 1)), -1)` (a cat of
+    copies, the pair repeat), cos and sin taken of the repeated angles (the pair repeats of cos and sin), the rotate
+    by stride-2 slices and `stack((-x2, x1), -1).view(...)`: the spec's pairwise form on cos(f), sin(f), the same ops
+    as the model's `rope`, bit for bit; a cat of two different values stays."""
+    from dsv41.models.functional import rope
+
+    def pairwise(x, f):
+        return rope(x, f.cos()[:, None], f.sin()[:, None])
+
+    def megatron(x, f):
+        emb = torch.stack((f.view(-1, 1), f.view(-1, 1)), dim=-1).view(f.shape[0], -1)[:, None]
+        xf = x.float()
+        x_new = torch.stack((-xf[..., 1::2], xf[..., ::2]), dim=-1)
+        rotated = x_new.view(*x_new.shape[:-2], -1)
+        return (xf * torch.cos(emb) + rotated * torch.sin(emb)).to(x.dtype)
+
+    def two_values(f, g):
+        return torch.stack((f.view(-1, 1), g.view(-1, 1)), dim=-1).view(f.shape[0], -1).cos()
+
+    gen0 = gen(0)
+    x = (torch.randn(3, 4, 16, generator=gen0).bfloat16(), torch.rand(3, 8, generator=gen0) * 6.3)
+    want, got = normalized(pairwise, *x), normalized(megatron, *x)
+    counts, views = op_counts(got), "aten.view"
+    assert counts - Counter({views: counts[views]}) == op_counts(want) - Counter({views: op_counts(want)[views]})
+    assert counts["aten.sub.Tensor"] == 1 and counts["aten.mul.Tensor"] == 4, got.code  # (cos of f's flat view)
+    assert counts["aten.expand"] == counts["aten.clone"] == counts["aten.neg"] == 0 and counts["aten.cat"] == 1
+    assert torch.equal(got(*x), megatron(*x)) and torch.equal(got(*x), pairwise(*x))
+    fg = (torch.randn(3, 8, generator=gen0), torch.randn(3, 8, generator=gen0))
+    gm = normalized(two_values, *fg)
+    assert op_counts(gm)["aten.cat"] == 1 and op_counts(gm)["aten.expand"] == 0, gm.code
+    assert torch.equal(gm(*fg), two_values(*fg))
+
+
+def _seq_first(x, w, pre):
+    """A linear layer on sequence-first activations x [1, B, K], then fp32 pointwise ops and a reduction there."""
+    y = F.linear(x, w).float()
+    s = torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return (y * s * pre.unsqueeze(-1)).sum(-1)
+
+
+def test_sequence_first_unit_dim_sinks_where_a_linear_runs_at_it():
+    """In a graph that runs a linear layer on [1, B, K] activations (view to [B, K], mm, view to [1, B, N]), the
+    leading S = 1 of its [1, B, ...] inputs and GEMM outputs sinks below the ops, which run at [B, ...] (one view
+    restores the output's shape); without that evidence a leading unit dim is the token dim and stays (one token's
+    [1, hc, D]); bit for bit."""
+    g = gen(0)
+    x = (torch.randn(1, 3, 16, generator=g).bfloat16(), torch.randn(8, 16, generator=g).bfloat16(),
+         torch.randn(1, 3, generator=g))
+    gm = normalized(_seq_first, *x)
+    computed = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not aten.view.default]
+    assert all(n.meta["val"].shape[0] != 1 for n in computed), gm.code  # mm, pow, mean, rsqrt, mul, sum at [3, ...]
+    assert torch.equal(gm(*x), _seq_first(*x))
+
+    def one_token(x, pre):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * pre.unsqueeze(-1)).sum(1)
+
+    t1 = (torch.randn(1, 4, 16, generator=g).bfloat16(), torch.randn(1, 4, generator=g))
+    gm = normalized(one_token, *t1)
+    assert all(n.meta["val"].shape[0] == 1 for n in gm.graph.nodes if n.op == "call_function"), gm.code
+    assert torch.equal(gm(*t1), one_token(*t1))
