@@ -38,7 +38,7 @@ Sites (each a fusion when the backend finds it): mhc_coeffs x2, qkv_norm, indexe
 moe_route, moe_metadata, moe_experts, moe_finalize.
 
 Measured when the block was written (fx mode, CPU, 3 requests): 3 of the 11 sites fused (indexer_topk, moe_route,
-moe_finalize). The misses, and the general fixes that made three of them fuse:
+moe_finalize). The misses, and the general fixes that made them fuse:
 - moe_experts: the swiglu's `torch.chunk(fc1.float(), 2, -1)` halves a value cast up, where the patterns cast the
   halves (near miss "expected convert_element_type, found slice"); now a widening cast that only slices read moves
   below them (`normalize._cast_after_slice`). Then GroupedMLP's flat weights viewed `[E, D, 2I]` stopped it
@@ -48,17 +48,21 @@ moe_finalize). The misses, and the general fixes that made three of them fuse:
   of a map scattered from top-k ids (distinct per row) are now the counts of the flat ids
   (`normalize._routing_map_counts`); then the probs by `torch.gather` on the flat probs, a 1-D gather, which is
   now the lookup `x[i]` (`normalize._gather_1d`).
-After: 5 of the 11 fused (test_megatron_style.py asserts them and the records below), outputs equal to eager.
-Not fused, each with its near-miss record (`NOT_FUSED`):
-- mhc_coeffs x2, mhc_post_pre x2: the sequence-first layout. The graph inputs x [1, B, hc, D] and pre_mix
-  [1, B, hc] put the unit dim first; the normalisation sinks only non-leading unit dims (it takes the leading dim
-  for the token dim), so these regions run at [1, B, ...] and `F.linear`'s view to [B, hc * D] stands between the
-  fp32 cast and the GEMM ("expected convert_element_type, found view"). A leading unit dim cannot be told from the
-  token dim by shape alone ([1, hc, D] at T = 1 is batch-first with one token), so a rule needs the graph's evidence
-  (a view of a GEMM output [B, N] to [1, B, N]); not done.
-- qkv_norm, wo_a: the same layout (q, kv and the attention output at [1, B, ...]), and the RoPE: Megatron's
-  interleaved rotary repeats each angle by `stack((f.view(-1, 1), f.view(-1, 1)), -1)` and takes cos/sin of the
-  repeated angles, which the GPT-J rule (`repeat_interleave` of cos) does not read ("expected view, found add").
+- mhc_coeffs x2, mhc_post_pre x2, and qkv_norm and wo_a in part: the sequence-first layout. The graph inputs x
+  [1, B, hc, D] and pre_mix [1, B, hc] put the unit dim first, and the normalisation sank only non-leading unit dims
+  (it takes the leading dim for the token dim), so these regions ran at [1, B, ...] and `F.linear`'s view to
+  [B, hc * D] stood between the fp32 cast and the GEMM ("expected convert_element_type, found view"). A leading
+  unit dim cannot be told from the token dim by shape ([1, hc, D] at T = 1 is batch-first with one token); now,
+  where the graph runs a linear layer on [1, B, K] activations (a view to [B, K], the mm, a view back to
+  [1, B, N]: `normalize._seq_first_batches`), the leading unit of its [1, B, ...] inputs, GEMM outputs and
+  values viewed so sinks as the others do, and the matcher binds such an input without it.
+- qkv_norm, wo_a: Megatron's interleaved rotary repeats each angle by `stack((f.view(-1, 1), f.view(-1, 1)), -1)`
+  and takes cos/sin of the repeated angles, which the GPT-J rule (a `repeat_interleave` of cos) did not read
+  ("expected view, found add"). Now a cat of copies of one value is its repeat (`_copies_as_repeat`), cos, sin and
+  neg of a repeat are the repeat of cos, sin and neg (`_pointwise_above_repeat`), and the pair repeat may be viewed
+  into rows of any even length.
+After: all 11 fused, qkv_norm with the window KV's FP8 step (`q_kv_norm_rope_fp8`), outputs equal to eager
+(test_megatron_style.py).
 """
 
 from __future__ import annotations
@@ -70,12 +74,8 @@ from torch import nn
 from .params import param_factory
 
 EPS, HC_EPS, SINKHORN_ITERS, ROUTE_SCALE, SWIGLU_LIMIT, WINDOW, FP8_BLOCK = 1e-20, 1e-6, 20, 1.5, 10.0, 8, 32
-T_SITES = {"indexer_topk": 1, "moe_route": 1, "moe_metadata": 1, "moe_experts": 1, "moe_finalize": 1}
-# the sites not fused: fusion -> (the formulation of its record, the pattern's op, the graph's op there)
-NOT_FUSED = {"mhc_coeffs": ("hc_mixes", "prims::convert_element_type", "aten::view"),
-             "mhc_post_pre": ("post_pre_einsum", "prims::convert_element_type", "aten::view"),
-             "qkv_norm": ("q_kv_norm_rope_split", "aten::view", "aten::add.Tensor"),
-             "wo_a": ("wo_a_bmm_negated_angle", "aten::view", "aten::add.Tensor")}
+T_SITES = {"mhc_coeffs": 2, "qkv_norm": 1, "indexer_topk": 1, "wo_a": 1, "mhc_post_pre": 2, "moe_route": 1,
+           "moe_metadata": 1, "moe_experts": 1, "moe_finalize": 1}
 
 
 def fp8_blockwise_qdq(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
