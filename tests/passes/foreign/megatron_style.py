@@ -63,6 +63,10 @@ moe_finalize). The misses, and the general fixes that made them fuse:
   into rows of any even length.
 After: all 11 fused, qkv_norm with the window KV's FP8 step (`q_kv_norm_rope_fp8`), outputs equal to eager
 (test_megatron_style.py).
+`MaskedSelectDispatchBlock` keeps Megatron-Core's own `permute` by `masked_select` (data-dependent sizes): Dynamo
+breaks the graph there; the router's note names the break, no graph has the metadata's sort, the experts and the
+combine fuse after it, and the last graph (FFN post, collapse, final norm), which runs no linear layer, shows no
+evidence of the sequence-first layout, so its mhc_post_pre site stays a near miss.
 """
 
 from __future__ import annotations
@@ -275,16 +279,18 @@ class MegatronStyleBlock(nn.Module):
         output, _ = self.linear_proj(z.transpose(0, 1).reshape(s, b, -1))
         return output, idx
 
+    def permute(self, probs, routing_map, top_indices):
+        """Megatron-Core's `permute(tokens, indices)`: (the token of each expert-sorted row, its prob)."""
+        sorted_indices = torch.argsort(top_indices.view(-1), stable=True)
+        return sorted_indices // self.topk, torch.gather(probs.view(-1), 0, sorted_indices)
+
     def mlp(self, hidden_states):
         s, b, d = hidden_states.shape
         hidden = hidden_states.view(-1, d)
         num_tokens, k, e = hidden.shape[0], self.topk, self.num_experts
         probs, routing_map, top_indices = self.router(hidden)
-        # token permutation (Megatron-Core's `permute(tokens, indices)`), counts from the routing map
         tokens_per_expert = routing_map.sum(dim=0)
-        sorted_indices = torch.argsort(top_indices.view(-1), stable=True)
-        token_ids = sorted_indices // k
-        permuted_probs = torch.gather(probs.view(-1), 0, sorted_indices)
+        token_ids, permuted_probs = self.permute(probs, routing_map, top_indices)
         permuted_input = fp8_blockwise_qdq(hidden).index_select(0, token_ids)
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)
         # GroupedMLP
@@ -308,3 +314,16 @@ class MegatronStyleBlock(nn.Module):
         h = self.pre_mlp_layernorm(self.hc_ffn.collapse(x, pre_a))
         x = self.hc_ffn.post(self.mlp(h), x, post_f, comb_f)
         return self.final_layernorm(self.hc_ffn.collapse(x, pre_f)), x, idx
+
+
+class MaskedSelectDispatchBlock(MegatronStyleBlock):
+    """The block with Megatron-Core's `permute(tokens, routing_map)` as it is written: the rows by
+    `token_indices.masked_select(routing_map.T)` and the probs of the dense [T, E] map by `masked_select` (data-
+    dependent sizes, so Dynamo breaks the graph there)."""
+
+    def permute(self, probs, routing_map, top_indices):
+        num_tokens, num_experts = routing_map.shape
+        routing_map = routing_map.T.contiguous()
+        token_indices = torch.arange(num_tokens).unsqueeze(0).expand(num_experts, -1)
+        routing_probs = torch.zeros(num_tokens, num_experts).scatter(1, top_indices, probs)
+        return token_indices.masked_select(routing_map), routing_probs.T.contiguous().masked_select(routing_map)

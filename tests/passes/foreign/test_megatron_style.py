@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ..harness import gen, rand
+from dsv41.backend import make_backend
+
+from ..harness import config, gen, rand
 from .blocks import assert_outputs_agree, compile_and_run, fused_sites
-from .megatron_style import T_SITES, MegatronStyleBlock
+from .megatron_style import T_SITES, MaskedSelectDispatchBlock, MegatronStyleBlock
 
 B, N = 3, 24
 
@@ -47,3 +49,26 @@ def test_fp8_steps_are_inside_the_ops(compiled):
 
 def test_agrees_with_eager(compiled):
     assert_outputs_agree(compiled[1])
+
+
+def test_masked_select_dispatch_breaks_the_graph_and_says_so():
+    """Megatron-Core's own `permute` by `masked_select` has data-dependent sizes: Dynamo breaks the graph there, the
+    router (fused) ends at the break and its note names it, no graph has the routing metadata's sort (moe_metadata
+    has no candidate), the experts and the combine fuse in the graph after the break; outputs equal to eager."""
+    torch._dynamo.reset()
+    block, backend = MaskedSelectDispatchBlock(), make_backend(config())
+    fn = torch.compile(block, backend=backend)
+    with torch.no_grad():
+        assert_outputs_agree([(fn(*x), block(*x)) for x in (inputs(seed, block) for seed in (1, 2))])
+    torch._dynamo.reset()
+    assert all(r.fallback is None and r.matches["moe_metadata"] == 0 for r in backend.reports)
+    (route,) = [r for r in backend.reports if r.matches["moe_route"]]
+    assert "Dynamic shape operator (aten.masked_select.default)" in route.notes["moe_route"], route.notes
+    assert sum(r.matches["moe_experts"] for r in backend.reports) == sum(
+        r.matches["moe_finalize"] for r in backend.reports) == 1
+    # the last graph (the FFN post, collapse and final norm) runs no linear layer, so nothing there shows its
+    # [1, B, ...] values to be sequence-first: the leading unit dim stays and the site is a near miss at F.linear's
+    # absence, the view where the pattern casts
+    last = {p.name: p for p in backend.reports[-1].passes}["mhc_post_pre"]
+    assert last.matches == 0 and [(f.expected, f.found) for f in last.attempts] == [
+        ("prims::convert_element_type", "aten::view")], last.attempts
