@@ -1196,8 +1196,9 @@ def _added_units(n) -> int:
     if root.op == "call_function" and root.meta.get(_SUNK):
         below = _val(src).shape
         return max(0, len(units) - len(_units(below, _lead(below, n.graph))))
-    if _lead(v.shape, n.graph) and list(v.shape[1:]) == list(_val(src).shape):
-        return 1  # a [B, ...] value viewed sequence-first, [1, B, ...] (the MoE output `.view(s, b, d)`)
+    if _lead(v.shape, n.graph) and _val(src).dim() >= 1 and _val(src).shape[0] == v.shape[1]:
+        return 1  # a [B, ...] value viewed sequence-first, [1, B, ...] (the MoE output `.view(s, b, d)`, the comb
+        # logits `m.view(1, b, hc, hc)`)
     return 0
 
 
