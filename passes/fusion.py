@@ -372,10 +372,16 @@ class FusionPass(GraphPass):
         position = {n: i for i, n in enumerate(graph.nodes)}
         last_input = max(leaves(rep.args), key=position.__getitem__)
         anchor = m.outputs[0]
-        derived = []
+        derived, region = [], set(m.nodes)
 
         def emit(d: Derived) -> fx.Node:
-            node = graph.call_function(d.op, tuple(emit(a) if isinstance(a, Derived) else a for a in d.args))
+            args, kwargs = tuple(emit(a) if isinstance(a, Derived) else a for a in d.args), dict(d.kwargs)
+            first = next((a for a in args if isinstance(a, fx.Node)), None)
+            for u in first.users if first is not None else ():
+                if u.target == d.op and u.args == args and u.kwargs == kwargs and u not in region \
+                        and position.get(u, len(position)) <= position[last_input]:
+                    return u  # the graph computes it already, outside the region (`order // k`): that node
+            node = graph.call_function(d.op, args, kwargs)
             node.meta["val"] = fake_value(d)
             derived.append(node)
             return node

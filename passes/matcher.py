@@ -26,9 +26,11 @@ through a graph view of another shape binds that view's source; the op then take
 shape (`_layout_derived`), and a narrower float input that the pattern only promotes in pointwise ops takes it
 cast to the declared dtype (`_promoted`, exact: the ops promote it so). An input the pattern reads only through
 views binds a graph value of higher rank without its non-leading size-1 dims (a `[B, 1, hc, D]` input read as
-`[T, hc, D]`), and a pattern view of a bound input matches a graph view of that input's view root (`view(ids, [M])`
-and `view(ids, [M, 1])` of one `[T, k]` ids: `_views_of_one_root`; the other outputs are also searched from the
-root). A pattern output that the graph views with more size-1 dims is viewed back after the op.
+`[T, hc, D]`), a weight the pattern transposes binds a graph input stored in that layout, or a view of one (a
+flat parameter viewed `[E, D, 2I]`; the op takes it back through views, in place: `_input_in_inverse_layout`), and a
+pattern view of a bound input matches a graph view of that input's view root (`view(ids, [M])` and `view(ids,
+[M, 1])` of one `[T, k]` ids: `_views_of_one_root`; the other outputs are also searched from the root). A
+pattern output that the graph views with more size-1 dims is viewed back after the op.
 
 A pattern value read twice may be two graph nodes that repeat one op on the same operands (`_repeats`: a scale
 viewed once for the quotient and again for the product); both lie in the region.
@@ -225,6 +227,11 @@ def _is_input(n) -> bool:
     return isinstance(n, fx.Node) and n.op in ("placeholder", "get_attr")
 
 
+def _view_of_input(n) -> bool:
+    """n is a view of a graph input (a weight stored flat and viewed where it is used)."""
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.view.default and _is_input(n.args[0])
+
+
 class _Matcher:
     def __init__(self, pattern_gm: fx.GraphModule, exact: bool, islands: bool = True, traces=None, optional: int = 0,
                  closure_cache: dict | None = None):
@@ -399,8 +406,10 @@ class _Matcher:
         wo_a, `_grouped_mm(x, W13)` for `w13.transpose(1, 2)`). Then the pointwise ops below the chain match t's,
         the input binds the graph value at their bottom, and the op takes that value through the inverse chain
         (`_InverseLayout`: permutes back, then reshapes merging the split dims), so the pattern's chain of it is t
-        again: exact."""
-        if p.target not in _LAYOUT_STEPS or not isinstance(t, fx.Node) or t.target in _LAYOUT_STEPS:
+        again: exact. t may also be a view of a graph input where p's outer step is another op (Megatron's flat
+        GroupedMLP weight viewed `[E, D, 2I]` for `w13.transpose(1, 2)`): then that view is the weight as stored."""
+        if p.target not in _LAYOUT_STEPS or not isinstance(t, fx.Node) \
+                or t.target in _LAYOUT_STEPS and (t.target is p.target or not _view_of_input(t)):
             return False
         pv, tv = p.meta.get("val"), t.meta.get("val")
         if not isinstance(tv, torch.Tensor) or tv.dim() != pv.dim() or (self.exact and list(tv.shape) != list(pv.shape)):
@@ -416,7 +425,8 @@ class _Matcher:
         if below.op != "placeholder" or len(below.users) != 1:
             return False
         g = _below_chain(t, chain)
-        if not _is_input(g) or st.p2t.get(below, g) is not g or (g in st.t2p and st.t2p[g] is not below):
+        if not (_is_input(g) or _view_of_input(g)) or st.p2t.get(below, g) is not g \
+                or (g in st.t2p and st.t2p[g] is not below):
             return False  # (a graph input: the weight as stored; a computed value in that layout matches op for op)
         inverse, shape = [], list(tv.shape)
         for step in steps:
@@ -1287,6 +1297,8 @@ def _without_units(ph: fx.Node, b: fx.Node, val) -> "Derived | None":
     where that leaves ph's rank: a `[B, S=1, hc, D]` graph input the pattern reads as `[T, hc, D]` (the views
     restate the shape, so the exact phase, re-traced at the derived shape, compares them)."""
     shape = [d for i, d in enumerate(val.shape) if i == 0 or d != 1]
+    if len(shape) == ph.meta["val"].dim() + 1 and shape[0] == 1:
+        shape = shape[1:]  # a sequence-first [S=1, B, hc, D] input read as [T, hc, D]
     if not all(isinstance(d, int) for d in shape) or len(shape) != ph.meta["val"].dim() or len(shape) == val.dim():
         return None
     return Derived(aten.reshape.default, (b, shape))
@@ -1294,12 +1306,13 @@ def _without_units(ph: fx.Node, b: fx.Node, val) -> "Derived | None":
 
 @dataclass(frozen=True)
 class Derived:
-    """A value the replacement computes from matched values just before the op: `op(*args)` (the cat that joins
-    two GEMM outputs into the op's one input, an input reshaped to the op's declared shape); args may hold Nodes
-    and other Derived values. `meta["val"]` is its fake value, as for a node."""
+    """A value the replacement computes from matched values just before the op: `op(*args, **dict(kwargs))` (the cat
+    that joins two GEMM outputs into the op's one input, an input reshaped to the op's declared shape); args may
+    hold Nodes and other Derived values. `meta["val"]` is its fake value, as for a node."""
 
     op: torch._ops.OpOverload
     args: tuple
+    kwargs: tuple = ()  # (name, value) pairs
 
     @property
     def meta(self) -> dict:
@@ -1325,7 +1338,7 @@ def leaves(args) -> list[fx.Node]:
 def evaluate(args, leaf):
     """args with every Node replaced by leaf(node) and every Derived by its op applied to its evaluated args."""
     if isinstance(args, Derived):
-        return args.op(*evaluate(args.args, leaf))
+        return args.op(*evaluate(args.args, leaf), **dict(args.kwargs))
     if isinstance(args, tuple):
         return tuple(evaluate(a, leaf) for a in args)
     if isinstance(args, list):

@@ -6,18 +6,35 @@
 Under TP an all-reduce sits between the combine and the shared add: then only the combine is replaced
 (`shared` None, fp32 out) and `allreduce_mhc` takes the rest. Formulations: index_add (the model's) or
 scatter_add over an expanded index; the rows as given (weighted before w2) or times their routing weight in fp32
-after w2 (vLLM's order: `weights` of the op).
+after w2 (vLLM's order: `weights` of the op); and MaxText's unpermute, the expert-sorted rows put back in (token,
+slot) order by the inverse of the sort's permutation (`argsort(order)`), viewed [T, k, D] and summed with the
+[T, k] routing weights by `einsum('tkd,tk->td')` (the op then takes token = order // k and the weights gathered by
+order; the same products, summed in the op's row order rather than the slot order: fp32 reordering). That one
+needs `order` to be a sort's indices (a permutation); other indices are declined.
 """
 
 from __future__ import annotations
 
-import torch
+import operator
 
-from dsv41.passes.fusion import FusionPass, Replacement
+import torch
+import torch.fx as fx
+
+from dsv41.passes.fusion import Derived, FusionPass, Replacement
 from dsv41.passes.matcher import Pattern
 
 M, T, D = 6, 3, 32
 aten = torch.ops.aten
+UNPERMUTE = "unpermute"
+
+
+def _permutation(order) -> bool:
+    """order is the indices of a sort of a 1-D tensor of its length (a permutation of [0, M))."""
+    src = order.args[0] if isinstance(order, fx.Node) and order.target is operator.getitem and order.args[1] == 1 else None
+    if not (isinstance(src, fx.Node) and src.target in (aten.sort.default, aten.sort.stable)):
+        return False
+    v = src.args[0].meta.get("val")
+    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == order.meta["val"].shape
 
 
 def _inputs(with_shared):
@@ -34,6 +51,20 @@ def combine_index_add(out, token, num_tokens):
 def combine_scatter_add(out, token, num_tokens):
     index = token.unsqueeze(-1).expand(-1, out.shape[1])
     return torch.zeros(num_tokens, out.shape[1], dtype=torch.float32, device=out.device).scatter_add_(0, index, out.float())
+
+
+def unpermute(out, order, weights):
+    """MaxText's unpermute: y[t] = sum_j weights[t, j] * out[inv[t * k + j]] in fp32, inv = argsort(order) the inverse
+    of the sort's permutation; out [M, D], order [M], weights [T, k] fp32, M = T * k -> [T, D] fp32."""
+    rows = out[torch.argsort(order)].reshape(weights.shape[0], weights.shape[1], out.shape[1])
+    return torch.einsum("tkd,tk->td", rows.float(), weights)
+
+
+def _unpermute_inputs(with_shared):
+    def inputs():
+        out, token, *shared = _inputs(with_shared)()
+        return [out, token, torch.empty(T, M // T)] + shared
+    return inputs
 
 
 def _weighted_inputs(with_shared):
@@ -68,12 +99,32 @@ class MoeFinalizePass(FusionPass):
             pats.append(Pattern(f"{name}_weighted_only", weighted_only, _weighted_inputs(False), free, defaults, anchor=combine_op))
             pats.append(Pattern(f"{name}_shared", with_shared, _inputs(True), free, defaults, anchor=combine_op))
             pats.append(Pattern(f"{name}_only", combine_only, _inputs(False), free, defaults, anchor=combine_op))
+
+        def unpermute_shared(out, order, weights, shared):
+            return (unpermute(out, order, weights) + shared.float()).to(shared.dtype)
+
+        inverse = aten.sort.default  # argsort of the permutation
+        pats.append(Pattern(f"{UNPERMUTE}_shared", unpermute_shared, _unpermute_inputs(True), anchor=inverse))
+        pats.append(Pattern(f"{UNPERMUTE}_only", unpermute, _unpermute_inputs(False), anchor=inverse))
         return pats
 
     def tokens(self, m):
-        return m.free["num_tokens"]
+        return m.inputs[2].meta["val"].shape[0] if m.pattern.name.startswith(UNPERMUTE) else m.free["num_tokens"]
+
+    def check(self, m):
+        if m.pattern.name.startswith(UNPERMUTE) and not _permutation(m.inputs[1]):
+            return (f"%{m.inputs[1].name} is not the indices of a sort of {m.inputs[0].meta['val'].shape[0]} values, so "
+                    "its argsort need not be its inverse permutation: the unpermute is not the op's combine")
+        return None
 
     def replacement(self, m):
+        if m.pattern.name.startswith(UNPERMUTE):
+            out, order, weights, *shared = m.inputs
+            t, k = weights.meta["val"].shape
+            token = Derived(aten.div.Tensor_mode, (order, k), (("rounding_mode", "floor"),))
+            row_weights = Derived(aten.index.Tensor, (Derived(aten.reshape.default, (weights, [t * k])), [order]))
+            args = (out, token, shared[0] if shared else None, t, row_weights, self.config.kernel)
+            return Replacement(torch.ops.dsv41.moe_finalize.default, args, (None,))
         out, token = m.inputs[:2]
         weighted = "_weighted" in m.pattern.name
         weights = m.inputs[2] if weighted else None

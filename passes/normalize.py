@@ -16,7 +16,11 @@
   others already broadcast to the output's shape is a 0-d `scalar_tensor`;
 - split dims: `select(x.view(..., n, k, ...), d, i)` is a slice of x: the stride-k slice `x[..., i::k]` on the k
   factor (interleaved elements), the run `x[..., i*k:(i+1)*k]` on the n factor (`view(-1, 2, I).unbind(1)` halves);
-  a cast moves below a strided slice;
+  a cast moves below a strided slice, and a widening cast that only slices read below them
+  (`torch.chunk(y.float(), 2, -1)` is the casts of y's halves);
+- routing maps: the column sums of a map scattered from top-k ids, `zeros(T, E).scatter(1, ids, 1).sum(0)`
+  (Megatron's `tokens_per_expert`), are the counts of the flat ids, `zeros(E).scatter_add(0, ids.view(-1), ones)`;
+  a 1-D `gather(x, 0, i)` is the lookup `x[i]`;
 - an add of a where of two constants is the where of two adds (`s + where(c, 0, -inf)`, an additive mask, is
   `where(c, s + 0, s - inf)`);
 - `where(~m, a, b)` (or `logical_not`) is `where(m, b, a)`, and on integers `where(a >= b, x, y)` is
@@ -54,12 +58,26 @@
   is the pairwise form `stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), -1).flatten(-2)` (the same products and
   adds; a half-split `rotate_half` or a tiled cos is another rotation and stays);
 - contractions: a batched matrix times a vector, `bmm(a, v)` with v [B, K, 1], is the vector times the matrix
-  transposed, `bmm(v^T, a^T)^T`;
+  transposed, `bmm(v^T, a^T)^T`; a bmm of batch 1 against a 2-D value viewed with a unit batch dim
+  (`einsum('bld,dq->blq', h, w)` with a Flax-style [in, out] kernel) is an mm;
+- JAX-port spellings: `ldexp(x, e)` is `x * pow(2, e)` (`ldexp(1, e)` the power alone); maximum / minimum with a
+  nonzero constant are clamp_min / clamp_max; an int64 sum of a lossless integer cast (`one_hot.to(int32).sum(0)`)
+  is the sum of the int64 cast; a slice_scatter of a value computed from that slice (`x.at[..., -r:].set(...)`)
+  is the cat of the rest and the value; take_along_dim's wrap (`remainder`) of indices known to lie in range (a
+  sort's or top-k's indices, their floor division) is dropped, and its gather of an index vector broadcast along
+  the other dims is `x[idx]`;
 - unit dims: a non-leading size-1 dim that a graph input or a view of a GEMM output adds (HF's `[B, S=1, ...]`
   decode layout) sinks below the ops that do not touch it (`_sink_units`: pointwise ops, lookups, reductions,
   slices, softmax, top-k, sort, gather, scatter, cat), so they run at `[B, ...]`; a bmm output's unit dims (an
   einsum at S = 1) count as such, and a permute whose input has unit dims right after its leading dim and whose
-  users are views permutes the input without them (an einsum's layout chain at `[B, 1, G, D]` and at `[T, G, D]`).
+  users are views permutes the input without them (an einsum's layout chain at `[B, 1, G, D]` and at `[T, G, D]`);
+  a view of a pointwise result computed from sunk values adds the unit dims its input lacks, so they sink again
+  (`m[..., 8:].reshape(B, 1, 4, 4) * s` at L = 1); in a sequence-first graph (`_seq_first_batches`: a linear layer on `[1, B, K]` activations, viewed to `[B, K]`
+  for the mm and back to `[1, B, N]`) the leading S = 1 of a `[1, B, ...]` graph input, GEMM output or value viewed
+  so counts as such a dim too (Megatron's `[S, B, ...]` layout); elsewhere a leading 1 is the token dim;
+- repeats: a cat of copies of one value with size 1 along the cat dim is its `clone(expand(...))` (Megatron's
+  `stack((f.view(-1, 1), f.view(-1, 1)), -1)`, as `repeat_interleave` traces), and cos, sin or neg of a repeat is
+  the repeat of cos, sin or neg (the GPT-J rule then reads cos of repeated angles as a repeated cos).
 
 Shapes come from `meta["val"]`; a node without it is left alone.
 """
@@ -252,6 +270,193 @@ def _keepdim(graph: fx.Graph, node: fx.Node) -> bool:
     node.target, node.args = src.target, (x, [dims[0] % rank], True)
     if not src.users:
         graph.erase_node(src)
+    return True
+
+
+def _constant_value(a):
+    """The number a 0-d `scalar_tensor(v)` or a `full(shape, v)` node holds, or None."""
+    if isinstance(a, fx.Node) and a.op == "call_function" and a.target in (aten.scalar_tensor.default, aten.full.default):
+        v = a.args[0] if a.target is aten.scalar_tensor.default else a.args[1]
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    return None
+
+
+def _ldexp(graph: fx.Graph, node: fx.Node) -> bool:
+    """ldexp(x, e) is x * pow(2.0, e), torch's definition of it (`at::ldexp`), and ldexp(ones, e) (`jnp.ldexp(1.0,
+    e)`: a power-of-two scale) is pow(2.0, e) where that has the output's dtype and shape: exact."""
+    if node.target is not aten.ldexp.Tensor or len(node.args) != 2 or node.kwargs:
+        return False
+    x, e = node.args
+    power = _insert(graph, node, aten.pow.Scalar, (2.0, e), source=node)
+    vp, out = _val(power), _val(node)
+    if _constant_value(x) == 1 and vp.dtype == out.dtype and list(vp.shape) == list(out.shape):
+        node.replace_all_uses_with(power)
+        graph.erase_node(node)
+        if not x.users:
+            graph.erase_node(x)
+        return True
+    node.target, node.args = aten.mul.Tensor, (x, power)
+    return True
+
+
+# maximum / minimum with a constant -> the clamp that bounds by it
+_EXTREMUM_CLAMPS = {aten.maximum.default: aten.clamp_min.default, aten.minimum.default: aten.clamp_max.default}
+
+
+def _extremum_with_constant(graph: fx.Graph, node: fx.Node) -> bool:
+    """maximum(x, c) / minimum(x, c) (either order) of a float x and a nonzero constant c (a 0-d `scalar_tensor` or a
+    `full`, `torch.maximum(amax, torch.full_like(amax, 1e-4))`: `jnp.maximum(amax, 1e-4)`) whose result has x's
+    dtype and shape is clamp_min(x, c) / clamp_max(x, c): the same value, NaN propagated by both (c = 0 stays: the
+    sign of a zero result may differ)."""
+    clamp = _EXTREMUM_CLAMPS.get(node.target)
+    if clamp is None or len(node.args) != 2 or node.kwargs:
+        return False
+    for x, c in (node.args, node.args[::-1]):
+        value, vx, out = _constant_value(c), _val(x), _val(node)
+        if value is None or value == 0 or not isinstance(x, fx.Node) or not isinstance(vx, torch.Tensor) \
+                or not vx.dtype.is_floating_point or vx.dtype != out.dtype or list(vx.shape) != list(out.shape):
+            continue
+        node.target, node.args = clamp, (x, float(value))
+        if not c.users:
+            graph.erase_node(c)
+        return True
+    return False
+
+
+# integer types an integer sum promotes to int64, and those a cast to one of them loses nothing from
+_LOSSLESS_INT = {torch.int32: (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32),
+                 torch.int16: (torch.bool, torch.uint8, torch.int8, torch.int16),
+                 torch.int8: (torch.bool, torch.int8), torch.uint8: (torch.bool, torch.uint8)}
+
+
+def _sum_of_widening_cast(graph: fx.Graph, node: fx.Node) -> bool:
+    """An int64 sum of x cast losslessly to a narrower integer type (`one_hot.astype(int32).sum(0)`: bool -> int32,
+    which the sum promotes to int64) is the sum of x cast to int64: every value of x is held by both integer types,
+    and the sum adds in int64 either way (exact)."""
+    if node.target is not aten.sum.dim_IntList or node.kwargs or not isinstance(node.args[0], fx.Node):
+        return False
+    cast, out = node.args[0], _val(node)
+    if not (cast.op == "call_function" and cast.target is prims.convert_element_type.default and not cast.kwargs
+            and isinstance(out, torch.Tensor) and out.dtype is torch.int64):
+        return False
+    src = cast.args[0]
+    if not isinstance(_val(src), torch.Tensor) or _val(src).dtype not in _LOSSLESS_INT.get(cast.args[1], ()):
+        return False
+    node.args = (_insert(graph, node, prims.convert_element_type.default, (src, torch.int64), source=cast),
+                 *node.args[1:])
+    if not cast.users:
+        graph.erase_node(cast)
+    return True
+
+
+def _slice_update_as_cat(graph: fx.Graph, node: fx.Node) -> bool:
+    """slice_scatter(x, v, d, start, end) of a v computed from that slice of x (`x.at[..., -rd:].set(rope(x[...,
+    -rd:]))`, `torch.slice_scatter`, or the functionalised `x[..., -rd:] = ...`) is cat(x[.., :start], v,
+    x[.., end:]) along d (exact: the same elements). A write of other values (a cache row) stays as it is."""
+    if node.target is not aten.slice_scatter.default or node.kwargs:
+        return False
+    base, src, dim, start, end, step = list(node.args) + [0, None, None, 1][len(node.args) - 2:]
+    vb, vs = _val(base), _val(src)
+    if step != 1 or not (_static(vb) and _static(vs)) or vb.dtype != vs.dtype:
+        return False
+    dim %= vb.dim()
+    size = vb.shape[dim]
+    start = 0 if start is None else (start + size if start < 0 else min(start, size))
+    end = size if end is None else (end + size if end < 0 else min(end, size))
+    if end - start != vs.shape[dim] or not _reads_slice(src, base, dim, start, end):
+        return False
+    pieces = [_insert(graph, node, aten.slice.Tensor, (base, dim, 0, start), source=node)] if start > 0 else []
+    pieces.append(src)
+    if end < size:
+        pieces.append(_insert(graph, node, aten.slice.Tensor, (base, dim, end, size), source=node))
+    cat = _insert(graph, node, aten.cat.default, (pieces, dim), source=node)
+    node.replace_all_uses_with(cat)
+    graph.erase_node(node)
+    return True
+
+
+def _reads_slice(v: fx.Node, base: fx.Node, dim: int, start: int, end: int, limit: int = 64) -> bool:
+    """v depends on base[.., start:end] along dim (a slice of base with those bounds among its nearest `limit`
+    ancestors)."""
+    seen, stack = set(), [v]
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if n.target is aten.slice.Tensor and n.args[0] is base and len(n.args) >= 4 \
+                and n.args[1] % _val(base).dim() == dim and (n.args[2] or 0) == start \
+                and min(n.args[3], _val(base).shape[dim]) == end and (n.args[4:] or [1])[0] == 1:
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+# ops whose output holds only values of their first input (so an index bound carries through them)
+_VALUE_PRESERVING = (aten.view.default, aten.expand.default, aten.clone.default, aten.unsqueeze.default,
+                     aten.squeeze.dim, aten.permute.default, aten.slice.Tensor, aten.select.int)
+
+
+def _index_bound(n, depth: int = 16) -> int | None:
+    """U when every value of the integer tensor n lies in [0, U), read from its ops: the indices of a sort or top-k
+    along a dim of size U, an `arange(U)`, a floor division by a positive k of values below V (U = ceil(V / k)),
+    the values of a sort of such a tensor, and views, expands and slices of one; else None."""
+    if depth == 0 or not (isinstance(n, fx.Node) and n.op == "call_function"):
+        return None
+    if n.target is operator.getitem:
+        src, item = n.args
+        if isinstance(src, fx.Node) and src.target in (aten.sort.default, aten.sort.stable, aten.topk.default):
+            if item == 0:
+                return _index_bound(src.args[0], depth - 1) if src.target is not aten.topk.default else None
+            x = _val(src.args[0])
+            dim = (src.args[2] if len(src.args) > 2 else -1) if src.target is aten.topk.default else \
+                src.kwargs.get("dim", src.args[1] if len(src.args) > 1 and isinstance(src.args[1], int) else -1)
+            return x.shape[dim] if _static(x) and x.dim() else None
+        return None
+    if n.target is prims.iota.default:
+        return n.args[0] if n.kwargs.get("start", 0) == 0 and n.kwargs.get("step", 1) == 1 else None
+    if n.target is aten.div.Tensor_mode and n.kwargs.get("rounding_mode") == "floor" and isinstance(n.args[1], int) \
+            and n.args[1] > 0:
+        v = _index_bound(n.args[0], depth - 1)
+        return None if v is None else -(-v // n.args[1])
+    if n.target in _VALUE_PRESERVING:
+        return _index_bound(n.args[0], depth - 1)
+    return None
+
+
+def _remainder_in_range(node: fx.Node) -> bool:
+    """remainder(i, n) of an integer index whose values all lie in [0, n) (`_index_bound`) is i: `take_along_dim`
+    wraps its indices so, and on indices in range that is the identity (exact)."""
+    if node.target is not aten.remainder.Scalar or not isinstance(node.args[1], int) or node.kwargs:
+        return False
+    i = node.args[0]
+    bound = _index_bound(i)
+    if bound is None or bound > node.args[1] or _val(i).dtype != _val(node).dtype:
+        return False
+    node.replace_all_uses_with(i)
+    return True
+
+
+def _gather_of_broadcast_rows(graph: fx.Graph, node: fx.Node) -> bool:
+    """gather(x, d, v.view(.., M, ..).expand(x's shape with M at d)), a vector of indices broadcast along every other
+    dim (`torch.take_along_dim(x, token[:, None], dim=0)`: `jnp.take(x, token, axis=0)`), is x indexed by v along d,
+    `x[token]` (the same elements; both read only indices in range)."""
+    if node.target is not aten.gather.default or node.kwargs or len(node.args) != 3:
+        return False
+    x, d, idx = node.args
+    vx, vi = _val(x), _val(idx)
+    if not (_static(vx) and _static(vi) and isinstance(idx, fx.Node) and idx.target is aten.expand.default):
+        return False
+    d %= vx.dim()
+    v = idx.args[0]
+    while isinstance(v, fx.Node) and v.op == "call_function" and v.target in (aten.view.default, aten.unsqueeze.default):
+        v = v.args[0]
+    vv, src = _val(v), _val(idx.args[0])
+    if not (_static(vv) and vv.dim() == 1 and _static(src) and src.dim() == vx.dim()
+            and [s for j, s in enumerate(src.shape) if j != d] == [1] * (vx.dim() - 1) and src.shape[d] == vv.shape[0]
+            and [s for j, s in enumerate(vi.shape) if j != d] == [s for j, s in enumerate(vx.shape) if j != d]):
+        return False
+    node.target, node.args = aten.index.Tensor, (x, [None] * d + [v])
     return True
 
 
@@ -557,8 +762,8 @@ def _scatter_reduce_sum(node: fx.Node) -> bool:
 
 def _pair_repeat(v):
     """c' when v is c' repeated twice along its last dim and viewed, as `c.repeat_interleave(2, -1)` traces
-    (`clone(expand(c[..., None], [..., n, 2]))` then views): c' = c viewed to v's shape with the last dim n; else
-    None."""
+    (`clone(expand(c[..., None], [..., n, 2]))` then views; also Megatron's `stack((f.view(-1, 1), f.view(-1, 1)),
+    -1).view(S, rd)`, `_copies_as_repeat`): c' = c viewed to v's shape with the last dim halved; else None."""
     root, _ = _layout_root(v) if v.op == "call_function" and v.target in _LAYOUT_OPS else (v, [])
     if not (isinstance(root, fx.Node) and root.op == "call_function" and root.target is aten.clone.default):
         return None
@@ -567,10 +772,67 @@ def _pair_repeat(v):
         return None
     src, vv = _val(ex.args[0]), _val(v)
     if not (_static(src) and _static(vv) and src.dim() >= 2 and src.shape[-1] == 1 and src.is_contiguous()
-            and list(_val(ex).shape) == [*src.shape[:-1], 2] and vv.shape[-1] == 2 * src.shape[-2]
+            and list(_val(ex).shape) == [*src.shape[:-1], 2] and vv.shape[-1] % 2 == 0
             and vv.numel() == 2 * src.numel()):
         return None
-    return ex.args[0], [*vv.shape[:-1], src.shape[-2]]
+    return ex.args[0], [*vv.shape[:-1], vv.shape[-1] // 2]  # each element twice: pairs stay in rows of even length
+
+
+def _same_copy(a, b) -> bool:
+    """a and b are one value: one node, or two chains of views (no permute) of one node to one shape."""
+    if a is b:
+        return True
+    if not all(isinstance(n, fx.Node) and n.op == "call_function" and n.target in _LAYOUT_OPS for n in (a, b)):
+        return False
+    (ra, ca), (rb, cb) = _layout_root(a), _layout_root(b)
+    return (ra is rb and list(_val(a).shape) == list(_val(b).shape)
+            and not any(n.target is aten.permute.default for n in (*ca, *cb)))
+
+
+def _copies_as_repeat(graph: fx.Graph, node: fx.Node) -> bool:
+    """cat([u, u, ...], d) of copies of one value u with size 1 at d is u expanded along d and materialised,
+    `clone(expand(u, ...))`, as `repeat_interleave` traces (Megatron's interleaved rotary angles,
+    `torch.stack((f.view(-1, 1), f.view(-1, 1)), dim=-1)`); exact."""
+    if node.target is not aten.cat.default or len(node.args) < 2 or len(node.args[0]) < 2 or node.kwargs:
+        return False
+    xs, out = node.args[0], _val(node)
+    u, d = xs[0], node.args[1]
+    if not (_static(out) and isinstance(u, fx.Node) and _static(_val(u)) and isinstance(d, int)
+            and -out.dim() <= d < out.dim() and _val(u).shape[d] == 1 and all(_same_copy(u, x) for x in xs[1:])):
+        return False
+    expanded = _insert(graph, node, aten.expand.default, (u, list(out.shape)), source=node)
+    copy = _insert(graph, node, aten.clone.default, (expanded,), source=node)
+    node.replace_all_uses_with(copy)
+    graph.erase_node(node)
+    _erase_unused(graph, xs[1:])
+    return True
+
+
+_ABOVE_REPEAT = (aten.cos.default, aten.sin.default, aten.neg.default)
+
+
+def _pointwise_above_repeat(graph: fx.Graph, node: fx.Node) -> bool:
+    """op(views of clone(expand(u))) = views of clone(expand(op(u))) for a unary elementwise op (cos, sin, neg):
+    the op of repeated values is the repetition of its values (`torch.cos(emb)` of rotary angles repeated per pair
+    is the pair repeat of cos, which the GPT-J rule reads); exact."""
+    if node.target not in _ABOVE_REPEAT or len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
+        return False
+    v = node.args[0]
+    root, chain = _layout_root(v) if v.op == "call_function" and v.target in _LAYOUT_OPS else (v, [])
+    if not (isinstance(root, fx.Node) and root.op == "call_function" and root.target is aten.clone.default
+            and not root.kwargs and isinstance(root.args[0], fx.Node) and root.args[0].target is aten.expand.default):
+        return False
+    ex = root.args[0]
+    if any(isinstance(c, fx.Node) and c.target is aten.permute.default for c in chain) or not _static(_val(v)):
+        return False
+    low = _insert(graph, node, node.target, (ex.args[0],), source=node)
+    expanded = _insert(graph, node, aten.expand.default, (low, list(_val(ex).shape)), source=node)
+    copy = _insert(graph, node, aten.clone.default, (expanded,), source=node)
+    out = _insert(graph, node, aten.view.default, (copy, list(_val(node).shape)), source=node)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    _erase_unused(graph, [v])
+    return True
 
 
 def _rotate_pieces(r):
@@ -639,6 +901,18 @@ def _rotate_every_two(graph: fx.Graph, node: fx.Node) -> bool:
     return False
 
 
+def _gather_1d(node: fx.Node) -> bool:
+    """gather(x, 0, i) of a 1-D x is the lookup x[i] (`torch.gather(probs.view(-1), 0, order)` and
+    `probs.view(-1)[order]` are one form); exact."""
+    if node.target is not aten.gather.default or len(node.args) != 3 or node.kwargs.get("sparse_grad"):
+        return False
+    x, i = _val(node.args[0]), _val(node.args[2])
+    if not (isinstance(x, torch.Tensor) and isinstance(i, torch.Tensor) and x.dim() == 1 and i.dim() == 1):
+        return False
+    node.target, node.args, node.kwargs = aten.index.Tensor, (node.args[0], [node.args[2]]), {}
+    return True
+
+
 def _erase_unused(graph: fx.Graph, nodes) -> None:
     """Erase the pure call nodes among `nodes` left without users, and so on up their inputs."""
     stack = list(nodes)
@@ -654,11 +928,20 @@ def _local_forms(graph: fx.Graph) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        if _rotate_every_two(graph, node):
+        if _rotate_every_two(graph, node) or _copies_as_repeat(graph, node) or _pointwise_above_repeat(graph, node):
             changed += 1
             continue
         changed += _scalar_overload(node) + _fused_arith(graph, node) + _gemm_plus_input(graph, node)
-        changed += _scatter_reduce_sum(node)
+        changed += _scatter_reduce_sum(node) + _gather_1d(node) + _ldexp(graph, node)
+        changed += _extremum_with_constant(graph, node)
+        changed += _sum_of_widening_cast(graph, node) + _gather_of_broadcast_rows(graph, node)
+        if _remainder_in_range(node):
+            graph.erase_node(node)
+            changed += 1
+            continue
+        if _slice_update_as_cat(graph, node):
+            changed += 1
+            continue
         changed += _piece_of_split(graph, node) + _implicit_promotion(graph, node)
         changed += _fill_defaults(node)
         if node.target is aten._unsafe_view.default:
@@ -685,6 +968,7 @@ def _local_forms(graph: fx.Graph) -> int:
 def normalize_graph(graph: fx.Graph) -> int:
     """Rewrite `graph` in place (to a fixed point); returns the number of nodes changed."""
     total = 0
+    setattr(graph, _SEQ_FIRST, _seq_first_batches(graph))
     for _ in range(4):
         changed = _local_forms(graph) + _canonical_forms(graph)
         total += changed
@@ -975,12 +1259,26 @@ def _select_as_strided_slice(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
-def _cast_after_strided_slice(graph: fx.Graph, node: fx.Node) -> bool:
+def _widening(cast: fx.Node) -> bool:
+    """cast converts a float to a wider float (every value held exactly: bf16 or fp16 to fp32)."""
+    a, b = _val(cast.args[0]), _val(cast)
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype.is_floating_point
+            and b.dtype.is_floating_point and torch.finfo(b.dtype).bits > torch.finfo(a.dtype).bits
+            and a.dtype in _NARROW_FLOATS)
+
+
+def _cast_after_slice(graph: fx.Graph, node: fx.Node) -> bool:
     """convert(x)[..., i::k] = convert(x[..., i::k]) for a stride k > 1: the cast moves below the strided slice
-    (`x.float()[..., 0::2]` and `x[..., 0::2].float()` are one form); exact."""
+    (`x.float()[..., 0::2]` and `x[..., 0::2].float()` are one form); so does a widening float cast that only slices
+    read (the halves of a value cast up, `torch.chunk(y.float(), 2, -1)`, are the casts of y's halves,
+    `y[..., :I].float()`), where the cast then goes. A run slice of a rounding cast (a norm's bf16 output, which a
+    pattern may end at) or of a cast that other ops read too stays. Exact: a cast is elementwise."""
     src = node.args[0]
     if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target is prims.convert_element_type.default
-            and len(node.args) == 5 and isinstance(node.args[4], int) and node.args[4] > 1):
+            and len(node.args) in (4, 5) and all(isinstance(a, int) for a in node.args[1:])):
+        return False
+    strided = len(node.args) == 5 and node.args[4] > 1
+    if not strided and not (_widening(src) and all(u.target is aten.slice.Tensor for u in src.users)):
         return False
     strided = _insert(graph, node, aten.slice.Tensor, (src.args[0], *node.args[1:]), source=node)
     cast = _insert(graph, node, src.target, (strided, *src.args[1:]), src.kwargs, source=node)
@@ -1039,9 +1337,37 @@ def _where_not(graph: fx.Graph, node: fx.Node) -> bool:
 _REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
 
 
-def _units(shape) -> list[int]:
-    """The non-leading size-1 dims of shape (the leading dim is the token or batch dim, which patterns keep)."""
-    return [i for i, d in enumerate(shape) if i > 0 and d == 1]
+def _units(shape, lead: bool = False) -> list[int]:
+    """The non-leading size-1 dims of shape (the leading dim is the token or batch dim, which patterns keep), and
+    with `lead` the leading dim first (a sequence-first [S=1, B, ...] value, `_lead`)."""
+    return [i for i, d in enumerate(shape) if (i > 0 or lead) and d == 1]
+
+
+_SEQ_FIRST = "_dsv41_seq_first"  # graph attribute: the batch sizes of its sequence-first [1, B, ...] linear layers
+
+
+def _seq_first_batches(graph: fx.Graph) -> frozenset:
+    """The sizes B > 1 at which the graph runs a linear layer on sequence-first activations: an mm whose input is a
+    view of a [1, B, K] value to [B, K] and whose output is viewed to [1, B, N] (`F.linear` of Megatron's
+    [S=1, B, ...] activations traces so). Only such evidence tells a leading unit dim from the token dim: [1, hc, D]
+    at T = 1 is batch-first with one token."""
+    batches = set()
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target is not aten.mm.default:
+            continue
+        a, out = n.args[0], _val(n)
+        if not (isinstance(a, fx.Node) and a.op == "call_function" and a.target is aten.view.default and _static(out)):
+            continue
+        b, src = out.shape[0], _val(a.args[0])
+        if b > 1 and _static(src) and list(src.shape) == [1, b, _val(a).shape[1]] and any(
+                u.target is aten.view.default and list(_val(u).shape) == [1, b, out.shape[1]] for u in n.users):
+            batches.add(b)
+    return frozenset(batches)
+
+
+def _lead(shape, graph: fx.Graph) -> bool:
+    """shape is [1, B, ...] with B a batch size of the graph's sequence-first layout (`_seq_first_batches`)."""
+    return len(shape) >= 2 and shape[0] == 1 and shape[1] in getattr(graph, _SEQ_FIRST, ())
 
 
 _GEMMS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
@@ -1053,24 +1379,30 @@ def _added_units(n) -> int:
     graph input or of a GEMM output (or of a permute of one), all of them (`_squeezed` views the input at the lower
     rank directly: a decode GEMM's M = 1 is such a dim); a view of a value `_sink_units` lowered, those its input
     lacks. A view inside a computation (a [M, 1, 32] block view
-    when one block fits) adds none: its unit dim is the computation's, which a pattern traces as it is."""
+    when one block fits) adds none: its unit dim is the computation's, which a pattern traces as it is. In a
+    sequence-first graph (`_lead`) the leading S = 1 of a [1, B, ...] value counts too."""
     v = _val(n)
     if not _static(v):
         return 0
+    units = _units(v.shape, _lead(v.shape, n.graph))
     if n.op == "placeholder" or n.op == "call_function" and n.target is aten.bmm.default:
-        return len(_units(v.shape))  # a graph input; a batched GEMM whose M or N is 1 (an einsum's [B, S=1, ...])
+        return len(units)  # a graph input; a batched GEMM whose M or N is 1 (an einsum's [B, S=1, ...])
     if n.op != "call_function" or n.target is not aten.view.default or not _static(_val(n.args[0])):
         return 0
     src = n.args[0]
     if src.op == "placeholder":
-        return len(_units(v.shape))
+        return len(units)
     root = src
     while root.op == "call_function" and root.target is aten.permute.default:
         root = root.args[0]
     if root.op == "call_function" and root.target in _GEMMS:
-        return len(_units(v.shape))
+        return len(units)
     if root.op == "call_function" and root.meta.get(_SUNK):
-        return max(0, len(_units(v.shape)) - len(_units(_val(src).shape)))
+        below = _val(src).shape
+        return max(0, len(units) - len(_units(below, _lead(below, n.graph))))
+    if _lead(v.shape, n.graph) and _val(src).dim() >= 1 and _val(src).shape[0] == v.shape[1]:
+        return 1  # a [B, ...] value viewed sequence-first, [1, B, ...] (the MoE output `.view(s, b, d)`, the comb
+        # logits `m.view(1, b, hc, hc)`)
     return 0
 
 
@@ -1124,7 +1456,7 @@ def _sink_units(graph: fx.Graph, node: fx.Node) -> bool:
             return False
         ranked = [i for i in operands if _val(node.args[i]).dim() == out.dim()]
         added = max((_added_units(node.args[i]) for i in ranked), default=0)
-        drop = set(_units(out.shape)[:added])
+        drop = set(_units(out.shape, _lead(out.shape, graph))[:added])
         if not drop:
             return False
         args = list(node.args)
@@ -1135,7 +1467,7 @@ def _sink_units(graph: fx.Graph, node: fx.Node) -> bool:
                 args[i] = _squeezed(graph, node, args[i], mine)
     elif _is_lookup(node):  # table[idx]: pointwise in idx
         idx = node.args[1][0]
-        drop = set(_units(out.shape)[:_added_units(idx)])
+        drop = set(_units(out.shape, _lead(out.shape, graph))[:_added_units(idx)])
         if not drop:
             return False
         args = [node.args[0], [_squeezed(graph, node, idx, drop)]]
@@ -1150,7 +1482,8 @@ def _sink_units(graph: fx.Graph, node: fx.Node) -> bool:
         dims = list(dim) if isinstance(dim, (list, tuple)) else [] if dim_at is None else [dim]
         if any(not isinstance(d, int) for d in dims):
             return False
-        drop = sorted(s for s in _units(_val(xs[0]).shape) if s not in dims)
+        shape0 = _val(xs[0]).shape
+        drop = sorted(s for s in _units(shape0, _lead(shape0, graph)) if s not in dims)
         drop = set(drop[:max(_added_units(x) for x in xs)])
         if t is aten.expand.default:
             drop = {s for s in drop if node.args[1][s] == 1}
@@ -1270,6 +1603,8 @@ def _view_below_pointwise(graph: fx.Graph, node: fx.Node) -> bool:
     with graph.inserting_before(node):
         low = graph.call_function(t, tuple(args))
     low.meta["val"] = low_val
+    if any(isinstance(a, fx.Node) and a.meta.get(_SUNK) for a in args):
+        low.meta[_SUNK] = True  # computed from values at the lower rank: its views may add their unit dims back
     _copy_source(node, low)
     lifted = _insert(graph, node, aten.view.default, (low, list(out.shape)), source=node)
     node.replace_all_uses_with(lifted)
@@ -1555,6 +1890,84 @@ def _vector_on_the_left(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+def _single_batch_bmm(graph: fx.Graph, node: fx.Node) -> bool:
+    """bmm(a [1, M, K], b [1, K, N]) where b is a 2-D [K, N] value viewed with a unit batch dim in front is mm(a[0],
+    w) viewed to [1, M, N]: one GEMM against w (`einsum('bld,dq->blq', h, w)` with a Flax-style [in, out] kernel
+    traces as such a bmm); the views join the operands' layout chains. A batch of 1 that is a dim of the operands
+    (an einsum over T = 1 tokens) stays a bmm, as the patterns trace it, and so does one against a permuted value
+    (a grouped einsum of one group, `einsum('tgd,grd->tgr')` at G = 1, which wo_a's patterns trace as a bmm)."""
+    a, b = node.args
+    va, vb, out = _val(a), _val(b), _val(node)
+    if not (_static(va) and _static(vb) and _static(out)) or va.shape[0] != 1:
+        return False
+    w = b.args[0] if isinstance(b, fx.Node) and b.target is aten.view.default else None
+    if not (isinstance(w, fx.Node) and w.target is not aten.permute.default and _static(_val(w))
+            and list(_val(w).shape) == list(vb.shape[1:])):
+        return False
+    rows = _insert(graph, node, aten.view.default, (a, list(va.shape[1:])), source=node)
+    product = _insert(graph, node, aten.mm.default, (rows, w), source=node)
+    node.replace_all_uses_with(_insert(graph, node, aten.view.default, (product, list(out.shape)), source=node))
+    graph.erase_node(node)
+    return True
+
+
+def _distinct_rows(idx) -> bool:
+    """idx holds distinct values along its last dim: the indices of a top-k over the last dim of a 2-D value."""
+    if not (isinstance(idx, fx.Node) and idx.op == "call_function" and idx.target is operator.getitem
+            and idx.args[1] == 1):
+        return False
+    topk = idx.args[0]
+    return (isinstance(topk, fx.Node) and topk.op == "call_function" and topk.target is aten.topk.default
+            and _static(_val(topk.args[0])) and _val(topk.args[0]).dim() == 2 and len(topk.args) > 2
+            and topk.args[2] == 1)
+
+
+def _zeros(n) -> bool:
+    """n is a `full` of 0 (through casts: `zeros_like(logits).int()`)."""
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target is prims.convert_element_type.default:
+        n = n.args[0]
+    return (isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.full.default
+            and n.args[1] == 0)
+
+
+def _routing_map_counts(graph: fx.Graph, node: fx.Node) -> bool:
+    """The column sums of a routing map, `zeros(T, E).scatter(1, ids, 1).sum(0)` (Megatron's `tokens_per_expert =
+    routing_map.sum(dim=0)`, the map maybe cast to int or bool), are the counts of each expert among the flat ids,
+    `zeros(E).scatter_add(0, ids.view(-1), ones)`: exact where each row of ids [T, k] holds k distinct experts, as
+    the indices of a top-k over the experts do (a row then sets k different ones of its E entries). Integer counts
+    (int64) only: the sum of an integer or bool map."""
+    out = _val(node)
+    if not (node.target is aten.sum.dim_IntList and len(node.args) >= 2 and list(node.args[1]) == [0]
+            and (len(node.args) < 3 or node.args[2] is False) and not node.kwargs
+            and _static(out) and out.dtype is torch.int64):
+        return False
+    m = node.args[0]
+    while isinstance(m, fx.Node) and m.op == "call_function" and m.target is prims.convert_element_type.default \
+            and not _val(m).dtype.is_floating_point:
+        m = m.args[0]
+    if not (isinstance(m, fx.Node) and m.op == "call_function" and m.target is aten.scatter.value
+            and m.args[1] == 1 and isinstance(m.args[3], (int, bool)) and m.args[3] != 0
+            and not _val(m).dtype.is_floating_point and _zeros(m.args[0]) and _distinct_rows(m.args[2])):
+        return False
+    ids = m.args[2]
+    (t, k), e = _val(ids).shape, _val(m).shape[1]
+    flat = next((u for u in ids.users if u.target is aten.view.default and list(_val(u).shape) == [t * k]), None)
+    if flat is None:
+        flat = _insert(graph, node, aten.view.default, (ids, [t * k]), source=node)
+    elif position(flat) > position(node):
+        node.prepend(flat)  # the ids' one flat view (the sort's) moves up to the counts: its only input is ids
+        graph._dsv41_positions = None
+    kw = {"dtype": torch.int64, "layout": torch.strided, "device": _val(ids).device, "pin_memory": False}
+    zeros = _insert(graph, node, aten.full.default, ([e], 0), kw, source=node)
+    ones = _insert(graph, node, aten.full.default, ([t * k], 1), kw, source=node)
+    counts = _insert(graph, node, aten.scatter_add.default, (zeros, 0, flat, ones), source=node)
+    src = node.args[0]
+    node.replace_all_uses_with(counts)
+    graph.erase_node(node)
+    _erase_unused(graph, [src])
+    return True
+
+
 def _canonical_forms(graph: fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
@@ -1578,16 +1991,19 @@ def _canonical_forms(graph: fx.Graph) -> int:
         elif node.target is aten.select.int and _select_as_strided_slice(graph, node):
             changed += 1
             continue
-        elif node.target is aten.slice.Tensor and _cast_after_strided_slice(graph, node):
+        elif node.target is aten.slice.Tensor and _cast_after_slice(graph, node):
             changed += 1
             continue
         elif _sink_units(graph, node):
             changed += 1
             continue
-        elif node.target is aten.bmm.default and _vector_on_the_left(graph, node):
+        elif node.target is aten.bmm.default and (_single_batch_bmm(graph, node) or _vector_on_the_left(graph, node)):
             changed += 1
             continue
         elif node.target is aten.add.Tensor and _add_of_constant_where(graph, node):
+            changed += 1
+            continue
+        elif node.target is aten.sum.dim_IntList and _routing_map_counts(graph, node):
             changed += 1
             continue
         elif node.target in _BROADCASTING:

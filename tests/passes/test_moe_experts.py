@@ -37,6 +37,9 @@ def inputs(seed, t=3, dtype=BF16, inter=I):
 FORMULATIONS = {
     "experts_fp8": lambda x, token, w, offs, w13, w2: experts(x, token, w, offs, w13, w2, LIMIT, BLOCK),
     "experts": lambda x, token, w, offs, w13, w2: experts(x, token, w, offs, w13, w2, LIMIT, 0),
+    # the rows weighted after w2 (w unused here): the op takes weights of 1
+    "experts_fp8_unweighted": lambda x, token, w, offs, w13, w2: experts(x, token, None, offs, w13, w2, LIMIT, BLOCK),
+    "experts_unweighted": lambda x, token, w, offs, w13, w2: experts(x, token, None, offs, w13, w2, LIMIT, 0),
 }
 
 
@@ -49,7 +52,7 @@ def test_formulation_is_fused(name):
     f = FORMULATIONS[name]
     gm, report, node = run_fused_once(f, inputs(0), FUSION, ("aten._grouped_mm", "aten.index.Tensor", "aten.exp"))
     assert report.passes[1].replaced[0]["pattern"] == name
-    assert node.args[6:] == (LIMIT, BLOCK if name == "experts_fp8" else 0, "auto")
+    assert node.args[6:] == (LIMIT, BLOCK if name.startswith("experts_fp8") else 0, "auto")
     for seed in (1, 2):  # fresh random inputs, other routings
         x = inputs(seed)
         assert_close(gm(*x), f(*x), atol=0, rtol=0)

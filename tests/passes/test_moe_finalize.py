@@ -83,8 +83,53 @@ def tolerance(name):
     return dict(atol=1e-6, rtol=1e-6) if name.endswith("_only") else dict(atol=1.6e-2, rtol=1.6e-2)
 
 
+def unpermute_of(ids, out, w):
+    """MaxText's unpermute of the rows `out` sorted by the stable argsort of the flat expert ids: back in (token,
+    slot) order by the inverse permutation, [T, k, D], summed with the [T, k] weights by einsum."""
+    order = torch.argsort(ids, stable=True)
+    rows = out[torch.argsort(order)].reshape(w.shape[0], w.shape[1], out.shape[1])
+    return torch.einsum("tkd,tk->td", rows.float(), w)
+
+
+UNPERMUTE_FORMULATIONS = {
+    "unpermute_shared": lambda out, ids, w, shared: (unpermute_of(ids, out, w) + shared.float()).to(shared.dtype),
+    "unpermute_only": lambda out, ids, w: unpermute_of(ids, out, w),
+}
+
+
+def unpermute_inputs(seed, shared=True):
+    """expert rows [T*K, D], flat expert ids [T*K] (equal ids abound), weights [T, K] fp32, [shared [T, D]]."""
+    g = gen(seed)
+    out = [rand(g, T * K, D), torch.randint(0, 4, (T * K,), generator=g), torch.rand(T, K, generator=g)]
+    return out + [rand(g, T, D)] if shared else out
+
+
 def test_every_formulation_has_a_test():
-    assert pattern_names(FUSION) == set(FORMULATIONS) | set(WEIGHTED_FORMULATIONS)
+    assert pattern_names(FUSION) == set(FORMULATIONS) | set(WEIGHTED_FORMULATIONS) | set(UNPERMUTE_FORMULATIONS)
+
+
+@pytest.mark.parametrize("name", sorted(UNPERMUTE_FORMULATIONS))
+def test_unpermute_formulation_is_fused(name):
+    """The op takes token = order // k and the weights gathered by order; the einsum sums a token's rows in slot
+    order, the op in row order: fp32 reordering (atol=rtol=1e-6 before the cast, one bf16 ulp after)."""
+    f = UNPERMUTE_FORMULATIONS[name]
+    shared = name.endswith("_shared")
+    gm, report, node = run_fused_once(f, unpermute_inputs(0, shared=shared), FUSION, ("aten.bmm", "aten.sort.default"))
+    assert report.passes[1].replaced[0]["pattern"] == name and node.args[3] == T and node.args[4] is not None
+    for seed in (1, 2):
+        x = unpermute_inputs(seed, shared=shared)
+        assert_close(gm(*x), f(*x), **(dict(atol=1.6e-2, rtol=1.6e-2) if shared else dict(atol=1e-6, rtol=1e-6)))
+
+
+def test_decline_unpermute_of_indices_not_a_sort():
+    """An `order` that is a graph input (not known to be a permutation) is declined, naming it."""
+    def f(out, order, w, shared):
+        rows = out[torch.argsort(order)].reshape(T, K, D)
+        return (torch.einsum("tkd,tk->td", rows.float(), w) + shared.float()).to(shared.dtype)
+
+    out, ids, w, shared = unpermute_inputs(0)
+    reasons = run_declined(f, [out, torch.randperm(T * K, generator=gen(0)), w, shared], FUSION)
+    assert "is not the indices of a sort of 18 values" in reasons, reasons
 
 
 @pytest.mark.parametrize("name", sorted(WEIGHTED_FORMULATIONS))

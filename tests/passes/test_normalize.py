@@ -753,3 +753,294 @@ def test_gptj_rope_is_the_pairwise_rope():
         gm = normalized(other, *x)
         assert op_counts(gm)["aten.sub.Tensor"] == 0 and op_counts(gm)["aten.neg"] == 1, gm.code
         assert torch.equal(gm(*x), other(*x))
+
+
+def test_ldexp_is_the_product_with_a_power_of_two():
+    """ldexp(x, e) is x * pow(2.0, e) (torch's definition), and ldexp(ones, e) (`jnp.ldexp(1.0, e)`, a power-of-two
+    scale) is pow(2.0, e) alone, the form of `torch.pow(2, ...)`; bit for bit."""
+    def f(amax, x, e):
+        return torch.ldexp(torch.ones_like(amax), torch.ceil(torch.log2(amax / 448.0))), torch.ldexp(x, e)
+
+    def pow_form(amax):
+        return torch.pow(2.0, torch.ceil(torch.log2(amax / 448.0)))
+
+    g = gen(0)
+    x = (torch.rand(4, 8, generator=g) * 1e3 + 1e-4, torch.randn(4, 8, generator=g),
+         torch.randint(-20, 20, (4, 8), generator=g).float())
+    gm = normalized(f, *x)
+    ops = op_counts(gm)
+    assert ops["aten.ldexp.Tensor"] == 0 and ops["aten.pow.Scalar"] == 2 and ops["aten.mul.Tensor"] == 1, gm.code
+    assert ops["aten.full"] == 0, gm.code
+    scale = [n for n in gm.graph.nodes if n.target is aten.pow.Scalar][0]
+    assert op_counts(normalized(pow_form, x[0]))["aten.pow.Scalar"] == 1 and scale in gm.graph.output_node().args[0]
+    for got, want in zip(gm(*x), f(*x), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_cast_moves_below_a_run_slice():
+    """The halves of a cast value, `torch.chunk(y.float(), 2, -1)`, are the casts of y's halves (a slice of a cast is
+    the cast of the slice, run or strided); bit for bit."""
+    def f(y):
+        a, b = torch.chunk(y.float(), 2, dim=-1)
+        return a * 2.0, b + 1.0, y.float()[1:, 2:6]
+
+    y = torch.randn(3, 8, generator=gen(0)).to(torch.bfloat16)
+    gm = normalized(f, y)
+    for n in gm.graph.nodes:
+        if n.target is aten.slice.Tensor:
+            assert n.args[0].op == "placeholder" or n.args[0].target is aten.slice.Tensor, n.format_node()
+    casts = [n for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default]
+    assert len(casts) == 3 and all(c.args[0].target is aten.slice.Tensor for c in casts)
+    for got, want in zip(gm(y), f(y), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_gather_of_a_1d_value_is_the_lookup():
+    """gather(x, 0, i) of a 1-D x is x[i]; a 2-D gather stays; bit for bit."""
+    def f(x, i, m, j):
+        return torch.gather(x, 0, i), torch.gather(m, 1, j)
+
+    g = gen(0)
+    x = (torch.randn(6, generator=g), torch.randint(0, 6, (9,), generator=g), torch.randn(3, 5, generator=g),
+         torch.randint(0, 5, (3, 2), generator=g))
+    gm = normalized(f, *x)
+    ops = op_counts(gm)
+    assert ops["aten.index.Tensor"] == 1 and ops["aten.gather"] == 1, ops
+    for got, want in zip(gm(*x), f(*x), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_maximum_and_minimum_with_a_nonzero_constant_are_clamps():
+    """torch.maximum(x, full_like(x, c)) / minimum (either operand order) are clamp_min / clamp_max(x, c), NaN
+    propagated alike; with c = 0 (the sign of a zero result may differ) or a varying operand they stay."""
+    def f(x, y):
+        return (torch.maximum(x, torch.full_like(x, 1e-4)), torch.minimum(torch.full_like(x, 10.0), x),
+                torch.maximum(x, torch.zeros_like(x)), torch.minimum(x, y))
+
+    g = gen(0)
+    x = torch.randn(4, 8, generator=g) * 20
+    x[0, :3] = torch.tensor([float("nan"), 0.0, -0.0])
+    args = (x, torch.randn(4, 8, generator=g))
+    gm = normalized(f, *args)
+    ops = op_counts(gm)
+    assert ops["aten.clamp_min"] == 1 and ops["aten.clamp_max"] == 1, gm.code
+    assert ops["aten.maximum"] == 1 and ops["aten.minimum"] == 1, gm.code
+    for got, want in zip(gm(*args), f(*args), strict=True):
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)) and torch.equal(got.isnan(), want.isnan())
+
+
+def test_int64_sum_of_a_lossless_narrow_integer_cast_is_the_sum_of_the_int64_cast():
+    """A one-hot count cast to int32 before its (int64) sum, `(ids[:, None] == arange(E)).to(int32).sum(0)`, is the
+    sum of the comparison cast to int64, the form of `F.one_hot(ids, E).sum(0)`; a cast that can lose values
+    (int64 -> int32) stays."""
+    def f(ids, big):
+        onehot = ids[:, None] == torch.arange(8)[None, :]
+        return onehot.to(torch.int32).sum(0), big.to(torch.int32).sum(0)
+
+    def one_hot(ids):
+        return F.one_hot(ids, 8).sum(0)
+
+    g = gen(0)
+    args = (torch.randint(0, 8, (12,), generator=g), torch.randint(2**31, 2**33, (5, 3), generator=g))
+    gm = normalized(f, *args)
+    casts = [n.args[1] for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default]
+    assert sorted(map(str, casts)) == ["torch.int32", "torch.int64"], gm.code
+    assert op_counts(normalized(one_hot, args[0])) == op_counts(normalized(lambda i: f(i, args[1])[0], args[0]))
+    for got, want in zip(gm(*args), f(*args), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_slice_updated_from_itself_is_a_cat():
+    """`torch.slice_scatter(x, rope(x[..., -r:]), -1, d - r)` and the functionalised `y[..., -r:] = ...` (a slice
+    written from that slice, `x.at[..., -r:].set(...)`) are cat(x[..., :d - r], the new slice); a slice_scatter of
+    values not computed from the slice it replaces (a cache row) stays; bit for bit."""
+    def f(x, row):
+        tail = x[..., 12:] * 2.0
+        a = torch.slice_scatter(x, tail, dim=-1, start=12)
+        b = x.clone()
+        b[..., 4:8] = b[..., 4:8].neg()
+        cache = torch.slice_scatter(x, row, dim=1, start=2, end=3)
+        return a, b, cache
+
+    g = gen(0)
+    args = (torch.randn(3, 4, 16, generator=g), torch.randn(3, 1, 16, generator=g))
+    gm = normalized(f, *args)
+    ops = op_counts(gm)
+    assert ops["aten.cat"] == 2 and ops["aten.slice_scatter"] == 1, gm.code
+    for got, want in zip(gm(*args), f(*args), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_batch_one_bmm_against_a_2d_weight_is_a_gemm():
+    """`einsum('bld,dq->blq', h, w)` with a 2-D [in, out] kernel traces as a bmm of batch 1 against w viewed
+    [1, in, out]: it is mm(h rows, w), the form of `h @ w`. A batch of 1 that is a dim of the operands (an einsum
+    over one token, `'tj,tjd->td'` at T = 1) stays a bmm."""
+    def flax(h, w):
+        return torch.einsum("bld,dq->blq", h, w)
+
+    def matmul(h, w):
+        return (h.view(-1, h.shape[-1]) @ w).view(*h.shape[:-1], -1)
+
+    def one_token(pre, x):
+        return torch.einsum("tj,tjd->td", pre, x)
+
+    g = gen(0)
+    args = (torch.randn(3, 1, 16, generator=g), torch.randn(16, 8, generator=g))
+    gm = normalized(flax, *args)
+    assert op_counts(gm)["aten.bmm"] == 0 and op_counts(gm) == op_counts(normalized(matmul, *args)), gm.code
+    assert torch.equal(gm(*args), flax(*args))
+    tok = (torch.randn(1, 4, generator=g), torch.randn(1, 4, 16, generator=g))
+    gm = normalized(one_token, *tok)
+    assert op_counts(gm)["aten.bmm"] == 1 and op_counts(gm)["aten.mm"] == 0, gm.code
+    assert torch.equal(gm(*tok), one_token(*tok))
+
+
+def test_a_unit_dim_put_back_by_a_view_of_a_pointwise_result_at_the_lower_rank_sinks_again():
+    """MaxText's `m[..., 8:].reshape(B, L, 4, 4) * s + b.reshape(4, 4)` at L = 1: the product, moved above the
+    view, is computed from values whose unit dim sank, so the view that splits its last dim and puts L back adds
+    that dim, and the softmax below runs at [B, 4, 4] as in the [T, ...] form; bit for bit."""
+    def f(x, s, b):
+        m = x.float() * 2.0
+        return torch.softmax(m[..., 8:].reshape(3, 1, 4, 4) * s + b.reshape(4, 4), dim=-1)
+
+    def flat(x, s, b):
+        m = x.view(3, 24).float() * 2.0
+        return torch.softmax(m[:, 8:].view(3, 4, 4) * s + b.view(4, 4), dim=-1).view(3, 1, 4, 4)
+
+    g = gen(0)
+    args = (torch.randn(3, 1, 24, generator=g).bfloat16(), torch.randn((), generator=g), torch.randn(16, generator=g))
+    gm = normalized(f, *args)
+    (amax,) = [n for n in gm.graph.nodes if n.target is aten.amax.default]
+    assert list(amax.meta["val"].shape) == [3, 4, 1], gm.code
+    assert op_counts(gm) == op_counts(normalized(flat, *args)), gm.code
+    assert torch.equal(gm(*args), aten_graph(f, *args)(*args))  # the traced ops (eager's softmax kernel rounds otherwise)
+
+
+def test_take_along_dim_of_indices_in_range_is_a_gather_or_an_index():
+    """take_along_dim wraps its indices (`remainder(i, n)`), the identity on indices known to lie in [0, n): a
+    top-k's or sort's indices along a dim of size n, their sorted values, a floor division of them by k (the
+    token of an expert-sorted row, `order // k` < T). Its gather of a vector broadcast along the other dims,
+    `take_along_dim(x, token[:, None], dim=0)` (`jnp.take(x, token, axis=0)`), is `x[token]`. Indices of unknown
+    range keep the remainder; bit for bit."""
+    def f(x, ids, s, free):
+        order = torch.argsort(ids.flatten(), stable=True)
+        rows = torch.take_along_dim(x, (order // 2)[:, None], dim=0)
+        picks = torch.sort(torch.topk(s, 3, dim=-1).indices, dim=-1).values
+        return rows, torch.take_along_dim(s, picks, dim=-1), torch.take_along_dim(s, free, dim=-1)
+
+    def plain(x, ids, s, free):
+        order = torch.argsort(ids.flatten(), stable=True)
+        picks = torch.sort(torch.topk(s, 3, dim=-1).indices, dim=-1).values
+        return x[order // 2], s.gather(-1, picks)
+
+    g = gen(0)
+    args = (torch.randn(4, 8, generator=g), torch.randint(0, 5, (4, 2), generator=g), torch.randn(4, 6, generator=g),
+            torch.randint(-6, 6, (4, 2), generator=g))
+    gm = normalized(f, *args)
+    ops = op_counts(gm)
+    assert ops["aten.remainder.Scalar"] == 1 and ops["aten.gather"] == 2 and ops["aten.index.Tensor"] == 1, gm.code
+    want = op_counts(normalized(plain, *args))
+    assert ops["aten.index.Tensor"] == want["aten.index.Tensor"] and ops["aten.gather"] == want["aten.gather"] + 1
+    for got, ref in zip(gm(*args), f(*args), strict=True):
+        assert torch.equal(got, ref)
+
+
+def _map_counts(scores, cast):
+    """Megatron's tokens_per_expert: the column sums of a routing map scattered from the top-2 experts per row."""
+    top = torch.topk(scores, 2, dim=-1).indices
+    return cast(torch.zeros_like(scores).int().scatter(1, top, 1)).sum(dim=0), top.view(-1)
+
+
+@pytest.mark.parametrize("cast", [lambda m: m.bool(), lambda m: m, lambda m: m.long()], ids=["bool", "int32", "int64"])
+def test_routing_map_column_sums_are_the_expert_counts(cast):
+    """zeros(T, E).scatter(1, topk ids, 1).sum(0) is zeros(E).scatter_add(0, ids.view(-1), ones) (k distinct
+    experts per row), the map's scatter gone; reading the ids' flat view, the one a sort of the ids reads; equal to
+    eager on fresh scores."""
+    scores = torch.randn(5, 8, generator=gen(0))
+    gm = normalized(lambda s: _map_counts(s, cast), scores)
+    ops = op_counts(gm)
+    assert ops["aten.scatter_add"] == 1 and ops["aten.scatter.value"] == 0 and ops["aten.sum.dim_IntList"] == 0, ops
+    (add,) = [n for n in gm.graph.nodes if n.target is aten.scatter_add.default]
+    assert add.args[2].target is aten.view.default and len(add.args[2].users) == 2  # the one flat view of the ids
+    for seed in (1, 2):
+        s = torch.randn(5, 8, generator=gen(seed))
+        for got, want in zip(gm(s), _map_counts(s, cast), strict=True):
+            assert torch.equal(got, want)
+
+
+def test_column_sums_of_a_map_without_distinct_rows_stay():
+    """The counts rule needs k distinct ids per row (a top-k's indices): a map scattered from any ids (duplicates
+    set one entry once), a float map, or a row sum stay as written."""
+    def f(scores, ids):
+        top = torch.topk(scores, 2, dim=-1).indices
+        return (torch.zeros_like(scores).int().scatter(1, ids, 1).sum(0),
+                torch.zeros_like(scores).scatter(1, top, 1.0).sum(0),
+                torch.zeros_like(scores).int().scatter(1, top, 1).sum(1))
+
+    x = (torch.randn(5, 8, generator=gen(0)), torch.randint(0, 8, (5, 2), generator=gen(1)))
+    ops = op_counts(normalized(f, *x))
+    assert ops["aten.scatter.value"] == 3 and ops["aten.scatter_add"] == 0, ops
+
+
+def test_megatron_interleaved_rope_is_the_pairwise_rope():
+    """Megatron's interleaved rotary: each angle repeated by `stack((f.view(-1, 1), f.view(-1, 1)), -1)` (a cat of
+    copies, the pair repeat), cos and sin taken of the repeated angles (the pair repeats of cos and sin), the rotate
+    by stride-2 slices and `stack((-x2, x1), -1).view(...)`: the spec's pairwise form on cos(f), sin(f), the same ops
+    as the model's `rope`, bit for bit; a cat of two different values stays."""
+    from dsv41.models.functional import rope
+
+    def pairwise(x, f):
+        return rope(x, f.cos()[:, None], f.sin()[:, None])
+
+    def megatron(x, f):
+        emb = torch.stack((f.view(-1, 1), f.view(-1, 1)), dim=-1).view(f.shape[0], -1)[:, None]
+        xf = x.float()
+        x_new = torch.stack((-xf[..., 1::2], xf[..., ::2]), dim=-1)
+        rotated = x_new.view(*x_new.shape[:-2], -1)
+        return (xf * torch.cos(emb) + rotated * torch.sin(emb)).to(x.dtype)
+
+    def two_values(f, g):
+        return torch.stack((f.view(-1, 1), g.view(-1, 1)), dim=-1).view(f.shape[0], -1).cos()
+
+    gen0 = gen(0)
+    x = (torch.randn(3, 4, 16, generator=gen0).bfloat16(), torch.rand(3, 8, generator=gen0) * 6.3)
+    want, got = normalized(pairwise, *x), normalized(megatron, *x)
+    counts, views = op_counts(got), "aten.view"
+    assert counts - Counter({views: counts[views]}) == op_counts(want) - Counter({views: op_counts(want)[views]})
+    assert counts["aten.sub.Tensor"] == 1 and counts["aten.mul.Tensor"] == 4, got.code  # (cos of f's flat view)
+    assert counts["aten.expand"] == counts["aten.clone"] == counts["aten.neg"] == 0 and counts["aten.cat"] == 1
+    assert torch.equal(got(*x), megatron(*x)) and torch.equal(got(*x), pairwise(*x))
+    fg = (torch.randn(3, 8, generator=gen0), torch.randn(3, 8, generator=gen0))
+    gm = normalized(two_values, *fg)
+    assert op_counts(gm)["aten.cat"] == 1 and op_counts(gm)["aten.expand"] == 0, gm.code
+    assert torch.equal(gm(*fg), two_values(*fg))
+
+
+def _seq_first(x, w, pre):
+    """A linear layer on sequence-first activations x [1, B, K], then fp32 pointwise ops and a reduction there."""
+    y = F.linear(x, w).float()
+    s = torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return (y * s * pre.unsqueeze(-1)).sum(-1)
+
+
+def test_sequence_first_unit_dim_sinks_where_a_linear_runs_at_it():
+    """In a graph that runs a linear layer on [1, B, K] activations (view to [B, K], mm, view to [1, B, N]), the
+    leading S = 1 of its [1, B, ...] inputs and GEMM outputs sinks below the ops, which run at [B, ...] (one view
+    restores the output's shape); without that evidence a leading unit dim is the token dim and stays (one token's
+    [1, hc, D]); bit for bit."""
+    g = gen(0)
+    x = (torch.randn(1, 3, 16, generator=g).bfloat16(), torch.randn(8, 16, generator=g).bfloat16(),
+         torch.randn(1, 3, generator=g))
+    gm = normalized(_seq_first, *x)
+    computed = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not aten.view.default]
+    assert all(n.meta["val"].shape[0] != 1 for n in computed), gm.code  # mm, pow, mean, rsqrt, mul, sum at [3, ...]
+    assert torch.equal(gm(*x), _seq_first(*x))
+
+    def one_token(x, pre):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * pre.unsqueeze(-1)).sum(1)
+
+    t1 = (torch.randn(1, 4, 16, generator=g).bfloat16(), torch.randn(1, 4, generator=g))
+    gm = normalized(one_token, *t1)
+    assert all(n.meta["val"].shape[0] == 1 for n in gm.graph.nodes if n.op == "call_function"), gm.code
+    assert torch.equal(gm(*t1), one_token(*t1))

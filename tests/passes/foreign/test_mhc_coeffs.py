@@ -103,9 +103,29 @@ def logits_scaled_before_view(x, w, base, scale):
     return *gates(m, base, scale, hc), sinkhorn((m[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(t, hc, hc))
 
 
+def _sequence_first(view_first):
+    def sequence_first(x, w, base, scale):
+        """layout: Megatron's sequence-first [S=1, T, hc, D] streams, the coefficients at [1, T, ...] (the GEMM by
+        F.linear, which views the activations to [T, hc * D] and back), the comb logits viewed [1, T, hc, hc]
+        before or after their scale and bias."""
+        hc = x.shape[1]
+        xf = x.unsqueeze(0).flatten(2).float()
+        m = F.linear(xf, w) * rms(xf)
+        pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + HC_EPS
+        post = 2.0 * torch.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+        if view_first:
+            logits = m[..., 2 * hc:].view(1, -1, hc, hc) * scale[2] + base[2 * hc:].view(hc, hc)
+        else:
+            logits = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).view(1, -1, hc, hc)
+        return pre[0], post[0], sinkhorn(logits)[0]
+    sequence_first.__name__ = "sequence_first_view_first" if view_first else "sequence_first"
+    return sequence_first
+
+
 CASES = {f.__name__: (f, tol) for f, tol in (
     (linear_gemm, EXACT), (scale_first, EXACT), (view_streams, EXACT), (alternating_loop, EXACT),
-    (softmax_written_out, FP32), (mean_square_by_mul, FP32), (logits_scaled_before_view, EXACT))}
+    (softmax_written_out, FP32), (mean_square_by_mul, FP32), (logits_scaled_before_view, EXACT),
+    (_sequence_first(False), EXACT), (_sequence_first(True), EXACT))}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ..harness import assert_found_once
+from ..harness import assert_close, assert_found_once, gen, op_counts, run_passes
 from ..test_moe_finalize import T, inputs, weighted_inputs
 
 FUSION = "moe_finalize"
@@ -66,3 +66,37 @@ def test_found_once_and_equal_to_eager(name):
     f, inputs_of = CASES[name]
     tol = dict(atol=1e-6, rtol=1e-6) if name.startswith("scatter") else {}  # scatter_add may sum in another order
     assert_found_once(f, inputs_of, FUSION, **tol)
+
+
+def test_megablox_unpermute_and_its_metadata():
+    """MaxText's permute / unpermute around already computed expert rows: the stable argsort of the flat ids, the
+    group sizes (an int32 one-hot sum), and the rows put back by argsort(order), [T, k, D], summed with the
+    routing weights by einsum, the shared expert added. moe_finalize takes the unpermute (token = order // k, the
+    graph's own node, and the weights gathered by order), after which the metadata (order // k, offsets, those row
+    weights) is the model's: both fuse, each once; equal to eager within one bf16 ulp (the finalize sums in row
+    order)."""
+    k, e = 2, 8
+
+    def f(out, ids, w, shared):
+        flat = torch.ravel(ids)
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        offsets = torch.cumsum((flat[:, None] == torch.arange(e)).to(torch.int32).sum(0), dim=0).to(torch.int32)
+        rows = (out[token].float() * 2.0).to(out.dtype)  # stands for the experts
+        y = torch.einsum("tkd,tk->td", rows[torch.argsort(order)].reshape(-1, k, out.shape[1]).float(), w)
+        return (y + shared.float()).to(shared.dtype), offsets
+
+    def inputs(seed):
+        g = gen(seed)
+        return [torch.randn(T, 16, generator=g).bfloat16(), torch.randint(0, e, (T, k), generator=g),
+                torch.rand(T, k, generator=g), torch.randn(T, 16, generator=g).bfloat16()]
+
+    gm, report = run_passes(f, inputs(0), FUSION, "moe_metadata")
+    assert report.matches == {FUSION: 1, "moe_metadata": 1}, (report.declined, report.near_misses)
+    ops = op_counts(gm)
+    assert ops["aten.sort.default"] == ops["aten.sort.stable"] == ops["aten.bmm"] == 0, gm.code
+    for seed in (1, 2):
+        x = inputs(seed)
+        got, want = gm(*x), f(*x)
+        assert torch.equal(got[1], want[1])
+        assert_close(got[0], want[0], atol=1.6e-2, rtol=1.6e-2)

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ..harness import assert_close, op_counts, run_passes
-from ..test_moe_metadata import E, FUSION, K, OP, inputs
+from ..harness import assert_close, gen, op_counts, run_passes
+from ..test_moe_metadata import E, FUSION, K, OP, T, inputs
 
 
 def _model_counts(flat_e):
@@ -61,8 +61,16 @@ def weights_first(flat_e, flat_w):
     return order // K, offsets, row_weights
 
 
+def one_hot_int32(flat_e, flat_w):
+    """counts as `jax.nn.one_hot(ids, E, dtype=int32).sum(0)` ports it: the comparison cast to int32, which the sum
+    promotes to int64; the order by torch.argsort(stable=True) of torch.ravel."""
+    order = torch.argsort(torch.ravel(flat_e), stable=True)
+    counts = (flat_e[:, None] == torch.arange(E)[None, :]).to(torch.int32).sum(0)
+    return order // K, torch.cumsum(counts, dim=0).to(torch.int32), flat_w[order]
+
+
 CASES = {f.__name__: f for f in (sort_indices_floor_divide, sort_tuple_take, arange_comparison, out_of_place_scatter,
-                                 index_add_int32, weights_first)}
+                                 index_add_int32, weights_first, one_hot_int32)}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -73,3 +81,29 @@ def test_found_once_and_equal_to_eager(name):
     for seed in (1, 2):
         x = inputs(seed)
         assert_close(gm(*x), f(*x), atol=0, rtol=0)
+
+
+def routing_map(scores, flat_w):
+    """Megatron-Core's dispatcher: the routing map [T, E] scattered from the top-k experts, its column sums as the
+    counts (`tokens_per_expert = routing_map.sum(dim=0)`), the flat ids sorted by `torch.argsort(stable=True)`,
+    the row weights by `torch.gather` on the flat weights."""
+    top = torch.topk(scores, K, dim=1).indices
+    routing_map = torch.zeros_like(scores).int().scatter(1, top, 1).bool()
+    order = torch.argsort(top.view(-1), stable=True)
+    offsets = routing_map.sum(dim=0).cumsum(0).to(torch.int32)
+    return order // K, offsets, torch.gather(flat_w, 0, order)
+
+
+def scores_inputs(seed):
+    """Router scores [T, E] (the top-k ids from them) and flat weights [T * K]."""
+    g = gen(seed)
+    return [torch.randn(T, E, generator=g), torch.rand(T * K, generator=g)]
+
+
+def test_routing_map_counts_found_once_and_equal_to_eager():
+    gm, report = run_passes(routing_map, scores_inputs(0), FUSION)
+    assert report.matches == {FUSION: 1} and op_counts(gm)[OP] == 1, report.declined
+    assert op_counts(gm)["aten.scatter.value"] == 0  # the map was only counted: gone with the counts
+    for seed in (1, 2):
+        x = scores_inputs(seed)
+        assert_close(gm(*x), routing_map(*x), atol=0, rtol=0)

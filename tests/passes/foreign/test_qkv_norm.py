@@ -105,6 +105,27 @@ def unit_seq_inputs(seed):
     return [qkv.unsqueeze(1), q_w, kv_w, cos.unsqueeze(1), sin.unsqueeze(1)]
 
 
+def megatron_sequence_first(x, w_qkv, q_w, kv_w, angle):
+    """layout and RoPE: Megatron's sequence-first [S=1, T, ...] activations (F.linear of x.unsqueeze(0), the merged
+    output split by torch.split), the interleaved rotary of angles repeated per pair by `torch.stack` with cos and
+    sin taken of the repeated angles and the rotate by stride-2 slices, the FP8 step by exp2."""
+    qkv = F.linear(x.unsqueeze(0), w_qkv)
+    q, kv = torch.split(qkv, [QD, KVD], dim=-1)
+    emb = torch.stack((angle.view(-1, 1), angle.view(-1, 1)), dim=-1).view(1, angle.shape[0], -1)
+    kv = norm(kv, kv_w)
+    rd = emb.shape[-1]
+    tail = kv[..., -rd:].float()
+    rotated = torch.stack((-tail[..., 1::2], tail[..., ::2]), dim=-1).view(*tail.shape)
+    tail = tail * torch.cos(emb) + rotated * torch.sin(emb)
+    return norm(q, q_w)[0], fp8_exp2(torch.cat((kv[..., :-rd], tail.to(kv.dtype)), dim=-1))[0]
+
+
+def megatron_inputs(seed):
+    """x [T, 64], the merged w_qkv [q_dim + kv_dim, 64], the norm weights, the rotary angles [T, rd/2]."""
+    x, wq, wkv, q_w, kv_w, cos, sin = split_inputs(seed)
+    return [x, torch.cat((wq, wkv)), q_w, kv_w, torch.atan2(sin, cos)]
+
+
 def mean_as_sum(qkv, q_w, kv_w, eps=NORM_EPS):
     """other op: the mean square as sum(x^2) / n (no RoPE/FP8 tail)."""
     def norm_sum(x, w):
@@ -121,6 +142,7 @@ CASES = {
     "two_gemm_outputs": (two_gemm_outputs, split_inputs, EXACT),
     "two_gemms_of_requantised_input": (two_gemms_of_requantised_input, split_inputs, EXACT),
     "unit_seq_dim": (unit_seq_dim, unit_seq_inputs, EXACT),
+    "megatron_sequence_first": (megatron_sequence_first, megatron_inputs, EXACT),
     "mean_as_sum": (mean_as_sum, lambda seed: inputs(seed, rope=False), BF16_ULP),
 }
 

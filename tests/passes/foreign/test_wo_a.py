@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dsv41.models import functional as fn
 
-from ..harness import assert_found_once
+from ..harness import assert_found_once, gen, rand
 from ..test_wo_a import R, inputs
 
 FUSION = "wo_a"
@@ -103,6 +104,28 @@ def output_with_unit_dim(o, cos, sin, w):
     return torch.einsum("tgd,grd->tgr", o.view(t, g, -1), w.view(g, R, -1)).reshape(t, 1, -1)
 
 
+def megatron_sequence_first(o, angle, w, wo_b):
+    """layout and RoPE: Megatron's sequence-first [S=1, T, H, hd] attention output (its projection wo_b by F.linear
+    on [1, T, G*R]), the inverse interleaved rotary with the angles repeated per pair by `torch.stack`, cos and -sin
+    taken of the repeated angles, the rotary part split off by torch.split, wo_a by bmm over transposed groups."""
+    t, g = o.shape[0], w.shape[0] // R
+    emb = torch.stack((angle.view(-1, 1), angle.view(-1, 1)), dim=-1).view(1, t, 1, -1)
+    rd = emb.shape[-1]
+    t_pass, t_rot = torch.split(o.unsqueeze(0), [o.shape[-1] - rd, rd], dim=-1)
+    t_rot = t_rot.float()
+    rotated = torch.stack((-t_rot[..., 1::2], t_rot[..., ::2]), dim=-1).view(*t_rot.shape)
+    t_rot = t_rot * torch.cos(emb) + rotated * -torch.sin(emb)
+    core = torch.cat((t_pass, t_rot.to(o.dtype)), dim=-1)
+    z = torch.bmm(core.reshape(t, g, -1).transpose(0, 1), w.view(g, R, -1).transpose(1, 2))
+    return F.linear(z.transpose(0, 1).reshape(1, t, -1), wo_b)
+
+
+def megatron_inputs(seed):
+    """o, the rotary angles [T, rd/2], w and a wo_b [64, G*R]."""
+    o, cos, sin, w = inputs(seed)
+    return [o, torch.atan2(sin, cos), w, rand(gen(seed + 9), 64, w.shape[0], scale=0.1)]
+
+
 def head_layout_inputs(seed):
     o, cos, sin, w = inputs(seed)
     return [o, cos.unsqueeze(1), sin.unsqueeze(1), w]
@@ -135,3 +158,7 @@ CASES = {f.__name__: (f, tol) for f, tol in (
 def test_found_once_and_equal_to_eager(name):
     f, tol = CASES[name]
     assert_found_once(f, inputs, FUSION, **tol)
+
+
+def test_megatron_sequence_first_found_once_and_equal_to_eager():
+    assert_found_once(megatron_sequence_first, megatron_inputs, FUSION)
