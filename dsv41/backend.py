@@ -89,11 +89,11 @@ class Dsv41Backend:
         import dsv41.lowerings  # noqa: F401  (registers the dsv41:: ops)
 
         self.pass_manager  # a bad setting raises here, before any report or fallback
-        locations = size_locations(gm) if self.config.specialize_sizes else None
         report = CompileReport(graph_id=len(self.reports))
         symbolic = self._compile_reported(gm, example_inputs, report)
         if not _declined_for_symbols(report):
             return symbolic
+        locations = size_locations(gm) if self.config.specialize_sizes else None
         if locations is None:
             log.warning("dsv41: graph %d has a symbolic token count, so the decode fusions declined; compile with "
                         "torch.compile(..., dynamic=False) (one graph per batch size)", report.graph_id)
