@@ -7,9 +7,12 @@ q [T, 32, 128] bf16, w [T, 32] fp32, keys [T, Ncap, 128] bf16, n_c [T] int64, ca
     idx[t]   = the K = min(topk, Ncap) columns of the largest s[t, n] (equal scores: the lower index first),
                sorted ascending, + offset; -1 where s is -inf (fewer than K valid columns)          [T, K] int64
 
-``IndexScore`` (launch 1) writes s to an fp32 workspace, reading the bf16 keys once: CTA (t, j) owns ``rounds``
-x 128 consecutive columns of row t (``score_grid``: one wave of CTAs when T <= 3 x SMs), each of its 4 warps 32
-columns per round as 4 tiles of 8. A warp holds all 32 heads of q[t] in registers as the A operand of
+``IndexScore`` (launch 1) writes s to an fp32 workspace, reading the bf16 keys of the visible columns once: CTA
+(t, j) of P a row (``score_grid``: one wave of CTAs when T <= 3 x SMs) takes ``rounds`` rounds of 128 consecutive
+columns of row t, round r the columns (r * P + j) * 128 + [0, 128), so that the visible columns [0, n_c) are spread
+over all P CTAs whatever n_c is (a key cache sized for a long max_context holding a shorter sequence), each of its 4
+warps 32 columns per round as 4 tiles of 8. No key at or past n_c is read: a tile past it stores -inf (and a -inf
+block maximum) without loads or MMAs. A warp holds all 32 heads of q[t] in registers as the A operand of
 ``mma.sync.m16n8k16`` (two 16-head tiles, bf16 in, fp32 accumulation: the bf16 x bf16 products are exact in fp32)
 and streams the keys as the B operand, 16-byte vectors
 in the column relabelling of ``dsv41.kernels.moe_route`` (lane (r, q) = (lane / 4, lane % 4) loads columns [8q,
@@ -35,9 +38,12 @@ of the cluster owning the span of columns [r * span, (r + 1) * span), span = cei
 cluster: the design it replaces (about 128 slice CTAs a row, then one merge CTA streaming their 128 x K candidates
 from global memory twice) spent most of its time in that one serial CTA (ncu at base clocks, 2^19 columns: slices
 11.5 us, merge 51.0); in a cluster every CTA works on its own columns until the end, the only serial steps are
-256-bin sums, and no candidates travel through global memory. Why 16-bit prefixes on chip: the full keys of a
-2^20-wide row do not fit in 16 SMs' shared memory (256 KB a CTA), their top 16 bits do (128 KB), and they decide
-rounds 0 and 1 and nearly every key of the collection.
+256-bin sums, and no candidates travel through global memory. Spans of at most MAX_RESIDENT_SPAN = 8192 columns
+(rows up to 2^17: capacity 4096 or 8192) are held in registers, 4 or 8 consecutive keys a thread as on one CTA
+(``select_cluster_registers``): every round's histogram from the registers, the cluster sum of each round as below,
+one collection step. Wider spans: why 16-bit prefixes on chip: the full keys of a 2^20-wide row do not fit in 16
+SMs' shared memory (256 KB a CTA), their top 16 bits do (128 KB), and they decide rounds 0 and 1 and nearly every
+key of the collection.
 - Pass 1 reads the CTA's scores from global memory once (coalesced, 8 unpredicated loads in flight a thread, the
   last column's again past the span), stores each key's top 16 bits (unsigned order) in shared memory and builds
   round 0's histogram (predicated shared increments, ``_histogram_add``).
@@ -125,6 +131,17 @@ nvdisasm 13.5): 192 without candidates (24 a key: 8 scalar loads, keys, the bloc
 holding candidates; the candidates' select, per thread: the gather of its 8 candidates 252 (skipped past the total),
 a round 178 to 212 (8 keys' histogram and the pick), the collection at most 296.
 
+Session 13 (H200, 2026-12-02, one run, ``benchmarks/results/kernels_s13_indexer_experiments_h200.json``, T = 1,
+k = 512, the op and its parts against this file's previous build in the same process): the register cluster took
+the select at 65536 columns from 10.66 to 7.63 us (``torch.topk`` 46.16: 6.05x) and the op from 20.10 to 17.38; a
+key cache of 524288 columns with 1/8 visible went from 52.39 to 28.57 us (the scores 38.43 -> 14.25), 2^20 with
+1/16 visible from 85.33 to 33.84; all rows visible, the round-robin rounds cost 0.2 to 0.4 us of the score kernel
+(524288: 38.61 -> 39.02; 4096: 4.22 -> 4.41; the op 8.30 -> 8.49 at 4096). Tried and dropped in the same session
+(``kernels_s13_indexer_prefetch_dropped_h200.json``): one thread a CTA issuing ``cp.async.bulk.prefetch.L2`` of
+its next 1, 2 or 3 rounds' keys (32 KB each) made the op slower at every wide width (524288: 52.57 without, 66.94
+/ 69.11 / 74.52 with; 2^20: 85.01 against 108.29 / 111.18 / 121.01), and clusters of 8, 4 or 2 CTAs of wider
+spans at 65536 columns were slower than 16 (13.63 / 16.73 / 24.85 against 10.78 us on the prefix build).
+
 Measured on the H200 (2026-12-02, ``benchmarks/results/kernels_s11_indexer.json``, T = 1, k = 512, scores from the
 score kernel on random q and keys, all columns visible, under CUDA graphs), the select alone at 65536 / 2^17 / 2^18 /
 524288 / 2^20 columns: the sampled path 12.19 (an earlier run) / - / 13.03 / 14.40 / 14.50 us, the cluster alone
@@ -170,6 +187,7 @@ THREADS = 1024  # per select CTA
 CTA_COLUMNS = 4096  # columns a select CTA takes before a row's cluster grows
 MAX_CLUSTER = 16  # CTAs of a row's select cluster (Hopper's non-portable maximum)
 MAX_SPAN = MAX_COLUMNS // MAX_CLUSTER  # the most columns of one select CTA (their prefixes: 128 KB of shared memory)
+MAX_RESIDENT_SPAN = 2 * CTA_COLUMNS  # the widest span a cluster CTA holds in registers (8 keys a thread)
 _WARPS = 4  # per score CTA
 _TILE = 8  # key columns per MMA (its N)
 _TILES = 4  # MMA tiles per warp per round
@@ -218,12 +236,14 @@ class IndexScore:
         r = lane // 4  # head r (+ 8, 16, 24) of the A operand, key column r of a tile
         q = lane % 4  # which 8 columns of each 32-column chunk
         t = cta // ctas_per_row
-        col0 = (cta % ctas_per_row) * (rounds * _ROUND_COLS)
+        stride = ctas_per_row * _ROUND_COLS  # round rnd of the CTA: columns col0 + rnd * stride + [0, 128)
+        col0 = (cta % ctas_per_row) * _ROUND_COLS
         n_cap = mKeys.shape[1]
         vec = (_VEC,)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
         n_c = Int32(cutlass.max(cutlass.min(mNc[t], Int64(n_cap)), Int64(-1)))
+        n_read = cutlass.max(n_c, Int32(0))  # the columns whose keys are read: the others score -inf
 
         # A operand: a[m][h][c] = the 4 bf16 pairs of head 16m + 8h + r in chunk c; w of the same heads
         a = [[cute_utils.load_bf16_pairs(cute.tiled_divide(mQ[t, 16 * m + 8 * h + r, None], vec)[None, 4 * c + q])
@@ -231,18 +251,34 @@ class IndexScore:
         w = [mW[t, 16 * m + 8 * h + r] for m in range(2) for h in range(2)]
 
         for rnd in cutlass.range(rounds):
-            base = col0 + rnd * _ROUND_COLS + warp * (_TILES * _TILE)
-            b_tiles = []  # every tile's B operand, requested before the first MMA
+            base = col0 + rnd * stride + warp * (_TILES * _TILE)
+            b_tiles = []  # every tile's B operand, requested before the first MMA (none past n_c: zeros)
             for i in cutlass.range_constexpr(_TILES):
                 n = base + i * _TILE + r
                 gK = cute.tiled_divide(mKeys[t, cutlass.min(n, n_cap - 1), None], vec)
-                b_tiles.append([cute_utils.load_bf16_pairs(gK[None, 4 * c + q], n < n_cap) for c in range(_CHUNKS)])
+                b_tiles.append([cute_utils.load_bf16_pairs(gK[None, 4 * c + q], n < n_read) for c in range(_CHUNKS)])
             for i in cutlass.range_constexpr(_TILES):
                 n0 = base + i * _TILE
                 if n0 < n_cap:  # warp-uniform
-                    self.tile(t, n0, n_cap, n_c, q, a, w, b_tiles[i], mCand, mScores, mBlocks)
+                    if n0 < n_read:
+                        self.tile(t, n0, n_cap, n_c, q, a, w, b_tiles[i], mCand, mScores, mBlocks)
+                    else:
+                        self.hidden_tile(t, n0, n_cap, q, mScores, mBlocks)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def hidden_tile(self, t: Int32, n0: Int32, n_cap: Int32, q: Int32, mScores: cute.Tensor, mBlocks: cute.Tensor):
+        """A tile of columns [n0, n0 + 8) at or past n_c (one warp): -inf scores, stored as ``tile`` stores them, and
+        -inf block maximum (never the newest block, which holds column n_c - 1), without its keys or MMAs."""
+        lane = cute.arch.lane_idx()
+        for e in cutlass.range_constexpr(2):
+            col = n0 + 2 * q + e
+            if (lane < 4) & (col < n_cap):
+                mScores[t, col] = Float32(-math.inf)
+        if const_expr(self.blocks):
+            if lane == 0:
+                mBlocks[t, n0 // BLOCK] = Float32(-math.inf)
 
     @cute.jit
     def tile(self, t: Int32, n0: Int32, n_cap: Int32, n_c: Int32, q: Int32, a: list, w: list, b: list,
@@ -295,6 +331,8 @@ class TopkSelect:
         self.k = k
         self.capacity = capacity
         self.resident = capacity == 0
+        # a cluster whose spans fit registers: capacity / THREADS (4 or 8) keys a thread, rows of N <= 2^17
+        self.resident_cluster = CTA_COLUMNS <= capacity <= MAX_RESIDENT_SPAN
         self.pdl = pdl
         self.sampled = sampled
         if sampled and self.resident:
@@ -327,7 +365,8 @@ class TopkSelect:
         sPrefix = None
         if const_expr(not self.resident):
             sTotal = smem.allocate_tensor(Int32, cute.make_layout((_BINS, 2)), byte_alignment=16)  # cluster sums
-            sPrefix = smem.allocate_tensor(cutlass.Uint16, cute.make_layout(self.capacity), byte_alignment=16)
+            if const_expr(not self.resident_cluster):
+                sPrefix = smem.allocate_tensor(cutlass.Uint16, cute.make_layout(self.capacity), byte_alignment=16)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
         t = cta // cluster_n
@@ -418,9 +457,59 @@ class TopkSelect:
 
     @cute.jit
     def select_cluster(self, gRow: cute.Tensor, n: Int32, rank: Int32, cluster_n: Int32, span: Int32, offset: Int64,
-                       mOut: cute.Tensor, t: Int32, sHist: cute.Tensor, sTotal: cute.Tensor, sPrefix: cute.Tensor,
+                       mOut: cute.Tensor, t: Int32, sHist: cute.Tensor, sTotal: cute.Tensor, sPrefix,
                        sScan: cute.Tensor, sPick: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
-        """The cluster's select of its row (module docstring), CTA ``rank`` on columns [rank * span, ...)."""
+        """The cluster's select of its row (module docstring), CTA ``rank`` on columns [rank * span, ...): from
+        registers when a span fits them (``resident_cluster``), else through the shared prefixes."""
+        if const_expr(self.resident_cluster):
+            self.select_cluster_registers(gRow, n, rank, cluster_n, span, offset, mOut, t, sHist, sTotal, sScan,
+                                          sPick, tidx, warp, lane)
+        else:
+            self.select_cluster_prefixes(gRow, n, rank, cluster_n, span, offset, mOut, t, sHist, sTotal, sPrefix,
+                                         sScan, sPick, tidx, warp, lane)
+
+    @cute.jit
+    def select_cluster_registers(self, gRow: cute.Tensor, n: Int32, rank: Int32, cluster_n: Int32, span: Int32,
+                                 offset: Int64, mOut: cute.Tensor, t: Int32, sHist: cute.Tensor, sTotal: cute.Tensor,
+                                 sScan: cute.Tensor, sPick: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
+        """The cluster select of a span of at most ``capacity`` <= MAX_RESIDENT_SPAN columns: thread tidx holds the
+        keys of the CTA's columns [r * tidx, r * tidx + r), r = capacity / THREADS, in registers, as the one-CTA
+        select does, so no pass writes prefixes and no round or collection re-reads global memory; the rounds end as
+        the prefix build's do (``_cluster_pick``), and one collection step writes the CTA's keys."""
+        per_thread = self.capacity // THREADS
+        first = rank * span
+        count = cutlass.max(cutlass.min(n - first, span), Int32(0))
+        keys = []
+        lives = []
+        for j in cutlass.range_constexpr(per_thread):
+            e = tidx * per_thread + j
+            key = Int32(_PAD)
+            if e < count:
+                key = _order_key(gRow[first + e])
+            keys.append(key)
+            lives.append(e < count)
+        prefix, remaining, level, done, gt_before, eq_before = _first_round_state(self.k)
+        for rnd in cutlass.range_constexpr(_ROUNDS):
+            if done == 0:
+                _histogram_add(sHist[None, rnd % 2], [_digit(key, rnd) for key in keys],
+                               [_matches(key, rnd, prefix) & live for key, live in zip(keys, lives)])
+                prefix, remaining, done, gt_before, eq_before = _cluster_pick(
+                    rnd, rank, cluster_n, prefix, remaining, gt_before, sHist, sTotal, sPick, tidx, warp, lane)
+                level = Int32(8 * (rnd + 1))
+        cute.arch.cluster_arrive()  # the peers' histogram reads are done; matched by the wait before the exit
+        lo, hi = _bin_edges(prefix, level)
+        self.collect(keys, [first + tidx * per_thread + j for j in range(per_thread)], Int32(0), gt_before,
+                     eq_before, lo, hi, remaining, mOut, t, offset, sScan, warp, lane)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.cluster_wait()
+
+    @cute.jit
+    def select_cluster_prefixes(self, gRow: cute.Tensor, n: Int32, rank: Int32, cluster_n: Int32, span: Int32,
+                                offset: Int64, mOut: cute.Tensor, t: Int32, sHist: cute.Tensor, sTotal: cute.Tensor,
+                                sPrefix: cute.Tensor, sScan: cute.Tensor, sPick: cute.Tensor, tidx: Int32, warp: Int32,
+                                lane: Int32):
+        """The cluster select through the shared 16-bit prefixes (module docstring)."""
         first = rank * span  # the CTA's first column
         count = cutlass.max(cutlass.min(n - first, span), Int32(0))  # its columns
         groups = cute.tiled_divide(sPrefix, (_GROUP,))  # thread-owned runs of _GROUP consecutive slots
@@ -440,12 +529,7 @@ class TopkSelect:
         # the same digit; `prefix` = the top `level` bits of the take-th largest key, `remaining` = how many keys
         # with those bits are still to take; the rounds stop once they are all of that bin's keys. `gt_before`,
         # `eq_before`: the keys above the bin and in it of the CTAs before this one (in column order).
-        prefix = Int32(0)
-        remaining = Int32(self.k)
-        level = Int32(0)
-        done = Int32(0)
-        gt_before = Int32(0)
-        eq_before = Int32(0)
+        prefix, remaining, level, done, gt_before, eq_before = _first_round_state(self.k)
         for rnd in cutlass.range_constexpr(_ROUNDS):
             if done == 0:
                 if const_expr(rnd > 0):
@@ -471,28 +555,8 @@ class TopkSelect:
                             digits.append(digit)
                             lives.append(live)
                         _histogram_add(sHist[None, rnd % 2], digits, lives)
-                cute.arch.cluster_arrive()  # release: this CTA's histogram; acquire: every peer's
-                cute.arch.cluster_wait()
-                if tidx < _BINS:
-                    total = Int32(0)
-                    before = Int32(0)
-                    for peer in cutlass.range_constexpr(MAX_CLUSTER):  # 16 independent loads, none predicated
-                        n_peer = cute_utils.load_shared_remote(cute_utils.elem_ptr(sHist, (tidx, rnd % 2)),
-                                                               cutlass.min(Int32(peer), cluster_n - 1))
-                        total = total + cutlass.select_(peer < cluster_n, n_peer, Int32(0))
-                        before = before + cutlass.select_(peer < rank, n_peer, Int32(0))
-                    sTotal[tidx, 0] = total
-                    sTotal[tidx, 1] = before
-                    sHist[tidx, (rnd + 1) % 2] = Int32(0)  # the next round's (its peers read it before this round)
-                cute.arch.barrier()
-                if warp == 0:
-                    _pick_digit(sTotal[None, 0], sTotal[None, 1], sPick, prefix, remaining, lane)
-                cute.arch.barrier()
-                prefix = sPick[0]
-                remaining = sPick[1]
-                done = cutlass.select_(remaining == sPick[2], Int32(1), Int32(0))
-                gt_before = gt_before + sPick[3]
-                eq_before = sPick[4]
+                prefix, remaining, done, gt_before, eq_before = _cluster_pick(
+                    rnd, rank, cluster_n, prefix, remaining, gt_before, sHist, sTotal, sPick, tidx, warp, lane)
                 level = Int32(8 * (rnd + 1))
         cute.arch.cluster_arrive()  # the peers' histogram reads are done; matched by the wait before the exit
         lo, hi = _bin_edges(prefix, level)
@@ -791,6 +855,42 @@ def _pick_digit(sBins: cute.Tensor, sEarlier, sPick: cute.Tensor, prefix: Int32,
             sPick[4] = earlier[i]
         above = above + bins[i]
         earlier_above = earlier_above + earlier[i]
+
+
+def _first_round_state(k: int):
+    """(prefix, remaining, level, done, gt_before, eq_before) of a cluster select before its first round
+    (``_cluster_pick`` returns them past each round)."""
+    return Int32(0), Int32(k), Int32(0), Int32(0), Int32(0), Int32(0)
+
+
+@cute.jit
+def _cluster_pick(rnd: cutlass.Constexpr[int], rank: Int32, cluster_n: Int32, prefix: Int32, remaining: Int32,
+                  gt_before: Int32, sHist: cute.Tensor, sTotal: cute.Tensor, sPick: cute.Tensor, tidx: Int32,
+                  warp: Int32, lane: Int32):
+    """The end of a cluster select's round ``rnd``, once this CTA's histogram is in sHist[:, rnd % 2]: a cluster
+    barrier (release / acquire), the 256 bins summed over the cluster's CTAs through DSMEM (``ld.shared::cluster``)
+    and over the CTAs before this one, into sTotal [256, 2]; sHist's other half cleared for the next round (the
+    peers read it a round ago); warp 0 picks the digit. Returns (prefix, remaining, done, gt_before, eq_before)
+    past the round (``_pick_digit``; done: the bin holds exactly the keys still to take)."""
+    cute.arch.cluster_arrive()  # release: this CTA's histogram; acquire: every peer's
+    cute.arch.cluster_wait()
+    if tidx < _BINS:
+        total = Int32(0)
+        before = Int32(0)
+        for peer in cutlass.range_constexpr(MAX_CLUSTER):  # 16 independent loads, none predicated
+            n_peer = cute_utils.load_shared_remote(cute_utils.elem_ptr(sHist, (tidx, rnd % 2)),
+                                                   cutlass.min(Int32(peer), cluster_n - 1))
+            total = total + cutlass.select_(peer < cluster_n, n_peer, Int32(0))
+            before = before + cutlass.select_(peer < rank, n_peer, Int32(0))
+        sTotal[tidx, 0] = total
+        sTotal[tidx, 1] = before
+        sHist[tidx, (rnd + 1) % 2] = Int32(0)
+    cute.arch.barrier()
+    if warp == 0:
+        _pick_digit(sTotal[None, 0], sTotal[None, 1], sPick, prefix, remaining, lane)
+    cute.arch.barrier()
+    return (sPick[0], sPick[1], cutlass.select_(sPick[1] == sPick[2], Int32(1), Int32(0)), gt_before + sPick[3],
+            sPick[4])
 
 
 def config_reason(heads: int, head_dim: int, n_cap: int, topk: int, cand_block: int, cand_topk_blocks: int,

@@ -15,8 +15,9 @@ The kernels launch with programmatic dependent launch (PDL), so in this back-to-
 weight loads overlap the previous call; the ``dsv41`` rows also carry ``us_no_pdl``, the same kernel launched
 plainly (what it costs after a predecessor that does not trigger PDL).
 
-``indexer_topk`` is timed per context length (``--columns``, the key cache's Ncap, all rows visible) at Flash's
-indexer sizes (32 heads x 128, top-512); its floor is the bf16 keys read once (plus q, w and the indices), and its
+``indexer_topk`` is timed per context length (``--columns``, the key cache's Ncap; ``--visible`` the share of its
+rows below n_c, default all) at Flash's indexer sizes (32 heads x 128, top-512); its floor is the visible bf16 keys
+read once (plus q, w and the indices), and its
 Inductor variant compiles the reference in the default mode (the autotuning modes take minutes per width). Its extra
 variants: ``select`` (the kernel's exact top-512 alone, on the score kernel's scores; above 4096 columns the
 sampled path), ``select_cluster`` (the same on the path without the sample: one cluster a row) and ``torch_topk``
@@ -232,21 +233,23 @@ def _finalize_op(cfg) -> Op:
     )
 
 
-def _indexer_op(cfg, columns: int) -> Op:
-    """dsv41::indexer_topk (index form) over a key cache of ``columns`` rows per token, all visible."""
+def _indexer_op(cfg, columns: int, visible: float = 1.0) -> Op:
+    """dsv41::indexer_topk (index form) over a key cache of ``columns`` rows per token, the first
+    ceil(visible * columns) of them visible (n_c); its floor reads the visible keys only."""
     from dsv41.kernels.indexer_topk import index_scores, indexer_topk, topk_indices
     from dsv41.lowerings.indexer_topk import reference
 
     heads, dim, k, offset = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, cfg.window_size
     scalars = dict(topk=k, offset=offset, cand_block=cfg.candidate_block_size, cand_topk_blocks=0)
     blocks = dict(scalars, cand_topk_blocks=cfg.candidate_topk_blocks)
+    n_c = math.ceil(visible * columns)
 
     def make_inputs(t, g):  # made on the GPU: a CPU draw of 2^20 x 128 keys per set takes seconds
         gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(2**31, (1,), generator=g)))
         return [torch.randn(t, heads, dim, generator=gen, device="cuda").bfloat16(),
                 torch.randn(t, heads, generator=gen, device="cuda") / heads**0.5,
                 torch.randn(t, columns, dim, generator=gen, device="cuda").bfloat16(),
-                torch.full((t,), columns, dtype=torch.int64, device="cuda")]
+                torch.full((t,), n_c, dtype=torch.int64, device="cuda")]
 
     def scores(q, w, keys, n_c):
         return [index_scores(q, w, keys, n_c)[0]]
@@ -255,7 +258,7 @@ def _indexer_op(cfg, columns: int) -> Op:
         name="indexer_topk",
         make_inputs=make_inputs,
         # read q, w, the keys and n_c; write the indices
-        nbytes=lambda t: t * (heads * dim * 2 + heads * 4 + columns * dim * 2 + 8 + min(k, columns) * 8),
+        nbytes=lambda t: t * (heads * dim * 2 + heads * 4 + n_c * dim * 2 + 8 + min(k, columns) * 8),
         reference=lambda q, w, keys, n_c: reference(q, w, keys, n_c, None, **scalars)[0],
         kernel=lambda q, w, keys, n_c, pdl=True: indexer_topk(q, w, keys, n_c, None, **scalars, pdl=pdl)[0],
         columns=columns,
@@ -297,8 +300,8 @@ def _compiled(reference: Callable, mode: str) -> Callable:
     return torch.compile(reference, mode=mode, fullgraph=True, dynamic=False)
 
 
-def _built_ops(ops: list[str], columns: list[int]) -> list[Op]:
-    return [OPS[name](FLASH, n) if name in COLUMN_OPS else OPS[name](FLASH) for name in ops
+def _built_ops(ops: list[str], columns: list[int], visible: float = 1.0) -> list[Op]:
+    return [OPS[name](FLASH, n, visible) if name in COLUMN_OPS else OPS[name](FLASH) for name in ops
             for n in (columns if name in COLUMN_OPS else [None])]
 
 
@@ -321,7 +324,7 @@ def launch_for_profiler(ops: list[str], tokens: list[int], columns: list[int]) -
 
 
 def run(ops: list[str], tokens: list[int], variants: list[str], replays: int, budget_s: float | None,
-        out: Path, columns: list[int] | None = None) -> dict:
+        out: Path, columns: list[int] | None = None, visible: float = 1.0) -> dict:
     """Measure every (op, T, variant) (and width of the ops timed per ``columns``); the JSON under ``out`` is
     rewritten after each row, so a run cut short keeps what it measured."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -330,7 +333,7 @@ def run(ops: list[str], tokens: list[int], variants: list[str], replays: int, bu
     result = {"gpu": props.name, "torch": torch.__version__, "l2_bytes": props.L2_cache_size,
               "copy_gbps": bandwidth / 1e9, "config": "flash", "rows": []}
     started = time.monotonic()
-    for op in _built_ops(ops, columns or [int(n) for n in DEFAULT_COLUMNS.split(",")]):
+    for op in _built_ops(ops, columns or [int(n) for n in DEFAULT_COLUMNS.split(",")], visible):
         name = op.name
         where = name if op.columns is None else f"{name} N={op.columns}"
         for t in tokens:
@@ -363,6 +366,7 @@ def run(ops: list[str], tokens: list[int], variants: list[str], replays: int, bu
                        "floor_us": set_bytes / bandwidth * 1e6, "bytes": set_bytes, "calls_per_graph": n_sets}
                 if op.columns is not None:
                     row["columns"] = op.columns
+                    row["visible"] = visible
                 row["pct_copy_bandwidth"] = 100 * row["floor_us"] / row["us"]
                 if variant == "dsv41":  # the same kernel launched without programmatic dependent launch
                     row["us_no_pdl"] = time_in_graph(functools.partial(op.kernel, pdl=False), input_sets, replays)
@@ -557,6 +561,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated token counts (default 1,2,4,8,16,32,64; 1 for --op indexer_topk)")
     parser.add_argument("--columns", default=DEFAULT_COLUMNS,
                         help="comma-separated widths (key-cache rows Ncap) of " + ", ".join(COLUMN_OPS))
+    parser.add_argument("--visible", type=float, default=1.0,
+                        help="the share of each key cache's rows visible (n_c = ceil(share * Ncap)) for "
+                             + ", ".join(COLUMN_OPS) + "; in (0, 1]")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated subset of " + ",".join(VARIANTS))
     parser.add_argument("--replays", type=int, default=20, help="graph replays per measurement (median)")
@@ -582,6 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     if not all(t.strip().isdecimal() and int(t) >= 1 for t in tokens_text.split(",")):
         parser.error(f"--tokens must be comma-separated token counts >= 1, got {tokens_text!r}")
     tokens = [int(t) for t in tokens_text.split(",")]
+    if not 0.0 < args.visible <= 1.0:
+        parser.error(f"--visible must be in (0, 1], got {args.visible}")
     if args.op == "allreduce_mhc":
         args.out.mkdir(parents=True, exist_ok=True)
         return allreduce_mhc_bench(tokens, args.replays, args.out)
@@ -601,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profiler_launches:
         launch_for_profiler(ops, tokens, columns)
         return 0
-    result = run(ops, tokens, variants, args.replays, args.budget_s, args.out, columns)
+    result = run(ops, tokens, variants, args.replays, args.budget_s, args.out, columns, args.visible)
     plotted = plot(result, args.out / "kernels.png")
     print(table(result))
     print(f"wrote {args.out / 'kernels.json'}" + (f" and {args.out / 'kernels.png'}" if plotted else ""))

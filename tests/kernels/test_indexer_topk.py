@@ -438,12 +438,14 @@ def test_candidate_filter_compiles_for_sm90a(pdl, monkeypatch, tmp_path):
 def test_select_plan_covers_the_widths():
     """One CTA up to 4096 columns (capacity 0: its keys in registers), then ceil(N / 4096) CTAs a row up to 16,
     every CTA at least one column, the spans covering the row, the capacity the power of two that holds a span (at
-    least 4096: its shared prefixes at most 128 KB). SELECT_VARIANTS compiles the one-CTA build and the smallest and
-    largest capacity at both k; the other capacities only change the shared allocation."""
+    least 4096: its shared prefixes at most 128 KB; capacities 4096 and 8192, rows up to 2^17, hold 4 and 8 keys a
+    thread in registers instead). SELECT_VARIANTS compiles the one-CTA build, both register-cluster builds and the
+    smallest and largest prefix capacities at both k; the other capacities only change the shared allocation."""
     assert [K.select_plan(n) for n in (1, 4096, 4097, 65536, 65537)] == [
         (1, 1, 0), (1, 4096, 0), (2, 2049, 4096), (16, 4096, 4096), (16, 4097, 8192)]
     assert K.select_plan(524288) == (16, 32768, 32768) and K.select_plan(1 << 20) == (16, 65536, 65536)
     assert K.select_plan(131072) == (16, 8192, 8192)  # layer 20's blocks at Ncap = 2^20
+    assert K.select_plan(131073)[2] == 16384 > K.MAX_RESIDENT_SPAN  # the first width through the shared prefixes
     for n in [1, 7, 4096, 4097, 8191, 61441, 65537, 300001, (1 << 20) - 1, 1 << 20]:
         cluster_n, span, capacity = K.select_plan(n)
         assert 1 <= cluster_n <= K.MAX_CLUSTER and (cluster_n - 1) * span < n <= cluster_n * span
@@ -514,7 +516,8 @@ def test_select_reason_explains():
 # GPU
 
 
-SELECT_WIDTHS = _widths(1, 7, 600, 1025, 4095, 4096, 4097, 16385, 61441, 65536, 65537, 300001, (1 << 20) - 1, 1 << 20)
+SELECT_WIDTHS = _widths(1, 7, 600, 1025, 4095, 4096, 4097, 16385, 61441, 65536, 65537, 131072, 131073, 300001,
+                        (1 << 20) - 1, 1 << 20)
 
 
 @pytest.mark.gpu
@@ -606,6 +609,16 @@ def test_op_matches_reference(t):
 def test_op_wide_rows(n_cap):
     """Rows wider than one select CTA: clusters of 16 CTAs (spans of 4096, 32768 and 65536 columns)."""
     inputs = _op_inputs(2 if n_cap > 65536 else 3, n_cap, n_cap)
+    _assert_op_matches(_op(inputs), inputs)
+
+
+@pytest.mark.gpu
+def test_op_wide_row_partly_visible():
+    """A wide key cache of which only the first n_c rows are visible (a long max_context, a shorter sequence): the
+    score kernel reads no key past n_c and scores those columns -inf; the op equals the reference."""
+    n_cap = min(MAX_COLUMNS, 524288)
+    inputs = _op_inputs(1, n_cap, 70)
+    inputs["n_c"][0] = n_cap // 3 + 77  # not a multiple of a score round (128) or a tile (8)
     _assert_op_matches(_op(inputs), inputs)
 
 
