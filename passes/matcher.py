@@ -29,7 +29,10 @@ views binds a graph value of higher rank without its non-leading size-1 dims (a 
 `[T, hc, D]`), a weight the pattern transposes binds a graph input stored in that layout, or a view of one (a
 flat parameter viewed `[E, D, 2I]`; the op takes it back through views, in place: `_input_in_inverse_layout`), and a
 pattern view of a bound input matches a graph view of that input's view root (`view(ids, [M])` and `view(ids,
-[M, 1])` of one `[T, k]` ids: `_views_of_one_root`; the other outputs are also searched from the root). A
+[M, 1])` of one `[T, k]` ids: `_views_of_one_root`; the other outputs are also searched from the root). An input
+the pattern reads only in pointwise ops that broadcast it (maybe through casts) against an operand of the result's
+rank binds a graph value with more leading size-1 dims without them (`_without_broadcast_units`: at one token a
+`[1, 1, D]` value times `[1, hc, 1]` weights is the product of the pattern's `[1, D]`). A
 pattern output that the graph views with more size-1 dims is viewed back after the op.
 
 A pattern value read twice may be two graph nodes that repeat one op on the same operands (`_repeats`: a scale
@@ -1276,8 +1279,10 @@ def _layout_derived(ph: fx.Node, st: _State) -> "Derived | None":
         shape = tuple(1 if d == 1 else next(kept) for d in ph.meta["val"].shape)
         return None if shape == tuple(val.shape) or math.prod(shape) != val.numel() else Derived(aten.reshape.default, (b, list(shape)))
     users = list(ph.users)
-    if not isinstance(val, torch.Tensor) or not users or any(u.target is not aten.view.default for u in users):
+    if not isinstance(val, torch.Tensor) or not users:
         return None
+    if any(u.target is not aten.view.default for u in users):
+        return _without_broadcast_units(ph, b, val, st)
     shapes = set()
     for u in users:
         g = st.p2t.get(u)
@@ -1302,6 +1307,37 @@ def _without_units(ph: fx.Node, b: fx.Node, val) -> "Derived | None":
     if not all(isinstance(d, int) for d in shape) or len(shape) != ph.meta["val"].dim() or len(shape) == val.dim():
         return None
     return Derived(aten.reshape.default, (b, shape))
+
+
+def _without_broadcast_units(ph: fx.Node, b: fx.Node, val, st: _State) -> "Derived | None":
+    """b without the leading size-1 dims it has beyond ph's rank, where the pattern reads ph only in pointwise ops
+    that broadcast it against another operand of the graph result's rank (maybe through unary pointwise ops: casts,
+    negations) and the graph repeats those ops: broadcasting prepends size-1 dims to an operand of lower rank, so
+    each result is the same tensor with or without them, and everything the region computes from it too (cos bound
+    as the graph's `[B=1, S=1, rd/2]` input beside `[1, H, rd/2]` heads, where the pattern at T = 1 reads `[1, rd/2]`;
+    a `[1, 1, D]` sublayer output cast beside `[1, hc, 1]` weights)."""
+    extra = val.dim() - ph.meta["val"].dim()
+    if extra <= 0 or any(d != 1 for d in val.shape[:extra]) or not all(isinstance(d, int) for d in val.shape):
+        return None
+    chain, broadcasts, uses = {ph}, set(), list(ph.users)  # values of b's shape; the ops reading them
+    while uses:
+        u = uses.pop()
+        t = st.p2t.get(u)
+        if not (isinstance(t, fx.Node) and t.op == "call_function" and t.target == u.target
+                and isinstance(u.target, torch._ops.OpOverload) and torch.Tag.pointwise in u.target.tags):
+            return None
+        if _unary_pointwise(u):
+            chain.add(u)
+            uses.extend(u.users)
+        else:
+            broadcasts.add(u)
+    shaped = {st.p2t.get(c) for c in chain}
+    for u in broadcasts:
+        t = st.p2t[u]
+        others = [a.meta.get("val") for a in t.args if isinstance(a, fx.Node) and a not in shaped]
+        if not any(isinstance(o, torch.Tensor) and o.dim() == t.meta["val"].dim() for o in others):
+            return None
+    return Derived(aten.reshape.default, (b, list(val.shape[extra:])))
 
 
 @dataclass(frozen=True)

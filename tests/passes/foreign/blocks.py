@@ -35,3 +35,12 @@ def assert_outputs_agree(runs):
         for g_, w_ in ((gh, wh), (gx, wx)):
             close = torch.isclose(g_.float(), w_.float(), atol=1.6e-2, rtol=1.6e-2)
             assert not g_.isnan().any() and close.float().mean() >= 0.99, (~close).sum()
+
+
+def assert_one_request_fuses(block, inputs, sites):
+    """The block at one request (B = 1, so every batch and length dim is 1: `inputs(seed, block, b=1)`) fuses
+    exactly `sites`, as at B > 1, and its outputs agree with eager (`assert_outputs_agree`) on two fresh inputs."""
+    backend, runs = compile_and_run(block, lambda seed, module: inputs(seed, module, b=1), (1, 2))
+    fused, report = fused_sites(backend)
+    assert fused == sites, (report.declined, report.near_misses)
+    assert_outputs_agree(runs)

@@ -71,10 +71,11 @@ causes, and their general fixes (`dsv41.passes.normalize` unless named):
   the replacement derives is reused where the graph computes it already, `FusionPass`) and the weights gathered
   by the order, the metadata is the model's formulation.
 After: 10 of the 11 fused (test_jax_style.py), wo_a declined (its `DenseGeneral` kernel [G, in, R] would be copied
-into the op's layout on every call, as ref_style.py's), outputs equal to eager. Left: at one request (B = 1) the
-last mhc_post_pre site is a near miss (the re-trace of the einsum formulation at the [1, 1, hc, D] value its
-collapse einsum reads directly fails), so 9 fuse there.
-"""
+into the op's layout on every call, as ref_style.py's), outputs equal to eager. At one request (B = 1) the same
+10 (9 before: the last mhc_post_pre site's MoE output, a [1, 1, D] value cast beside [1, hc, 1] post weights where
+the pattern at T = 1 casts a [1, D] one, was bound with its leading unit dim and the pattern's re-trace at that
+shape failed; the matcher now binds such an input without the leading unit dims that broadcasting adds anyway,
+`_without_broadcast_units`)."""
 
 from __future__ import annotations
 

@@ -12,18 +12,18 @@ import torch
 from dsv41.backend import make_backend
 
 from ..harness import config, gen, rand
-from .blocks import assert_outputs_agree, compile_and_run, fused_sites
+from .blocks import assert_one_request_fuses, assert_outputs_agree, compile_and_run, fused_sites
 from .megatron_style import T_SITES, MaskedSelectDispatchBlock, MegatronStyleBlock
 
 B, N = 3, 24
 
 
-def inputs(seed, block):
+def inputs(seed, block, b=B):
     """x [1, B, hc, D], pre_mix [1, B, hc] (sequence first), positions [B], index keys [B, N, ihd], n_c (0..N)."""
     g = gen(seed)
-    return [rand(g, 1, B, block.hc, 64), torch.softmax(torch.randn(1, B, block.hc, generator=g), -1),
-            torch.randint(0, 4096, (B,), generator=g), rand(g, B, N, block.index_dim),
-            torch.randint(0, N + 1, (B,), generator=g)]
+    return [rand(g, 1, b, block.hc, 64), torch.softmax(torch.randn(1, b, block.hc, generator=g), -1),
+            torch.randint(0, 4096, (b,), generator=g), rand(g, b, N, block.index_dim),
+            torch.randint(0, N + 1, (b,), generator=g)]
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,11 @@ def test_fp8_steps_are_inside_the_ops(compiled):
 
 def test_agrees_with_eager(compiled):
     assert_outputs_agree(compiled[1])
+
+
+def test_one_request():
+    """B = 1: every site in T_SITES fuses as at B = 3 (the last mhc_post_pre site's sublayer output, a `[1, 1, D]` value cast beside `[1, hc, 1]` weights, and wo_a's `[1, 1, rd/2]` cos/sin beside `[1, H, rd/2]` heads bind without the leading unit dim that broadcasting adds anyway; with B = 1 the block's layout reads as batch-first, there being no `[1, B > 1, ...]` linear layer to show it sequence-first)."""
+    assert_one_request_fuses(MegatronStyleBlock(), inputs, T_SITES)
 
 
 def test_masked_select_dispatch_breaks_the_graph_and_says_so():

@@ -81,6 +81,16 @@ def double_rounding_norm(y, x, post, comb, pre, w, eps=NORM_EPS):
     return x_new, w * (uf * torch.rsqrt(uf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def output_from_a_batch_layout(y, x, post, comb, pre, w):
+    """layout: the sublayer output reaches the post as the [T, L=1, D] reshape of a value computed in the graph (a
+    MoE's [T, D] result as a JAX port's [B, L, D]), cast and broadcast against [T, hc, 1] weights as it is; einsum
+    contractions (JAX style)."""
+    y = torch.tanh(y.float()).to(y.dtype).reshape(y.shape[0], 1, -1)
+    mixed = torch.einsum("tjk,tjd->tkd", comb, x.float())
+    x_new = (post.unsqueeze(-1) * y.float() + mixed).to(x.dtype)
+    return x_new, norm(torch.einsum("tj,tjd->td", pre, x_new.float()).to(x.dtype), w)
+
+
 CASES = {f.__name__: (f, tol) for f, tol in (
     (mix_first, EXACT), (none_indexing, EXACT), (bmm_mixing, BF16_ULP), (weight_first_norm, EXACT),
     (square_by_mul, EXACT), (reshape_flatten, EXACT), (double_rounding_norm, EXACT))}
@@ -90,3 +100,12 @@ CASES = {f.__name__: (f, tol) for f, tol in (
 def test_found_once_and_equal_to_eager(name):
     f, tol = CASES[name]
     assert_found_once(f, inputs, FUSION, **tol)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_output_from_a_batch_layout_at_one_and_more_tokens(t):
+    """At T = 1 the [1, 1, D] output and the pattern's [1, D] one broadcast alike against [1, hc, 1] (the pattern's
+    view to [1, 1, D] is dropped by the normalisation): bound without the leading unit dim, found once, within one
+    bf16 ulp of eager (the einsum sums in another fp32 order); at T = 3 the [3, 1, D] output has the pattern's
+    viewed layout."""
+    assert_found_once(output_from_a_batch_layout, lambda seed: inputs(seed, t=t), FUSION, **BF16_ULP)

@@ -11,19 +11,19 @@ import pytest
 import torch
 
 from ..harness import gen, rand
-from .blocks import assert_outputs_agree, compile_and_run, fused_sites
+from .blocks import assert_one_request_fuses, assert_outputs_agree, compile_and_run, fused_sites
 from .module_style import T_SITES, ModuleStyleBlock
 
 B, N = 3, 24
 
 
-def inputs(seed, block):
+def inputs(seed, block, b=B):
     """x [B, 1, hc, D], pre_mix [B, 1, hc], the complex64 [B, 1, rd/2] RoPE table, index keys, n_c (0..N rows)."""
     g = gen(seed)
-    angle = torch.rand(B, 1, 8, generator=g) * 2 * math.pi
-    n_c = torch.randint(0, N + 1, (B,), generator=g)
-    return [rand(g, B, 1, block.hc, 64), torch.softmax(torch.randn(B, 1, block.hc, generator=g), -1),
-            torch.polar(torch.ones_like(angle), angle), rand(g, B, N, block.index_dim), n_c]
+    angle = torch.rand(b, 1, 8, generator=g) * 2 * math.pi
+    n_c = torch.randint(0, N + 1, (b,), generator=g)
+    return [rand(g, b, 1, block.hc, 64), torch.softmax(torch.randn(b, 1, block.hc, generator=g), -1),
+            torch.polar(torch.ones_like(angle), angle), rand(g, b, N, block.index_dim), n_c]
 
 
 @pytest.fixture(scope="module")
@@ -39,3 +39,8 @@ def test_every_site_is_fused(compiled):
 
 def test_agrees_with_eager(compiled):
     assert_outputs_agree(compiled[1])
+
+
+def test_one_request():
+    """B = 1: every site in T_SITES fuses as at B = 3 (the last mhc_post_pre site's sublayer output, a `[1, 1, D]` value cast beside `[1, hc, 1]` weights, and wo_a's `[1, 1, rd/2]` cos/sin beside `[1, H, rd/2]` heads bind without the leading unit dim that broadcasting adds anyway)."""
+    assert_one_request_fuses(ModuleStyleBlock(), inputs, T_SITES)

@@ -11,19 +11,19 @@ import pytest
 import torch
 
 from ..harness import gen, rand
-from .blocks import assert_outputs_agree, compile_and_run, fused_sites
+from .blocks import assert_one_request_fuses, assert_outputs_agree, compile_and_run, fused_sites
 from .tutorial_style import T_SITES, TutorialStyleBlock
 
 B, N = 3, 24
 
 
-def inputs(seed, block):
+def inputs(seed, block, b=B):
     """x [B, 1, hc, D], pre_mix [B, 1, hc], cos/sin [B, 1, rd/2] fp32, index keys, n_c (0..N rows)."""
     g = gen(seed)
-    angle = torch.rand(B, 1, block.rope_dim // 2, generator=g) * 2 * math.pi
-    n_c = torch.randint(0, N + 1, (B,), generator=g)
-    return [rand(g, B, 1, block.hc, 64), torch.softmax(torch.randn(B, 1, block.hc, generator=g), -1), angle.cos(),
-            angle.sin(), rand(g, B, N, block.index_dim), n_c]
+    angle = torch.rand(b, 1, block.rope_dim // 2, generator=g) * 2 * math.pi
+    n_c = torch.randint(0, N + 1, (b,), generator=g)
+    return [rand(g, b, 1, block.hc, 64), torch.softmax(torch.randn(b, 1, block.hc, generator=g), -1), angle.cos(),
+            angle.sin(), rand(g, b, N, block.index_dim), n_c]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,11 @@ def test_qkv_norm_holds_the_fp8_step(compiled):
 
 def test_agrees_with_eager(compiled):
     assert_outputs_agree(compiled[1])
+
+
+def test_one_request():
+    """B = 1: every site in T_SITES fuses as at B = 3 (the last mhc_post_pre site's sublayer output, a `[1, 1, D]` value cast beside `[1, hc, 1]` weights, and wo_a's `[1, 1, rd/2]` cos/sin beside `[1, H, rd/2]` heads bind without the leading unit dim that broadcasting adds anyway)."""
+    assert_one_request_fuses(TutorialStyleBlock(), inputs, T_SITES)
 
 
 def test_a_site_fused_without_its_fp8_step_says_why(monkeypatch):

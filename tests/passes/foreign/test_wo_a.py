@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from dsv41.models import functional as fn
 
 from ..harness import assert_found_once, gen, rand
-from ..test_wo_a import R, inputs
+from ..test_wo_a import R, T, inputs
 
 FUSION = "wo_a"
 EXACT, BF16_ULP = {}, dict(atol=1.6e-2, rtol=2.0**-7)
@@ -126,8 +126,8 @@ def megatron_inputs(seed):
     return [o, torch.atan2(sin, cos), w, rand(gen(seed + 9), 64, w.shape[0], scale=0.1)]
 
 
-def head_layout_inputs(seed):
-    o, cos, sin, w = inputs(seed)
+def head_layout_inputs(seed, t=T):
+    o, cos, sin, w = inputs(seed, t)
     return [o, cos.unsqueeze(1), sin.unsqueeze(1), w]
 
 
@@ -158,6 +158,14 @@ CASES = {f.__name__: (f, tol) for f, tol in (
 def test_found_once_and_equal_to_eager(name):
     f, tol = CASES[name]
     assert_found_once(f, inputs, FUSION, **tol)
+
+
+def test_one_token_angles_in_head_layout():
+    """At T = 1 cos and sin [1, 1, rd/2] broadcast over [1, H, rd/2] heads as the pattern's [1, rd/2] (whose view
+    to [1, 1, rd/2] the normalisation drops before the broadcast) do: bound without the leading unit dim, since the
+    op takes [T, rd/2]; found op for op and bit-equal to eager (a `[B=1, S=1, rd/2]` table in the foreign blocks)."""
+    report = assert_found_once(angles_in_head_layout, lambda seed: head_layout_inputs(seed, t=1), FUSION)
+    assert [r["verified"] for r in next(p for p in report.passes if p.name == FUSION).replaced] == [None]
 
 
 def test_megatron_sequence_first_found_once_and_equal_to_eager():
