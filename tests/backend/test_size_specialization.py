@@ -16,7 +16,7 @@ from dsv41.backend import Dsv41Backend, make_backend
 
 
 def moe_tail(out, token, shared):
-    y = torch.zeros(shared.shape, dtype=torch.float32).index_add_(0, token, out.float())
+    y = torch.zeros(shared.shape, dtype=torch.float32, device=shared.device).index_add_(0, token, out.float())
     return (y + shared.float()).to(shared.dtype)
 
 
@@ -138,3 +138,42 @@ def test_a_bad_limit_names_the_setting(value):
     with pytest.raises((TypeError, ValueError), match="specialize_sizes"):
         make_backend(specialize_sizes=value)
 
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_compiles_nothing_and_replays_eager_values():
+    """On CUDA, default (inductor) mode, dynamic=True: T = 3 runs the symbolic compile, its second call compiles T = 3
+    statically with the fusion (the moe_finalize kernel); then one CUDA graph captures T = 3 and, twice, T = 5, a size
+    seen first inside the capture: nothing is compiled while capturing (T = 5 runs the symbolic compile both times),
+    and replays on fresh inputs copied into the captured buffers equal eager within one bf16 ulp (the kernel sums
+    the rows in another fp32 order before the rounding)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    backend = make_backend()
+    torch._dynamo.reset()
+    compiled = torch.compile(moe_tail, backend=backend, fullgraph=True, dynamic=True)
+
+    def cuda_args(tokens, seed):
+        return tuple(a.cuda() for a in tail_args(tokens, seed))
+
+    def close(got, args):
+        torch.testing.assert_close(got, moe_tail(*args), rtol=2.0**-7, atol=2.0**-7)
+
+    with torch.no_grad():
+        compiled(*cuda_args(3, 0))
+        at3, at5 = cuda_args(3, 1), cuda_args(5, 2)
+        close(compiled(*at3), at3)
+        assert fused(backend.reports) == [0, 1]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [compiled(*at3), compiled(*at5), compiled(*at5)]
+        assert fused(backend.reports) == [0, 1], "compiled while capturing"
+        for seed in (3, 4):
+            for buffers, tokens in ((at3, 3), (at5, 5)):
+                for buf, new in zip(buffers, cuda_args(tokens, 10 * seed + tokens)):
+                    buf.copy_(new)
+            graph.replay()
+            torch.cuda.synchronize()
+            for out, args in zip(outs, (at3, at5, at5)):
+                close(out, args)
+    torch._dynamo.reset()
