@@ -1044,3 +1044,90 @@ def test_sequence_first_unit_dim_sinks_where_a_linear_runs_at_it():
     gm = normalized(one_token, *t1)
     assert all(n.meta["val"].shape[0] == 1 for n in gm.graph.nodes if n.op == "call_function"), gm.code
     assert torch.equal(gm(*t1), one_token(*t1))
+
+
+def _sorted_prefixes(s):
+    """The first k of descending sorts: a stable sort's indices and values, and a plain sort's values."""
+    vals, idx = torch.sort(s, dim=-1, descending=True, stable=True)
+    return idx[:, :3], vals[:, :3], torch.sort(s, dim=1, descending=True).values[:, :2]
+
+
+def test_first_k_of_a_descending_sort_is_a_topk():
+    """sort(x, descending=True)[i][:, :k] is topk(x, k)[i]: the sorts are gone, one topk per k serving both of the
+    stable sort's pieces; equal to eager on fresh rows, a NaN among them (the largest in both)."""
+    s = torch.randn(4, 8, generator=gen(0))
+    gm = normalized(_sorted_prefixes, s)
+    ops = op_counts(gm)
+    assert ops["aten.sort.stable"] == ops["aten.sort"] == ops["aten.slice.Tensor"] == 0, ops
+    topks = sorted(n.args[1:] for n in gm.graph.nodes if n.target is aten.topk.default)
+    assert topks == [(2, 1, True, True), (3, 1, True, True)], topks
+    for seed in (1, 2):
+        s = torch.randn(4, 8, generator=gen(seed))
+        s[1, 5] = float("nan")
+        for got, want in zip(gm(s), _sorted_prefixes(s), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_other_pieces_of_a_sort_stay():
+    """An ascending sort's first k (the k smallest), a descending sort's slice not starting at 0 or along another
+    dim than the sort's stay as written."""
+    def f(s):
+        return (torch.sort(s, dim=-1).values[:, :3], torch.sort(s, dim=-1, descending=True).indices[:, 1:3],
+                torch.sort(s, dim=-1, descending=True).values[:2])
+
+    gm = normalized(f, torch.randn(4, 8, generator=gen(0)))
+    ops = op_counts(gm)
+    assert ops["aten.topk"] == 0 and ops["aten.sort"] == 3 and ops["aten.slice.Tensor"] == 3, ops
+
+
+def _scatter_by_sort(rows, ids):
+    """rows put back by the stable sort of ids, `new_x[order] = rows` into empty_like (SGLang's unpermute)."""
+    order = ids.argsort(stable=True)
+    new_x = torch.empty_like(rows)
+    new_x[order] = rows
+    return new_x
+
+
+def test_scatter_by_a_permutation_is_the_gather_by_its_inverse():
+    """index_put(base, [order], rows) with order a sort's indices over all rows is rows[argsort(order)]: the
+    index_put and its base gone, one sort of order, one index; equal to eager on fresh rows and ids with repeats."""
+    x = (torch.randn(6, 4, generator=gen(0)), torch.randint(0, 3, (6,), generator=gen(1)))
+    gm = normalized(_scatter_by_sort, *x)
+    ops = op_counts(gm)
+    assert ops["aten.index_put"] == ops["aten.empty.memory_format"] == 0 and ops["aten.index.Tensor"] == 1, ops
+    (inverse,) = [n for n in gm.graph.nodes if n.target is aten.sort.default]
+    assert inverse.args[0].args[0].target is aten.sort.stable  # the sort of the permutation
+    for seed in (2, 3):
+        x = (torch.randn(6, 4, generator=gen(seed)), torch.randint(0, 3, (6,), generator=gen(seed + 10)))
+        assert torch.equal(gm(*x), _scatter_by_sort(*x))
+
+
+def test_scatter_by_other_indices_stays():
+    """Indices that need not be a permutation (graph input ids, a sort's indices over fewer rows than the base's),
+    and an accumulating index_put keep their index_put."""
+    def f(rows, ids, short):
+        a = torch.zeros_like(rows).index_put((ids,), rows)
+        b = torch.zeros_like(rows).index_put((short.argsort(),), rows[:3])
+        c = torch.zeros_like(rows).index_put((ids.argsort(),), rows, accumulate=True)
+        return a, b, c
+
+    x = (torch.randn(6, 4, generator=gen(0)), torch.randperm(6, generator=gen(1)), torch.randn(3, generator=gen(2)))
+    assert op_counts(normalized(f, *x))["aten.index_put"] == 3
+
+
+def test_clone_of_a_contiguous_computed_value_is_the_value():
+    """x.reshape(-1) of a strided slice traces as clone + view; once the slice is a topk's contiguous indices (a
+    descending sort's first k) the clone is the value itself: both flat views read the topk's indices. A clone of a
+    graph input, or one the output reads, stays."""
+    def f(s, y):
+        ids = torch.sort(s, dim=-1, descending=True).indices[:, :2]
+        return ids.reshape(-1).argsort(stable=True), ids.reshape(-1) * 3, y.clone() * 2, y.clone()
+
+    x = (torch.randn(4, 8, generator=gen(0)), torch.randn(3, generator=gen(1)))
+    gm = normalized(f, *x)
+    assert op_counts(gm)["aten.clone"] == 2, gm.code
+    (topk,) = [n for n in gm.graph.nodes if n.target is aten.topk.default]
+    (indices,) = topk.users
+    assert {u.target for u in indices.users} == {aten.view.default}, gm.code
+    for got, want in zip(gm(*x), f(*x), strict=True):
+        assert torch.equal(got, want)
