@@ -1131,3 +1131,77 @@ def test_clone_of_a_contiguous_computed_value_is_the_value():
     assert {u.target for u in indices.users} == {aten.view.default}, gm.code
     for got, want in zip(gm(*x), f(*x), strict=True):
         assert torch.equal(got, want)
+
+
+def _rope_written_back(x, cos, sin):
+    """x's last 8 elements rotated pairwise in fp32 and written back in place by `copy_` (SGLang's q_pe write-back)."""
+    x = x * 1.5
+    pe = x[:, -8:]
+    x1, x2 = pe[:, ::2].float(), pe[:, 1::2].float()
+    pe.copy_(torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2))
+    return x
+
+
+def test_a_copy_written_back_is_its_source():
+    """copy(dst, src) of a same-shape src is src in dst's dtype: the fp32 rotation written into a bf16 slice is its
+    bf16 cast, and the write-back a cat of the rest and that cast; no copy left; equal to eager bit for bit."""
+    g = gen(0)
+    x = (torch.randn(3, 16, generator=g).bfloat16(), torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g))
+    gm = normalized(_rope_written_back, *x)
+    ops = op_counts(gm)
+    assert ops["aten.copy"] == ops["aten.slice_scatter"] == 0 and ops["aten.cat"] == 2, gm.code
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert out.target is aten.cat.default and out.args[0][1].target is torch.ops.prims.convert_element_type.default
+    assert torch.equal(gm(*x), _rope_written_back(*x))
+
+
+def test_a_broadcast_copy_stays():
+    """copy(dst, src) of a src broadcast to dst's shape (`dst.copy_(row)`) stays a copy."""
+    def f(x, row):
+        y = x * 2
+        y[:, :4].copy_(row)
+        return y
+
+    x = (torch.randn(3, 8, generator=gen(0)), torch.randn(4, generator=gen(1)))
+    gm = normalized(f, *x)
+    assert op_counts(gm)["aten.copy"] == 1, gm.code
+    assert torch.equal(gm(*x), f(*x))
+
+
+def _token_major_scores(q, keys, w):
+    """Index scores token-major: bmm(keys, q^T) [T, N, H], relu, times the head weights, summed over the heads."""
+    return (torch.bmm(keys, q.mT).relu() * w.unsqueeze(1)).sum(dim=-1)
+
+
+def _head_major_scores(q, keys, w):
+    return (torch.einsum("thd,tnd->thn", q, keys).relu() * w.unsqueeze(-1)).sum(dim=1)
+
+
+def test_a_sum_over_a_products_columns_is_the_sum_over_the_transposed_products_rows():
+    """sum(f(bmm(a, b)), dim=2) is sum(f^T(bmm(b^T, a^T)), dim=1): the token-major scores normalise to the graph of
+    the head-major einsum form (the same ops at the same shapes); equal to eager within fp32 reordering."""
+    g = gen(0)
+    x = (torch.randn(3, 4, 8, generator=g), torch.randn(3, 10, 8, generator=g), torch.randn(3, 4, generator=g))
+    forms = [normalized(f, *x) for f in (_token_major_scores, _head_major_scores)]
+    texts = [[(n.target, tuple(n.meta["val"].shape)) for n in gm.graph.nodes if n.op == "call_function"] for gm in forms]
+    assert texts[0] == texts[1], forms[0].code
+    (total,) = [n for n in forms[0].graph.nodes if n.target is aten.sum.dim_IntList]
+    assert total.args[1] == [1]
+    for seed in (1, 2):
+        g = gen(seed)
+        x = (torch.randn(3, 4, 8, generator=g), torch.randn(3, 10, 8, generator=g), torch.randn(3, 4, generator=g))
+        torch.testing.assert_close(forms[0](*x), _token_major_scores(*x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_sum_over_columns_of_other_values_stays():
+    """The rule needs elementwise ops, each read once, between the bmm and the sum: a softmax between them, a
+    product read twice, or a sum keeping its dim stay as written."""
+    def f(a, b):
+        p = torch.bmm(a, b)
+        r = p.relu()
+        return p.softmax(-1).sum(-1), (r * 2).sum(-1) + r.sum(1).sum(-1, keepdim=True), torch.bmm(a, b).sum(2, keepdim=True)
+
+    g = gen(0)
+    gm = normalized(f, torch.randn(2, 3, 4, generator=g), torch.randn(2, 4, 5, generator=g))
+    ops = op_counts(gm)
+    assert ops["aten.bmm"] == 2 and ops["aten.permute"] == 0, gm.code  # no product transposed
