@@ -10,31 +10,23 @@ after w2 (vLLM's order: `weights` of the op); and MaxText's unpermute, the exper
 slot) order by the inverse of the sort's permutation (`argsort(order)`), viewed [T, k, D] and summed with the
 [T, k] routing weights by `einsum('tkd,tk->td')` (the op then takes token = order // k and the weights gathered by
 order; the same products, summed in the op's row order rather than the slot order: fp32 reordering). That one
-needs `order` to be a sort's indices (a permutation); other indices are declined.
+needs `order` to be a sort's indices (a permutation); other indices are declined. The unpermute also without
+weights, the rows weighted before w2 as the spec has it (`rows[argsort(order)].view(T, k, D).float().sum(1)`;
+SGLang's `new_x[order] = rows`, normalised to that gather): the op then takes no weights.
 """
 
 from __future__ import annotations
 
-import operator
-
 import torch
-import torch.fx as fx
 
 from dsv41.passes.fusion import Derived, FusionPass, Replacement
 from dsv41.passes.matcher import Pattern
+from dsv41.passes.normalize import sort_permutation
 
 M, T, D = 6, 3, 32
 aten = torch.ops.aten
 UNPERMUTE = "unpermute"
-
-
-def _permutation(order) -> bool:
-    """order is the indices of a sort of a 1-D tensor of its length (a permutation of [0, M))."""
-    src = order.args[0] if isinstance(order, fx.Node) and order.target is operator.getitem and order.args[1] == 1 else None
-    if not (isinstance(src, fx.Node) and src.target in (aten.sort.default, aten.sort.stable)):
-        return False
-    v = src.args[0].meta.get("val")
-    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == order.meta["val"].shape
+UNWEIGHTED = f"{UNPERMUTE}_unweighted"
 
 
 def _inputs(with_shared):
@@ -58,6 +50,13 @@ def unpermute(out, order, weights):
     of the sort's permutation; out [M, D], order [M], weights [T, k] fp32, M = T * k -> [T, D] fp32."""
     rows = out[torch.argsort(order)].reshape(weights.shape[0], weights.shape[1], out.shape[1])
     return torch.einsum("tkd,tk->td", rows.float(), weights)
+
+
+def unpermute_unweighted(out, order, topk):
+    """MaxText's unpermute of rows weighted before w2 (the spec's order): y[t] = sum_j out[inv[t * k + j]] in fp32,
+    inv = argsort(order); out [M, D], order [M], k = topk, M = T * k -> [T, D] fp32."""
+    rows = out[torch.argsort(order)].reshape(out.shape[0] // topk, topk, out.shape[1])
+    return rows.float().sum(dim=1)
 
 
 def _unpermute_inputs(with_shared):
@@ -106,18 +105,35 @@ class MoeFinalizePass(FusionPass):
         inverse = aten.sort.default  # argsort of the permutation
         pats.append(Pattern(f"{UNPERMUTE}_shared", unpermute_shared, _unpermute_inputs(True), anchor=inverse))
         pats.append(Pattern(f"{UNPERMUTE}_only", unpermute, _unpermute_inputs(False), anchor=inverse))
+
+        def unpermute_unweighted_shared(out, order, shared, topk):
+            return (unpermute_unweighted(out, order, topk) + shared.float()).to(shared.dtype)
+
+        k_free, k_default = {"topk": (aten.view.default, 0, (1, 1))}, {"topk": M // T}
+        pats.append(Pattern(f"{UNWEIGHTED}_shared", unpermute_unweighted_shared, _inputs(True), k_free,
+                            k_default, anchor=inverse))
+        pats.append(Pattern(f"{UNWEIGHTED}_only", unpermute_unweighted, _inputs(False), k_free, k_default,
+                            anchor=inverse))
         return pats
 
     def tokens(self, m):
+        if m.pattern.name.startswith(UNWEIGHTED):
+            return m.inputs[0].meta["val"].shape[0] // m.free["topk"]
         return m.inputs[2].meta["val"].shape[0] if m.pattern.name.startswith(UNPERMUTE) else m.free["num_tokens"]
 
     def check(self, m):
-        if m.pattern.name.startswith(UNPERMUTE) and not _permutation(m.inputs[1]):
+        if m.pattern.name.startswith(UNPERMUTE) and not sort_permutation(m.inputs[1]):
             return (f"%{m.inputs[1].name} is not the indices of a sort of {m.inputs[0].meta['val'].shape[0]} values, so "
                     "its argsort need not be its inverse permutation: the unpermute is not the op's combine")
         return None
 
     def replacement(self, m):
+        if m.pattern.name.startswith(UNWEIGHTED):
+            out, order, *shared = m.inputs
+            k = m.free["topk"]
+            token = Derived(aten.div.Tensor_mode, (order, k), (("rounding_mode", "floor"),))
+            args = (out, token, shared[0] if shared else None, self.tokens(m), None, self.config.kernel)
+            return Replacement(torch.ops.dsv41.moe_finalize.default, args, (None,))
         if m.pattern.name.startswith(UNPERMUTE):
             out, order, weights, *shared = m.inputs
             t, k = weights.meta["val"].shape

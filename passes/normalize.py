@@ -77,7 +77,14 @@
   so counts as such a dim too (Megatron's `[S, B, ...]` layout); elsewhere a leading 1 is the token dim;
 - repeats: a cat of copies of one value with size 1 along the cat dim is its `clone(expand(...))` (Megatron's
   `stack((f.view(-1, 1), f.view(-1, 1)), -1)`, as `repeat_interleave` traces), and cos, sin or neg of a repeat is
-  the repeat of cos, sin or neg (the GPT-J rule then reads cos of repeated angles as a repeated cos).
+  the repeat of cos, sin or neg (the GPT-J rule then reads cos of repeated angles as a repeated cos);
+- SGLang-native spellings: `copy(dst, src)` of a src of dst's shape (an in-place write-back by `copy_`) is src in
+  dst's dtype; a sum over the columns of elementwise ops of a bmm is the sum over the rows of those ops of the
+  transposed product (`bmm(keys, q^T)` [T, N, H] index scores summed over the heads last); the first k of a descending sort, `sort(x, descending=True)[i][..., :k]`, is
+  `topk(x, k)[i]` (the same up to the order of tied values, which topk leaves unspecified); a clone of a computed
+  value that is already contiguous is the value (`ids.reshape(-1)` of a slice that a rewrite made a topk's
+  output); an index_put by a permutation over all rows, `new_x[order] = rows` with `order` a sort's indices, is the
+  gather `rows[argsort(order)]` by the inverse permutation.
 
 Shapes come from `meta["val"]`; a node without it is left alone.
 """
@@ -913,6 +920,126 @@ def _gather_1d(node: fx.Node) -> bool:
     return True
 
 
+def _sort_dim_descending(sort: fx.Node) -> tuple[int, bool] | None:
+    """(dim, descending) of a `sort.default` / `sort.stable` node (defaults filled), or None for another node."""
+    if not (isinstance(sort, fx.Node) and sort.op == "call_function"):
+        return None
+    if sort.target is aten.sort.default:
+        args = list(sort.args) + [-1, False][len(sort.args) - 1:]
+        return args[1], bool(args[2])
+    if sort.target is aten.sort.stable:
+        return sort.kwargs.get("dim", -1), bool(sort.kwargs.get("descending", False))
+    return None
+
+
+def _copy_as_value(graph: fx.Graph, node: fx.Node) -> bool:
+    """copy(dst, src) of a src of dst's shape and device is src, cast to dst's dtype where it differs: the functional
+    form of `dst.copy_(src)` (an in-place write-back, `x[..., -r:].copy_(rope(x[..., -r:]))`) holds src's values in
+    dst's dtype and reads nothing of dst's. Exact; a src broadcast to dst's shape stays."""
+    if node.target is not aten.copy.default or len(node.args) < 2:
+        return False
+    dst, src = node.args[:2]
+    d, v = _val(dst), _val(src)
+    if not (isinstance(d, torch.Tensor) and isinstance(v, torch.Tensor) and isinstance(src, fx.Node)
+            and d.shape == v.shape and d.device == v.device):
+        return False
+    value = src if d.dtype == v.dtype else _insert(graph, node, prims.convert_element_type.default, (src, d.dtype),
+                                                     source=node)
+    node.replace_all_uses_with(value)
+    graph.erase_node(node)
+    return True
+
+
+def _sorted_prefix_as_topk(graph: fx.Graph, node: fx.Node) -> bool:
+    """The first k of a descending sort, `sort(x, d, descending=True)[i][..., :k]` along d (`torch.sort(s,
+    descending=True).indices[:, :k]`, stable or not), is `topk(x, k, d, largest=True, sorted=True)[i]`: both are
+    the k largest values of each row in descending order (NaN largest in both) and their indices. Exact for the
+    values; for the indices wherever no two values tie across the k-th place or inside the first k: among tied
+    values a stable sort takes the lower index first, and topk's order among ties is unspecified (as the
+    fusions' ops state: a tie at the k-th may be taken in any order). One topk per (x, k, d) serves every such
+    prefix; the sort stays while anything else reads it."""
+    if not (node.target is aten.slice.Tensor and len(node.args) >= 4 and (len(node.args) < 5 or node.args[4] == 1)
+            and node.args[2] == 0 and isinstance(node.args[3], int)):
+        return False
+    piece = node.args[0]
+    if not (isinstance(piece, fx.Node) and piece.op == "call_function" and piece.target is operator.getitem):
+        return False
+    sort, i = piece.args
+    spec, x = _sort_dim_descending(sort), _val(sort.args[0]) if isinstance(sort, fx.Node) and sort.args else None
+    if spec is None or not spec[1] or not _static(x) or x.dim() == 0:
+        return False
+    dim, k = spec[0] % x.dim(), node.args[3]
+    if node.args[1] % x.dim() != dim or not 0 < k < x.shape[dim]:
+        return False
+    src = sort.args[0]
+    here = position(node)
+    topk = next((u for u in src.users if u.target is aten.topk.default and tuple(u.args) == (src, k, dim, True, True)
+                 and position(u) < here), None)
+    if topk is None:
+        topk = _insert(graph, node, aten.topk.default, (src, k, dim, True, True), source=sort)
+    part = next((u for u in topk.users if u.target is operator.getitem and u.args[1] == i and position(u) < position(node)),
+                None)
+    if part is None:
+        part = _insert(graph, node, operator.getitem, (topk, i), source=node)
+    node.replace_all_uses_with(part)
+    graph.erase_node(node)
+    _erase_unused(graph, [piece])
+    return True
+
+
+def _clone_of_contiguous(node: fx.Node) -> bool:
+    """clone(x) of a computed x that is already contiguous, read only inside the graph, is x: the same values in
+    the same layout (a functional graph never writes either). `x.reshape(-1)` traces so where x was a strided
+    slice when Dynamo ran (`sort(...).indices[:, :k]`) and is contiguous after a rewrite (topk's indices), so its
+    flat view and other views of x share one root again. A clone of a graph input or read by the graph's output
+    stays (it may be there to keep an output from aliasing)."""
+    if node.target is not aten.clone.default or node.kwargs.get("memory_format") not in (
+            None, torch.contiguous_format, torch.preserve_format):
+        return False
+    x = node.args[0]
+    out, inp = _val(node), _val(x)
+    if not (isinstance(x, fx.Node) and x.op == "call_function" and isinstance(inp, torch.Tensor)
+            and isinstance(out, torch.Tensor) and _static(inp) and inp.is_contiguous()
+            and out.stride() == inp.stride() and all(u.op != "output" for u in node.users)):
+        return False
+    node.replace_all_uses_with(x)
+    return True
+
+
+def sort_permutation(order) -> bool:
+    """order is the indices of a sort of a 1-D tensor of its length: a permutation of [0, M)."""
+    src = order.args[0] if isinstance(order, fx.Node) and order.target is operator.getitem and order.args[1] == 1 else None
+    if not (isinstance(src, fx.Node) and src.target in (aten.sort.default, aten.sort.stable)):
+        return False
+    v = _val(src.args[0])
+    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == _val(order).shape
+
+
+def _scatter_by_permutation(graph: fx.Graph, node: fx.Node) -> bool:
+    """index_put(base, [p], v) with p a permutation of [0, M) (a sort's indices, `sorting_output[order] = rows`,
+    SGLang's unpermute) and base and v both [M, ...] writes every row of base once, out[p[i]] = v[i], so base's
+    values are never read: the result is the gather v[inv] by the inverse permutation inv = argsort(p) (sorting the
+    distinct values of p: out[j] = v[inv[j]] since p[inv[j]] = j). Exact (rows are copied, not computed); not an
+    accumulating index_put, nor one whose values broadcast."""
+    if not (node.target in (aten.index_put.default, aten.index_put_.default) and len(node.args) >= 3
+            and not (node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False))):
+        return False
+    base, indices, v = node.args[:3]
+    if not (isinstance(indices, (list, tuple)) and len(indices) == 1 and sort_permutation(indices[0])):
+        return False
+    bv, vv = _val(base), _val(v)
+    if not (isinstance(bv, torch.Tensor) and isinstance(vv, torch.Tensor) and bv.shape == vv.shape
+            and bv.dtype == vv.dtype and bv.shape[0] == _val(indices[0]).shape[0]):
+        return False
+    inverse = _insert(graph, node, aten.sort.default, (indices[0], 0, False), source=node)
+    inv = _insert(graph, node, operator.getitem, (inverse, 1), source=node)
+    rows = _insert(graph, node, aten.index.Tensor, (v, [inv]), source=node)
+    node.replace_all_uses_with(rows)
+    graph.erase_node(node)
+    _erase_unused(graph, [base])
+    return True
+
+
 def _erase_unused(graph: fx.Graph, nodes) -> None:
     """Erase the pure call nodes among `nodes` left without users, and so on up their inputs."""
     stack = list(nodes)
@@ -935,11 +1062,12 @@ def _local_forms(graph: fx.Graph) -> int:
         changed += _scatter_reduce_sum(node) + _gather_1d(node) + _ldexp(graph, node)
         changed += _extremum_with_constant(graph, node)
         changed += _sum_of_widening_cast(graph, node) + _gather_of_broadcast_rows(graph, node)
-        if _remainder_in_range(node):
+        if _remainder_in_range(node) or _clone_of_contiguous(node):
             graph.erase_node(node)
             changed += 1
             continue
-        if _slice_update_as_cat(graph, node):
+        if _slice_update_as_cat(graph, node) or _sorted_prefix_as_topk(graph, node) \
+                or _scatter_by_permutation(graph, node) or _copy_as_value(graph, node):
             changed += 1
             continue
         changed += _piece_of_split(graph, node) + _implicit_promotion(graph, node)
@@ -1890,6 +2018,68 @@ def _vector_on_the_left(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+_ELEMENTWISE = (aten.relu.default, aten.neg.default, aten.abs.default, aten.clamp_min.default, aten.clamp_max.default,
+                aten.clamp.default, prims.convert_element_type.default, aten.add.Tensor, aten.sub.Tensor,
+                aten.mul.Tensor, aten.div.Tensor)
+
+
+def _chain_from_bmm(v: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, int]]] | None:
+    """(bmm, [(op, index of the argument the chain enters by)], bmm first) where v is computed from one bmm's
+    [B, M, N] output by elementwise ops, each read once, whose other tensor operands broadcast against it
+    (rank 3, each dim of size 1 or the output's) or are 0-d; else None."""
+    chain = []
+    while isinstance(v, fx.Node) and v.op == "call_function" and len(v.users) == 1:
+        if v.target is aten.bmm.default:
+            return (v, chain[::-1]) if _static(_val(v)) else None
+        out = _val(v)
+        if v.target not in _ELEMENTWISE or any(isinstance(a, fx.Node) for a in v.kwargs.values()) \
+                or not isinstance(out, torch.Tensor) or out.dim() != 3:
+            return None
+        full = [i for i, a in enumerate(v.args) if isinstance(a, fx.Node) and _val(a).shape == out.shape]
+        others = [a for i, a in enumerate(v.args) if isinstance(a, fx.Node) and i not in full]
+        if len(full) != 1 or not all(_val(a).dim() == 0 or (_val(a).dim() == 3 and all(
+                s in (1, o) for s, o in zip(_val(a).shape, out.shape))) for a in others):
+            return None
+        chain.append((v, full[0]))
+        v = v.args[full[0]]
+    return None
+
+
+def _reduced_over_columns(graph: fx.Graph, node: fx.Node) -> bool:
+    """A sum over the columns of elementwise ops of a bmm, sum(f(bmm(a, b)), dim=2) with bmm(a, b) [B, M, N], is
+    the sum over the rows of the same ops of the transposed product, sum(f^T(bmm(b^T, a^T)), dim=1), f^T taking
+    each broadcast operand transposed (token-major index scores `bmm(keys, q^T)` [T, N, H] weighted and summed over
+    the heads last are the head-major einsum('thd,tnd->thn') form summed over dim 1). The same dot products, the
+    same elementwise ops on them and the same terms summed: exact up to the order of the fp32 sums (the GEMM's and
+    the reduction's, as a GEMM in another layout). Only keepdim=False sums of rank-3 values."""
+    if not (len(node.args) >= 2 and isinstance(node.args[1], (list, tuple)) and len(node.args[1]) == 1
+            and (len(node.args) < 3 or node.args[2] is False)):
+        return False
+    x = _val(node.args[0])
+    if not (isinstance(x, torch.Tensor) and x.dim() == 3 and node.args[1][0] % 3 == 2):
+        return False
+    found = _chain_from_bmm(node.args[0])
+    if found is None:
+        return False
+    bmm, chain = found
+    swap = [0, 2, 1]
+
+    def transposed(a):
+        return _insert(graph, node, aten.permute.default, (a, swap), source=node) if _val(a).dim() == 3 else a
+
+    a, b = bmm.args
+    value = _insert(graph, node, aten.bmm.default, (transposed(b), transposed(a)), source=bmm)
+    for op, entry in chain:
+        args = [value if i == entry else transposed(a) if isinstance(a, fx.Node) else a for i, a in enumerate(op.args)]
+        value = _insert(graph, node, op.target, args, op.kwargs, source=op)
+    total = _insert(graph, node, aten.sum.dim_IntList, (value, [1]), node.kwargs, source=node)
+    last = node.args[0]
+    node.replace_all_uses_with(total)
+    graph.erase_node(node)
+    _erase_unused(graph, [last])
+    return True
+
+
 def _single_batch_bmm(graph: fx.Graph, node: fx.Node) -> bool:
     """bmm(a [1, M, K], b [1, K, N]) where b is a 2-D [K, N] value viewed with a unit batch dim in front is mm(a[0],
     w) viewed to [1, M, N]: one GEMM against w (`einsum('bld,dq->blq', h, w)` with a Flax-style [in, out] kernel
@@ -2003,7 +2193,8 @@ def _canonical_forms(graph: fx.Graph) -> int:
         elif node.target is aten.add.Tensor and _add_of_constant_where(graph, node):
             changed += 1
             continue
-        elif node.target is aten.sum.dim_IntList and _routing_map_counts(graph, node):
+        elif node.target is aten.sum.dim_IntList and (_routing_map_counts(graph, node)
+                                                      or _reduced_over_columns(graph, node)):
             changed += 1
             continue
         elif node.target in _BROADCASTING:

@@ -97,15 +97,30 @@ UNPERMUTE_FORMULATIONS = {
 }
 
 
-def unpermute_inputs(seed, shared=True):
-    """expert rows [T*K, D], flat expert ids [T*K] (equal ids abound), weights [T, K] fp32, [shared [T, D]]."""
+def unweighted_unpermute_of(ids, out):
+    """The unpermute of rows already weighted (before w2, the spec's order): [T, k, D] summed over k."""
+    order = torch.argsort(ids, stable=True)
+    return out[torch.argsort(order)].reshape(-1, K, out.shape[1]).float().sum(dim=1)
+
+
+UNWEIGHTED_FORMULATIONS = {
+    "unpermute_unweighted_shared": lambda out, ids, shared: (unweighted_unpermute_of(ids, out)
+                                                             + shared.float()).to(shared.dtype),
+    "unpermute_unweighted_only": lambda out, ids: unweighted_unpermute_of(ids, out),
+}
+
+
+def unpermute_inputs(seed, shared=True, weights=True):
+    """expert rows [T*K, D], flat expert ids [T*K] (equal ids abound), [weights [T, K] fp32], [shared [T, D]]."""
     g = gen(seed)
-    out = [rand(g, T * K, D), torch.randint(0, 4, (T * K,), generator=g), torch.rand(T, K, generator=g)]
-    return out + [rand(g, T, D)] if shared else out
+    out = [rand(g, T * K, D), torch.randint(0, 4, (T * K,), generator=g)]
+    w = [torch.rand(T, K, generator=g)] if weights else []
+    return out + w + ([rand(g, T, D)] if shared else [])
 
 
 def test_every_formulation_has_a_test():
-    assert pattern_names(FUSION) == set(FORMULATIONS) | set(WEIGHTED_FORMULATIONS) | set(UNPERMUTE_FORMULATIONS)
+    assert pattern_names(FUSION) == (set(FORMULATIONS) | set(WEIGHTED_FORMULATIONS) | set(UNPERMUTE_FORMULATIONS)
+                                     | set(UNWEIGHTED_FORMULATIONS))
 
 
 @pytest.mark.parametrize("name", sorted(UNPERMUTE_FORMULATIONS))
@@ -118,6 +133,19 @@ def test_unpermute_formulation_is_fused(name):
     assert report.passes[1].replaced[0]["pattern"] == name and node.args[3] == T and node.args[4] is not None
     for seed in (1, 2):
         x = unpermute_inputs(seed, shared=shared)
+        assert_close(gm(*x), f(*x), **(dict(atol=1.6e-2, rtol=1.6e-2) if shared else dict(atol=1e-6, rtol=1e-6)))
+
+
+@pytest.mark.parametrize("name", sorted(UNWEIGHTED_FORMULATIONS))
+def test_unweighted_unpermute_formulation_is_fused(name):
+    """The op takes token = order // k and no weights; the graph sums a token's k rows in slot order, the op in row
+    order: fp32 reordering (atol=rtol=1e-6 before the cast, one bf16 ulp after)."""
+    f = UNWEIGHTED_FORMULATIONS[name]
+    shared = name.endswith("_shared")
+    gm, report, node = run_fused_once(f, unpermute_inputs(0, shared, weights=False), FUSION, ("aten.sort",))
+    assert report.passes[1].replaced[0]["pattern"] == name and node.args[3] == T and node.args[4] is None
+    for seed in (1, 2):
+        x = unpermute_inputs(seed, shared, weights=False)
         assert_close(gm(*x), f(*x), **(dict(atol=1.6e-2, rtol=1.6e-2) if shared else dict(atol=1e-6, rtol=1e-6)))
 
 

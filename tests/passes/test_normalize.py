@@ -1046,3 +1046,164 @@ def test_sequence_first_unit_dim_sinks_where_a_linear_runs_at_it():
     gm = normalized(one_token, *t1)
     assert all(n.meta["val"].shape[0] == 1 for n in gm.graph.nodes if n.op == "call_function"), gm.code
     assert torch.equal(gm(*t1), one_token(*t1))
+
+
+def _sorted_prefixes(s):
+    """The first k of descending sorts: a stable sort's indices and values, and a plain sort's values."""
+    vals, idx = torch.sort(s, dim=-1, descending=True, stable=True)
+    return idx[:, :3], vals[:, :3], torch.sort(s, dim=1, descending=True).values[:, :2]
+
+
+def test_first_k_of_a_descending_sort_is_a_topk():
+    """sort(x, descending=True)[i][:, :k] is topk(x, k)[i]: the sorts are gone, one topk per k serving both of the
+    stable sort's pieces; equal to eager on fresh rows, a NaN among them (the largest in both)."""
+    s = torch.randn(4, 8, generator=gen(0))
+    gm = normalized(_sorted_prefixes, s)
+    ops = op_counts(gm)
+    assert ops["aten.sort.stable"] == ops["aten.sort"] == ops["aten.slice.Tensor"] == 0, ops
+    topks = sorted(n.args[1:] for n in gm.graph.nodes if n.target is aten.topk.default)
+    assert topks == [(2, 1, True, True), (3, 1, True, True)], topks
+    for seed in (1, 2):
+        s = torch.randn(4, 8, generator=gen(seed))
+        s[1, 5] = float("nan")
+        for got, want in zip(gm(s), _sorted_prefixes(s), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_other_pieces_of_a_sort_stay():
+    """An ascending sort's first k (the k smallest), a descending sort's slice not starting at 0 or along another
+    dim than the sort's stay as written."""
+    def f(s):
+        return (torch.sort(s, dim=-1).values[:, :3], torch.sort(s, dim=-1, descending=True).indices[:, 1:3],
+                torch.sort(s, dim=-1, descending=True).values[:2])
+
+    gm = normalized(f, torch.randn(4, 8, generator=gen(0)))
+    ops = op_counts(gm)
+    assert ops["aten.topk"] == 0 and ops["aten.sort"] == 3 and ops["aten.slice.Tensor"] == 3, ops
+
+
+def _scatter_by_sort(rows, ids):
+    """rows put back by the stable sort of ids, `new_x[order] = rows` into empty_like (SGLang's unpermute)."""
+    order = ids.argsort(stable=True)
+    new_x = torch.empty_like(rows)
+    new_x[order] = rows
+    return new_x
+
+
+def test_scatter_by_a_permutation_is_the_gather_by_its_inverse():
+    """index_put(base, [order], rows) with order a sort's indices over all rows is rows[argsort(order)]: the
+    index_put and its base gone, one sort of order, one index; equal to eager on fresh rows and ids with repeats."""
+    x = (torch.randn(6, 4, generator=gen(0)), torch.randint(0, 3, (6,), generator=gen(1)))
+    gm = normalized(_scatter_by_sort, *x)
+    ops = op_counts(gm)
+    assert ops["aten.index_put"] == ops["aten.empty.memory_format"] == 0 and ops["aten.index.Tensor"] == 1, ops
+    (inverse,) = [n for n in gm.graph.nodes if n.target is aten.sort.default]
+    assert inverse.args[0].args[0].target is aten.sort.stable  # the sort of the permutation
+    for seed in (2, 3):
+        x = (torch.randn(6, 4, generator=gen(seed)), torch.randint(0, 3, (6,), generator=gen(seed + 10)))
+        assert torch.equal(gm(*x), _scatter_by_sort(*x))
+
+
+def test_scatter_by_other_indices_stays():
+    """Indices that need not be a permutation (graph input ids, a sort's indices over fewer rows than the base's),
+    and an accumulating index_put keep their index_put."""
+    def f(rows, ids, short):
+        a = torch.zeros_like(rows).index_put((ids,), rows)
+        b = torch.zeros_like(rows).index_put((short.argsort(),), rows[:3])
+        c = torch.zeros_like(rows).index_put((ids.argsort(),), rows, accumulate=True)
+        return a, b, c
+
+    x = (torch.randn(6, 4, generator=gen(0)), torch.randperm(6, generator=gen(1)), torch.randn(3, generator=gen(2)))
+    assert op_counts(normalized(f, *x))["aten.index_put"] == 3
+
+
+def test_clone_of_a_contiguous_computed_value_is_the_value():
+    """x.reshape(-1) of a strided slice traces as clone + view; once the slice is a topk's contiguous indices (a
+    descending sort's first k) the clone is the value itself: both flat views read the topk's indices. A clone of a
+    graph input, or one the output reads, stays."""
+    def f(s, y):
+        ids = torch.sort(s, dim=-1, descending=True).indices[:, :2]
+        return ids.reshape(-1).argsort(stable=True), ids.reshape(-1) * 3, y.clone() * 2, y.clone()
+
+    x = (torch.randn(4, 8, generator=gen(0)), torch.randn(3, generator=gen(1)))
+    gm = normalized(f, *x)
+    assert op_counts(gm)["aten.clone"] == 2, gm.code
+    (topk,) = [n for n in gm.graph.nodes if n.target is aten.topk.default]
+    (indices,) = topk.users
+    assert {u.target for u in indices.users} == {aten.view.default}, gm.code
+    for got, want in zip(gm(*x), f(*x), strict=True):
+        assert torch.equal(got, want)
+
+
+def _rope_written_back(x, cos, sin):
+    """x's last 8 elements rotated pairwise in fp32 and written back in place by `copy_` (SGLang's q_pe write-back)."""
+    x = x * 1.5
+    pe = x[:, -8:]
+    x1, x2 = pe[:, ::2].float(), pe[:, 1::2].float()
+    pe.copy_(torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2))
+    return x
+
+
+def test_a_copy_written_back_is_its_source():
+    """copy(dst, src) of a same-shape src is src in dst's dtype: the fp32 rotation written into a bf16 slice is its
+    bf16 cast, and the write-back a cat of the rest and that cast; no copy left; equal to eager bit for bit."""
+    g = gen(0)
+    x = (torch.randn(3, 16, generator=g).bfloat16(), torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g))
+    gm = normalized(_rope_written_back, *x)
+    ops = op_counts(gm)
+    assert ops["aten.copy"] == ops["aten.slice_scatter"] == 0 and ops["aten.cat"] == 2, gm.code
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert out.target is aten.cat.default and out.args[0][1].target is torch.ops.prims.convert_element_type.default
+    assert torch.equal(gm(*x), _rope_written_back(*x))
+
+
+def test_a_broadcast_copy_stays():
+    """copy(dst, src) of a src broadcast to dst's shape (`dst.copy_(row)`) stays a copy."""
+    def f(x, row):
+        y = x * 2
+        y[:, :4].copy_(row)
+        return y
+
+    x = (torch.randn(3, 8, generator=gen(0)), torch.randn(4, generator=gen(1)))
+    gm = normalized(f, *x)
+    assert op_counts(gm)["aten.copy"] == 1, gm.code
+    assert torch.equal(gm(*x), f(*x))
+
+
+def _token_major_scores(q, keys, w):
+    """Index scores token-major: bmm(keys, q^T) [T, N, H], relu, times the head weights, summed over the heads."""
+    return (torch.bmm(keys, q.mT).relu() * w.unsqueeze(1)).sum(dim=-1)
+
+
+def _head_major_scores(q, keys, w):
+    return (torch.einsum("thd,tnd->thn", q, keys).relu() * w.unsqueeze(-1)).sum(dim=1)
+
+
+def test_a_sum_over_a_products_columns_is_the_sum_over_the_transposed_products_rows():
+    """sum(f(bmm(a, b)), dim=2) is sum(f^T(bmm(b^T, a^T)), dim=1): the token-major scores normalise to the graph of
+    the head-major einsum form (the same ops at the same shapes); equal to eager within fp32 reordering."""
+    g = gen(0)
+    x = (torch.randn(3, 4, 8, generator=g), torch.randn(3, 10, 8, generator=g), torch.randn(3, 4, generator=g))
+    forms = [normalized(f, *x) for f in (_token_major_scores, _head_major_scores)]
+    texts = [[(n.target, tuple(n.meta["val"].shape)) for n in gm.graph.nodes if n.op == "call_function"] for gm in forms]
+    assert texts[0] == texts[1], forms[0].code
+    (total,) = [n for n in forms[0].graph.nodes if n.target is aten.sum.dim_IntList]
+    assert total.args[1] == [1]
+    for seed in (1, 2):
+        g = gen(seed)
+        x = (torch.randn(3, 4, 8, generator=g), torch.randn(3, 10, 8, generator=g), torch.randn(3, 4, generator=g))
+        torch.testing.assert_close(forms[0](*x), _token_major_scores(*x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_sum_over_columns_of_other_values_stays():
+    """The rule needs elementwise ops, each read once, between the bmm and the sum: a softmax between them, a
+    product read twice, or a sum keeping its dim stay as written."""
+    def f(a, b):
+        p = torch.bmm(a, b)
+        r = p.relu()
+        return p.softmax(-1).sum(-1), (r * 2).sum(-1) + r.sum(1).sum(-1, keepdim=True), torch.bmm(a, b).sum(2, keepdim=True)
+
+    g = gen(0)
+    gm = normalized(f, torch.randn(2, 3, 4, generator=g), torch.randn(2, 4, 5, generator=g))
+    ops = op_counts(gm)
+    assert ops["aten.bmm"] == 2 and ops["aten.permute"] == 0, gm.code  # no product transposed

@@ -80,6 +80,17 @@ def bmm_scores(q, w, keys, n_c):
     return select(s.masked_fill(~visible, -math.inf), gathered)
 
 
+def token_major_scores(q, w, keys, n_c):
+    """layout: the scores token-major, bmm(keys, q^T) [T, N, H], weighted and summed over the heads last, masked in
+    place; the top-k as the first k of a stable descending sort (the same set but among ties, where topk's choice is
+    unspecified), validity by sel >= n_c filled in place (SGLang-native code)."""
+    s = (torch.bmm(keys.float(), q.float().mT).relu() * w.unsqueeze(1)).sum(dim=-1)
+    s.masked_fill_(torch.arange(keys.shape[1]).unsqueeze(0) >= n_c.unsqueeze(1), float("-inf"))
+    sel = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :min(TOPK, s.shape[1])]
+    sel = torch.sort(sel, dim=-1).values
+    return (sel + OFFSET).masked_fill_(sel >= n_c.unsqueeze(1), -1)
+
+
 def mask_by_visibility(q, w, keys, n_c):
     """mask form, equal math written differently: the selected rows' validity by the position test n >= n_c, not
     s == -inf."""
@@ -147,7 +158,7 @@ def scores_also_read(q, w, keys, n_c):
 
 
 CASES = {f.__name__: f for f in (additive_mask, scores_also_read, spare_column_full_like, validity_by_index, weights_first, where_fill, take_along_dim, sorted_by_values,
-                                 bmm_scores, mask_by_visibility, mask_in_place, mask_spare_column, hidden_by_ge,
+                                 bmm_scores, token_major_scores, mask_by_visibility, mask_in_place, mask_spare_column, hidden_by_ge,
                                  scale_before_head_weights)}
 
 

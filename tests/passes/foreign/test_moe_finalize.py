@@ -100,3 +100,40 @@ def test_megablox_unpermute_and_its_metadata():
         got, want = gm(*x), f(*x)
         assert torch.equal(got[1], want[1])
         assert_close(got[0], want[0], atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_sglang_unpermute_of_rows_weighted_before_w2_and_its_metadata():
+    """SGLang's `moe_forward_native` around already computed expert rows: the top-k by a descending sort's first k,
+    the counts as the column sums of a scattered [T, E] map, the stable argsort of the flat ids, the routing weights
+    gathered in that order, and the rows put back by `new_x[order] = rows` into `empty_like`, viewed [T, k, D] and
+    summed over k (the rows weighted before w2, so no weights), the shared expert added. The scatter by a
+    permutation is the gather by its inverse (`argsort(order)`), the unweighted unpermute; moe_finalize takes it
+    (token = order // k, the graph's node), after which the metadata is the model's: both fuse, each once; equal
+    to eager (k = 2: a two-row sum is the same in either order)."""
+    k, e = 2, 8
+
+    def f(out, scores, shared):
+        ids = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+        counts = ids.new_zeros(scores.shape).scatter_(1, ids, 1).sum(dim=0)
+        order = ids.reshape(-1).argsort(stable=True)
+        offsets = counts.cumsum(dim=0).to(torch.int32)
+        row_weights = scores.gather(1, ids).view(-1)[order]
+        rows = (out[order // k].float() * row_weights[:, None]).to(out.dtype)  # stands for the experts
+        new_x = torch.empty_like(rows)
+        new_x[order] = rows
+        y = new_x.view(-1, k, out.shape[1]).float().sum(dim=1)
+        return y.add_(shared.float()).to(shared.dtype), offsets
+
+    def inputs(seed):
+        g = gen(seed)
+        return [torch.randn(T, 16, generator=g).bfloat16(), torch.randn(T, e, generator=g),
+                torch.randn(T, 16, generator=g).bfloat16()]
+
+    gm, report = run_passes(f, inputs(0), FUSION, "moe_metadata")
+    assert report.matches == {FUSION: 1, "moe_metadata": 1}, (report.declined, report.near_misses)
+    ops = op_counts(gm)
+    assert ops["aten.index_put"] == ops["aten.sort"] == ops["aten.sort.stable"] == 0, gm.code
+    for seed in (1, 2):
+        x = inputs(seed)
+        got, want = gm(*x), f(*x)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])

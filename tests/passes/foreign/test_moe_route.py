@@ -63,8 +63,16 @@ def einsum_router(h, gate_w, bias):
     return normalise(scores.gather(1, experts)), experts
 
 
+def descending_sort_prefix(h, gate_w, bias):
+    """other op: the top-k as the first k of a stable descending sort (SGLang-native code; the same experts but among
+    tied scores, where topk's order is unspecified), scores square-rooted in place."""
+    scores = F.softplus(torch.mm(h.float(), gate_w.float().t())).sqrt_()
+    experts = torch.sort(scores + bias, dim=-1, descending=True, stable=True)[1][:, :K]
+    return normalise(scores.gather(1, experts)), experts
+
+
 CASES = {f.__name__: f for f in (linear_router, bias_first, take_along_dim, softplus_written_out,
-                                 sqrt_as_power, einsum_router)}
+                                 sqrt_as_power, einsum_router, descending_sort_prefix)}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -61,6 +61,16 @@ def stride2_rope(qkv, q_w, kv_w, cos, sin):
     return qr, fn.fp8_fake_quant(rope_stride2(kv, cos, sin), 32)
 
 
+def rope_written_back(qkv, q_w, kv_w, cos, sin):
+    """other op: the RoPE tail rotated on its even / odd elements and written back into kv by `copy_` (SGLang's
+    q_pe write-back), instead of a cat."""
+    qr, kv = norm(qkv[:, :QD], q_w), norm(qkv[:, QD:], kv_w)
+    pe = kv[..., -2 * cos.shape[-1]:]
+    x0, x1 = pe[..., ::2].float(), pe[..., 1::2].float()
+    pe.copy_(torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2))
+    return qr, fn.fp8_fake_quant(kv, 32)
+
+
 def weight_times_normalised(qkv, q_w, kv_w, cos, sin, eps=NORM_EPS):
     """operand order: w * (x * r) and a commuted mean-square add (eps + mean)."""
     def norm_w_first(x, w):
@@ -137,6 +147,7 @@ def mean_as_sum(qkv, q_w, kv_w, eps=NORM_EPS):
 CASES = {
     "exp2_fp8_scale": (exp2_fp8_scale, inputs, EXACT),
     "stride2_rope": (stride2_rope, inputs, EXACT),
+    "rope_written_back": (rope_written_back, inputs, EXACT),
     "weight_times_normalised": (weight_times_normalised, inputs, EXACT),
     "split_with_sizes": (split_with_sizes, inputs, EXACT),
     "two_gemm_outputs": (two_gemm_outputs, split_inputs, EXACT),
