@@ -25,7 +25,7 @@ from torch._dynamo.utils import counters
 from dsv41.passes.complex_arith import real_pairs
 from dsv41.passes.fusion import FusionPass, GraphPass, PassResult
 from dsv41.passes.matcher import MatchFailure
-from dsv41.passes.normalize import normalize_graph
+from dsv41.passes.normalize import normalize_graph, restore_stable_sorts
 
 # Recorders of `dsv41.tools.graphdiff.record(...)`: while one is active, every PassManager reports to it too.
 ACTIVE_RECORDERS: list = []
@@ -71,6 +71,17 @@ class NormalizePass(GraphPass):
             return PassResult(self.name, note=f"skipped: input {symbolic.name} has symbolic sizes")
         rewritten, left = real_pairs(graph)  # complex RoPE (DeepSeek's reference) as real pairs, first
         return PassResult(self.name, matches=rewritten + normalize_graph(graph), note="; ".join(left) or None)
+
+
+class RestoreStableSortsPass(GraphPass):
+    """After the fusions: a stable sort's first k that normalisation wrote as topk and no fused op took is that
+    sort again (`normalize.restore_stable_sorts`), so the user's tie order stands wherever no op with its own tie
+    rule computes it."""
+
+    name = "restore_stable_sorts"
+
+    def __call__(self, graph: fx.Graph) -> PassResult:
+        return PassResult(self.name, matches=restore_stable_sorts(graph))
 
 
 def _symbolic_sizes(node: fx.Node) -> bool:

@@ -920,6 +920,9 @@ def _gather_1d(node: fx.Node) -> bool:
     return True
 
 
+STABLE_SORT_PREFIX = "dsv41_stable_sort_prefix"  # node meta: a topk that computes a stable sort's first k
+
+
 def _sort_dim_descending(sort: fx.Node) -> tuple[int, bool] | None:
     """(dim, descending) of a `sort.default` / `sort.stable` node (defaults filled), or None for another node."""
     if not (isinstance(sort, fx.Node) and sort.op == "call_function"):
@@ -956,8 +959,10 @@ def _sorted_prefix_as_topk(graph: fx.Graph, node: fx.Node) -> bool:
     the k largest values of each row in descending order (NaN largest in both) and their indices. Exact for the
     values; for the indices wherever no two values tie across the k-th place or inside the first k: among tied
     values a stable sort takes the lower index first, and topk's order among ties is unspecified (as the
-    fusions' ops state: a tie at the k-th may be taken in any order). One topk per (x, k, d) serves every such
-    prefix; the sort stays while anything else reads it."""
+    fusions' ops state: a tie at the k-th may be taken in any order). A topk made from a stable sort carries
+    STABLE_SORT_PREFIX, so that `restore_stable_sorts` gives any such topk no fusion took back its sort: the rewrite
+    changes no tie of the user's program outside a fused op. One topk per (x, k, d) serves every such prefix; the
+    sort stays while anything else reads it."""
     if not (node.target is aten.slice.Tensor and len(node.args) >= 4 and (len(node.args) < 5 or node.args[4] == 1)
             and node.args[2] == 0 and isinstance(node.args[3], int)):
         return False
@@ -977,6 +982,8 @@ def _sorted_prefix_as_topk(graph: fx.Graph, node: fx.Node) -> bool:
                  and position(u) < here), None)
     if topk is None:
         topk = _insert(graph, node, aten.topk.default, (src, k, dim, True, True), source=sort)
+    if sort.target is aten.sort.stable and sort.kwargs.get("stable"):
+        topk.meta[STABLE_SORT_PREFIX] = True
     part = next((u for u in topk.users if u.target is operator.getitem and u.args[1] == i and position(u) < position(node)),
                 None)
     if part is None:
@@ -985,6 +992,29 @@ def _sorted_prefix_as_topk(graph: fx.Graph, node: fx.Node) -> bool:
     graph.erase_node(node)
     _erase_unused(graph, [piece])
     return True
+
+
+def restore_stable_sorts(graph: fx.Graph) -> int:
+    """Every topk(x, k, d) made from a stable descending sort's first k (``_sorted_prefix_as_topk``) still in the
+    graph after the fusions, i.e. read by no fused op, is computed as that sort again: each of its outputs becomes
+    `sort(x, stable=True, dim=d, descending=True)[i][..., :k]` along d, made contiguous as topk's outputs are (a view
+    of it may follow). Returns the number of topk nodes restored."""
+    restored = 0
+    for topk in [n for n in graph.find_nodes(op="call_function", target=aten.topk.default)
+                 if n.meta.get(STABLE_SORT_PREFIX)]:
+        src, k, dim = topk.args[:3]
+        sort = _insert(graph, topk, aten.sort.stable, (src,), {"stable": True, "dim": dim, "descending": True},
+                       source=topk)
+        for part in list(topk.users):
+            piece = _insert(graph, part, operator.getitem, (sort, part.args[1]), source=part)
+            prefix = _insert(graph, part, aten.slice.Tensor, (piece, dim, 0, k), source=part)
+            dense = _insert(graph, part, aten.clone.default, (prefix,), {"memory_format": torch.contiguous_format},
+                            source=part)
+            part.replace_all_uses_with(dense)
+            graph.erase_node(part)
+        graph.erase_node(topk)
+        restored += 1
+    return restored
 
 
 def _clone_of_contiguous(node: fx.Node) -> bool:

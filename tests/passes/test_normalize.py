@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv41.passes.normalize import normalize_graph
+from dsv41.passes.normalize import normalize_graph, restore_stable_sorts
 
 from .harness import as_tuple, aten_graph, gen, op_counts
 
@@ -1068,6 +1068,26 @@ def test_first_k_of_a_descending_sort_is_a_topk():
         s[1, 5] = float("nan")
         for got, want in zip(gm(s), _sorted_prefixes(s), strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_stable_sort_no_fusion_took_is_restored():
+    """After the fusions, `restore_stable_sorts` computes the topk made from the stable sort's first k as that sort
+    again (contiguous outputs, a view may follow) and leaves the plain sort's topk (ties unspecified in both):
+    equal to eager bit for bit on rows of many ties, where the stable sort's order among them is defined."""
+    def f(s):
+        idx, vals, plain = _sorted_prefixes(s)
+        return idx.reshape(-1), vals, plain
+
+    gm = normalized(f, torch.randn(4, 8, generator=gen(0)))
+    assert restore_stable_sorts(gm.graph) == 1
+    gm.recompile()
+    ops = op_counts(gm)
+    assert ops["aten.sort.stable"] == 1 and ops["aten.topk"] == 1, ops
+    assert [n.args[1] for n in gm.graph.nodes if n.target is aten.topk.default] == [2]
+    for seed in (1, 2):
+        s = torch.randint(0, 3, (4, 8), generator=gen(seed)).float()  # three values: ties across the k-th place
+        for got, want in zip(gm(s)[:2], f(s)[:2], strict=True):
+            assert torch.equal(got, want)
 
 
 def test_other_pieces_of_a_sort_stay():

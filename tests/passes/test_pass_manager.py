@@ -38,8 +38,9 @@ def test_pass_order():
     assert names[1:1 + len(FUSIONS)] == list(FUSION_ORDER) and set(FUSION_ORDER) == set(FUSIONS)
     assert FUSION_ORDER.index("allreduce_mhc") < FUSION_ORDER.index("mhc_post_pre")  # the specific one first
     assert FUSION_ORDER.index("moe_finalize") < FUSION_ORDER.index("allreduce_mhc")  # combine-only before the TP tail
-    assert names[-3:] == ["streams", "lower_references", "defunctionalize"]  # scheduling after every fusion, then
-    # the choice of implementation (inlined nodes keep the op's stream)
+    # the stable sorts no fusion took restored, scheduling after every fusion, then the choice of implementation
+    # (inlined nodes keep the op's stream)
+    assert names[-4:] == ["restore_stable_sorts", "streams", "lower_references", "defunctionalize"]
 
 
 # ---- names and shared patterns ------------------------------------------------------------------------------------
