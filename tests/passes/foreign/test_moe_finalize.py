@@ -94,7 +94,7 @@ def test_megablox_unpermute_and_its_metadata():
     gm, report = run_passes(f, inputs(0), FUSION, "moe_metadata")
     assert report.matches == {FUSION: 1, "moe_metadata": 1}, (report.declined, report.near_misses)
     ops = op_counts(gm)
-    assert ops["aten.sort.default"] == ops["aten.sort.stable"] == ops["aten.bmm"] == 0, gm.code
+    assert ops["aten.sort"] == ops["aten.sort.stable"] == ops["aten.bmm"] == 0, gm.code
     for seed in (1, 2):
         x = inputs(seed)
         got, want = gm(*x), f(*x)
@@ -132,7 +132,10 @@ def test_sglang_unpermute_of_rows_weighted_before_w2_and_its_metadata():
     gm, report = run_passes(f, inputs(0), FUSION, "moe_metadata")
     assert report.matches == {FUSION: 1, "moe_metadata": 1}, (report.declined, report.near_misses)
     ops = op_counts(gm)
-    assert ops["aten.index_put"] == ops["aten.sort"] == ops["aten.sort.stable"] == 0, gm.code
+    # the routing top-k, a topk after normalisation, is taken by no fusion run here (moe_route is not): its stable
+    # sort is restored; the argsorts of the ids and of the order are gone
+    assert ops["aten.index_put"] == ops["aten.sort"] == ops["aten.topk"] == 0, gm.code
+    assert ops["aten.sort.stable"] == 1, gm.code
     for seed in (1, 2):
         x = inputs(seed)
         got, want = gm(*x), f(*x)
