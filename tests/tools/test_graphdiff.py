@@ -313,22 +313,23 @@ def test_show_text(base):
     assert rc == 0 and err == ""
     assert "\x1b[" not in out  # colour only on a tty
     assert_expected_inline(out, """\
-graph 0: 2748 nodes in, 1080 out; layers 0, 2, 3; 14 passes, 10 changed
-  #   pass              result     nodes         matches  declined  attempts
-  00  normalize         changed    2748 -> 2582      760         0         0
-  01  mhc_coeffs        changed    2582 -> 1694        6         0         0
-  02  moe_finalize      changed    1694 -> 1679        3         0        10
-  03  allreduce_mhc     unchanged  1679                0         0         0
-  04  mhc_post_pre      changed    1679 -> 1547        6         0         9
-  05  qkv_norm          changed    1547 -> 1373        3         0         3
-  06  wo_a              changed    1373 -> 1283        3         0         0
-  07  indexer_topk      changed    1283 -> 1263        1         0         0
-  08  moe_route         changed    1263 -> 1218        3         0         0
-  09  moe_metadata      changed    1218 -> 1206        3         0         0
-  10  moe_experts       changed    1206 -> 1080        3         0         0
-  11  streams           unchanged  1080                0         0         0
-  12  lower_references  unchanged  1080                0         0         0
-  13  defunctionalize   unchanged  1080                0         0         0
+graph 0: 2748 nodes in, 1079 out; layers 0, 2, 3; 15 passes, 10 changed
+  #   pass                  result     nodes         matches  declined  attempts
+  00  normalize             changed    2748 -> 2581      761         0         0
+  01  mhc_coeffs            changed    2581 -> 1693        6         0         0
+  02  moe_finalize          changed    1693 -> 1678        3         0        10
+  03  allreduce_mhc         unchanged  1678                0         0         0
+  04  mhc_post_pre          changed    1678 -> 1546        6         0         9
+  05  qkv_norm              changed    1546 -> 1372        3         0         3
+  06  wo_a                  changed    1372 -> 1282        3         0         0
+  07  indexer_topk          changed    1282 -> 1262        1         0         0
+  08  moe_route             changed    1262 -> 1217        3         0         0
+  09  moe_metadata          changed    1217 -> 1205        3         0         0
+  10  moe_experts           changed    1205 -> 1079        3         0         0
+  11  restore_stable_sorts  unchanged  1079                0         0         0
+  12  streams               unchanged  1079                0         0         0
+  13  lower_references      unchanged  1079                0         0         0
+  14  defunctionalize       unchanged  1079                0         0         0
 
   matches per layer  L0  L2  L3
   mhc_coeffs          2   2   2
