@@ -35,12 +35,14 @@ weights on every call; instead each pair is its own expert: the op takes w13 = c
 D] and w2[flat] [T * k, D, I] (the pairs' weights, which the graph's own gathers copy too), offsets 1, 2, ..., T * k
 (one row an expert), token = pair // k and the weights flattened; its rows are then in pair order, viewed [T, k, D].
 Exact as above (the same rows, each with its own expert's products). The kernel then reads each pair's weights,
-also where two tokens chose one expert, which the sorted form reads once.
+also where two tokens chose one expert, which the sorted form reads once. Where w1 and w3 are the two dim-1 halves of
+one [E, 2I, D] graph value (`w13[:, :I]`, `w13[:, I:]`), that value is w13 and the sorted form runs.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 from dsv41.lowerings.moe_experts import MAX_ROWS
 from dsv41.models import functional as fn
@@ -193,8 +195,14 @@ class MoeExpertsPass(FusionPass):
         quant_block = self.config.fp8_block if "_fp8" in m.pattern.name else 0
         weighted = not m.pattern.name.endswith("_unweighted")
         tail = (self.config.swiglu_limit, quant_block, self.config.kernel)
+        if m.pattern.name.startswith(GATHERED) and f"_{SPLIT}" in m.pattern.name:
+            x, expert_idx, *rest = m.inputs
+            w13 = _stacked_halves(*rest[-3:-1])
+            if w13 is None:
+                return _per_pair_replacement(m.inputs, weighted, tail)
+            return _sorted_replacement([x, expert_idx, *rest[:-3], w13, rest[-1]], weighted, tail)
         if m.pattern.name.startswith(GATHERED):
-            return (_per_pair_replacement if f"_{SPLIT}" in m.pattern.name else _sorted_replacement)(m.inputs, weighted, tail)
+            return _sorted_replacement(m.inputs, weighted, tail)
         inputs = list(m.inputs)
         if not weighted:  # rows weighted after w2: weights of 1 ([M] fp32)
             inputs.insert(2, _ones(inputs[1]))
@@ -229,6 +237,18 @@ def _sorted_replacement(inputs, weighted, tail):
 
     return Replacement(torch.ops.dsv41.moe_experts.default, (x, token, row_weights, offsets, w13, w2, *tail),
                        (in_pair_order,))
+
+
+def _stacked_halves(w1, w3):
+    """The graph value [E, 2I, D] whose dim-1 halves w1 = w13[:, :I] and w3 = w13[:, I:] are (slices of one value),
+    or None: then w1 and w3 are held apart."""
+    if not all(isinstance(w, fx.Node) and w.target is aten.slice.Tensor for w in (w1, w3)):
+        return None
+    (root, dim1, start1, end1, *step1), (root3, dim3, start3, end3, *step3) = w1.args, w3.args
+    inter, whole = w1.meta["val"].shape[1], root.meta["val"].shape
+    if root is not root3 or len(whole) != 3 or whole[1] != 2 * inter or {dim1, dim3} != {1} or step1 + step3 not in ([], [1], [1, 1]):
+        return None
+    return root if (start1, min(end1, whole[1]), start3, min(end3, whole[1])) == (0, inter, inter, 2 * inter) else None
 
 
 def _per_pair_replacement(inputs, weighted, tail):

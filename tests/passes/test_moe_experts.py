@@ -118,6 +118,22 @@ def test_gathered_formulation_is_fused(name, t):
         assert_close(got, want, **GATHERED_TOL)
 
 
+@pytest.mark.parametrize("t", [3, 1])
+def test_split_halves_of_one_w13_run_sorted(t):
+    """w1 and w3 as the two halves of one stacked w13 (`w13.chunk(2, 1)`): the split formulation matches, and the op
+    takes that w13 on the sorted rows (no per-pair copy: no cat); equal to eager within the pass's tolerance."""
+    f, _ = GATHERED["gathered_einsum_split_fp8"]
+
+    def halves(x, expert_idx, w, w13, w2):
+        return f(x, expert_idx, w, *w13.chunk(2, 1), w2)
+
+    gm, report, node = run_fused_once(halves, stacked(gathered_inputs(0, t)), FUSION, ("aten.bmm", "aten.cat"))
+    assert report.passes[1].replaced[0]["pattern"] == "gathered_einsum_split_fp8"
+    assert op_counts(gm)["aten.argsort.stable"] == 2 and node.args[4].name == "arg3_1"  # the graph's w13 itself
+    x = stacked(gathered_inputs(1, t))
+    assert_close(gm(*x), halves(*x), **GATHERED_TOL)
+
+
 def test_gathered_rows_go_back_to_their_pairs():
     """The inverse permutation, checked where a wrong one shows: pair (t, j) of a token whose x is zero is zero, and
     every other pair's row differs from its neighbours' (distinct experts and tokens)."""
