@@ -49,8 +49,10 @@ _FINAL_KINDS = ("scalar", "dtype", "extra user", "token limit", "symbolic shape"
 
 @dataclass
 class Replacement:
-    """op(*args) replaces the match; `outputs[i]` is the index of the op output (None for a single-output op)
-    that takes the place of the pattern's i-th output."""
+    """op(*args) replaces the match; `outputs[i]` says what takes the place of the pattern's i-th output: the index
+    of an op output (None for a single-output op), or a function of the op's output (a node, or a tensor in the
+    semantic check) that returns a Derived value computed from it (rows the op returns sorted, put back in the
+    pattern's order). A Derived object that appears both there and in `args` is computed once."""
 
     op: torch._ops.OpOverload
     args: tuple
@@ -173,8 +175,8 @@ class FusionPass(GraphPass):
                 want = rep.op(*args)
             except Exception as e:
                 return f"{where}: running the region or the op on random inputs failed: {type(e).__name__}: {e}", ""
-            for i, (out, idx) in enumerate(zip(got, rep.outputs)):
-                ref = want if idx is None else want[idx]
+            for i, (out, spec) in enumerate(zip(got, rep.outputs)):
+                ref = _op_output(spec, want, values.__getitem__)
                 diff = _difference(out, ref, self.tolerance.get(ref.dtype, (0.0, 0.0)))
                 if diff:
                     return f"{where}: output {i} differs from dsv41::{self.name}'s reference on random inputs ({diff})", ""
@@ -372,10 +374,12 @@ class FusionPass(GraphPass):
         position = {n: i for i, n in enumerate(graph.nodes)}
         last_input = max(leaves(rep.args), key=position.__getitem__)
         anchor = m.outputs[0]
-        derived, region = [], set(m.nodes)
+        derived, region, emitted = [], set(m.nodes), {}
 
         def emit(d: Derived) -> fx.Node:
-            args, kwargs = tuple(emit(a) if isinstance(a, Derived) else a for a in d.args), dict(d.kwargs)
+            if id(d) in emitted:  # one Derived object read twice (an argument and an output's function)
+                return emitted[id(d)]
+            args, kwargs = built(d.args), dict(d.kwargs)
             first = next((a for a in args if isinstance(a, fx.Node)), None)
             for u in first.users if first is not None else ():
                 if u.target == d.op and u.args == args and u.kwargs == kwargs and u not in region \
@@ -384,10 +388,17 @@ class FusionPass(GraphPass):
             node = graph.call_function(d.op, args, kwargs)
             node.meta["val"] = fake_value(d)
             derived.append(node)
+            emitted[id(d)] = node
             return node
 
+        def built(a):
+            """a with every Derived value inside it (also in a list: the indices of an index op) emitted."""
+            if isinstance(a, Derived):
+                return emit(a)
+            return type(a)(built(b) for b in a) if isinstance(a, (tuple, list)) else a
+
         with graph.inserting_after(last_input):
-            args = tuple(emit(a) if isinstance(a, Derived) else a for a in rep.args)
+            args = built(rep.args)
             fused = graph.call_function(rep.op, args)
         fused.meta["val"] = value
         for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
@@ -396,7 +407,12 @@ class FusionPass(GraphPass):
         created = [*derived, fused]
         for pat_out, idx in zip(m.outputs, rep.outputs):
             new = fused
-            if idx is not None:
+            if callable(idx):
+                emitted_before = len(derived)
+                with graph.inserting_after(fused):
+                    new = emit(idx(fused))
+                created.extend(derived[emitted_before:])
+            elif idx is not None:
                 with graph.inserting_after(fused):
                     new = graph.call_function(operator.getitem, (fused, idx))
                 new.meta["val"] = fused.meta["val"][idx]
@@ -468,6 +484,13 @@ def _fake_output(rep: Replacement):
     fake-tensor dispatch does not log it)."""
     with quiet_fake_tensor():
         return fake_value(Derived(rep.op, rep.args))
+
+
+def _op_output(spec, value, leaf):
+    """What a `Replacement.outputs` entry takes from the op's output `value` (graph nodes read by `leaf`)."""
+    if callable(spec):
+        return evaluate(spec(value), leaf)
+    return value if spec is None else value[spec]
 
 
 def _region_module(m: MatchResult) -> fx.GraphModule:

@@ -12,20 +12,46 @@ rows as its `expert_out`), so either can be disabled alone. Formulations: the mo
 quantisation of the activation (the config's fp8_block), and both without the routing weight, where the model weights
 the rows after w2 (vLLM's order; MaxText's unpermute einsum): the op then takes weights of 1 (`a * 1.0` is `a`, exact);
 limit from the config (another limit is a scalar decline).
+
+Gathered formulations (gpt-fast's Mixtral `ConditionalFeedForward`, hand-written decode loops): no sort; each (token
+t, slot j) pair's expert weights are gathered and multiplied in batched products,
+
+    gu = x[t] . w13[e[t, j]]^T  for all (t, j)  (w13[expert_idx] [T, k, 2I, D] under einsum, or matmul / bmm)
+    a = fp8_fake_quant(bf16(swiglu_clamped(gu[..., :I], gu[..., I:], limit) (* weights[..., None])))
+    out[t, j] = a[t, j] . w2[e[t, j]]^T  -> [T, k, D]
+
+The replacement computes the op's sorted rows from expert_idx [T, k] in the graph: flat = expert_idx.reshape(T * k),
+order = argsort(flat, stable=True) (equal ids by pair index, so deterministic), token = order // k, offsets =
+cumsum of the per-expert counts (an int32 scatter_add of ones into E zeros, the model's count; `bincount`'s output
+size depends on the values, so it has no static-shape form), row_weights = weights.flatten()[order] (or ones), and
+puts the op's [T * k, D] rows back in pair order by the inverse permutation, out[argsort(order)].view(T, k, D).
+Exact up to the GEMMs' fp32 summation order: the rows are a permutation of the independent (t, j) pairs, and each
+row's products (bf16 in, fp32 accumulation, bf16 out), activation, weight, cast and FP8 step are the pattern's. A
+gathered match with parts written another way passes the semantic check within the pass's bf16 `tolerance`
+(atol 2^-5, rtol 2^-6), as the sorted-rows ones. Declined above MAX_ROWS pairs as those.
+
+With w1 and w3 held apart (gpt-fast), the op's stacked w13 of all E experts would be a cat copying every expert's
+weights on every call; instead each pair is its own expert: the op takes w13 = cat(w1[flat], w3[flat], 1) [T * k, 2I,
+D] and w2[flat] [T * k, D, I] (the pairs' weights, which the graph's own gathers copy too), offsets 1, 2, ..., T * k
+(one row an expert), token = pair // k and the weights flattened; its rows are then in pair order, viewed [T, k, D].
+Exact as above (the same rows, each with its own expert's products). The kernel then reads each pair's weights,
+also where two tokens chose one expert, which the sorted form reads once. Where w1 and w3 are the two dim-1 halves of
+one [E, 2I, D] graph value (`w13[:, :I]`, `w13[:, I:]`), that value is w13 and the sorted form runs.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 from dsv41.lowerings.moe_experts import MAX_ROWS
 from dsv41.models import functional as fn
 from dsv41.passes.fusion import Derived, FusionPass, Replacement
-from dsv41.passes.matcher import Pattern
+from dsv41.passes.matcher import Pattern, leaves
 
 T, D, I, E, K = 3, 32, 32, 4, 6
 aten, prims = torch.ops.aten, torch.ops.prims
-UNWEIGHTED, UNWEIGHTED_FP8 = "experts_unweighted", "experts_fp8_unweighted"
+GATHERED, SPLIT = "gathered", "split"  # the gathered formulations' name prefix; w1 and w3 held apart
 
 
 def _inputs():
@@ -34,66 +60,131 @@ def _inputs():
             torch.empty(E, dtype=torch.int32), torch.empty(E, 2 * I, D, dtype=bf), torch.empty(E, D, I, dtype=bf)]
 
 
-def _unweighted_inputs():
-    x, token, _, *rest = _inputs()
-    return [x, token, *rest]
+def _gathered_inputs(tokens=T):
+    bf = torch.bfloat16
+    return [torch.empty(tokens, D, dtype=bf), torch.empty(tokens, K, dtype=torch.int64), torch.empty(tokens, K),
+            torch.empty(E, 2 * I, D, dtype=bf), torch.empty(E, D, I, dtype=bf)]
+
+
+def _split_inputs(tokens=T):
+    x, expert_idx, weights, w13, w2 = _gathered_inputs(tokens)
+    return [x, expert_idx, weights, w13[:, :I].clone(), w13[:, I:].clone(), w2]
+
+
+def _without_weights(inputs):
+    """The example inputs of the unweighted form: the weights (the third input) dropped."""
+    def unweighted(*shape):
+        first, second, _, *rest = inputs(*shape)
+        return [first, second, *rest]
+    return unweighted
+
+
+def _activation(g, u, weights, limit, quant_block, dtype):
+    """g, u [..., I] (the w1 and w3 outputs) -> fp8_fake_quant(dtype(swiglu_clamped(g, u, limit) * weights[..., None]))
+    [..., I]; weights None: unweighted; quant_block 0: no FP8 step."""
+    a = fn.swiglu_clamped(g, u, limit)
+    if weights is not None:
+        a = a * weights.unsqueeze(-1)
+    a = a.to(dtype)
+    return fn.fp8_fake_quant(a, quant_block) if quant_block else a
 
 
 def experts(x, token, row_weights, offsets, w13, w2, limit, quant_block):
     """The model's routed experts (`MoE.forward`) from the sorted rows to the down projection's output; row_weights
     None: the rows unweighted (weighted after w2)."""
-    inter = w2.shape[2]
     gu = torch._grouped_mm(x[token], w13.transpose(1, 2), offs=offsets)
-    a = fn.swiglu_clamped(gu[:, :inter], gu[:, inter:], limit)
-    if row_weights is not None:
-        a = a * row_weights.unsqueeze(-1)
-    a = a.to(x.dtype)
-    if quant_block:
-        a = fn.fp8_fake_quant(a, quant_block)
+    inter = w2.shape[2]
+    a = _activation(gu[:, :inter], gu[:, inter:], row_weights, limit, quant_block, x.dtype)
     return torch._grouped_mm(a, w2.transpose(1, 2), offs=offsets)
+
+
+# The batched products over gathered weights, per spelling: (x [T, D], w13[expert_idx] [T, k, 2I, D]) -> [T, k, 2I]
+# and (a [T, k, I], w2[expert_idx] [T, k, D, I]) -> [T, k, D].
+GATHERED_PRODUCTS = {
+    "einsum": (lambda x, w: torch.einsum("td,tkod->tko", x, w), lambda a, w: torch.einsum("tki,tkdi->tkd", a, w)),
+    "matmul": (lambda x, w: (w @ x[:, None, :, None]).squeeze(-1), lambda a, w: (w @ a[..., None]).squeeze(-1)),
+}
+
+
+def gathered_experts(x, expert_idx, weights, w13, w2, limit, quant_block, spelling):
+    """The routed experts on gathered weights: x [T, D] bf16, expert_idx [T, k] int64, weights [T, k] fp32 (None:
+    unweighted), w13 [E, 2I, D], w2 [E, D, I] -> [T, k, D] bf16, pair (t, j) on expert expert_idx[t, j]."""
+    up, down = GATHERED_PRODUCTS[spelling]
+    inter = w2.shape[2]
+    gu = up(x, w13[expert_idx])
+    return down(_activation(gu[..., :inter], gu[..., inter:], weights, limit, quant_block, x.dtype), w2[expert_idx])
+
+
+def gathered_split_experts(x, expert_idx, weights, w1, w3, w2, limit, quant_block, spelling):
+    """As `gathered_experts` with w1 [E, I, D] and w3 [E, I, D] held apart (gpt-fast's `ConditionalFeedForward`)."""
+    up, down = GATHERED_PRODUCTS[spelling]
+    a = _activation(up(x, w1[expert_idx]), up(x, w3[expert_idx]), weights, limit, quant_block, x.dtype)
+    return down(a, w2[expert_idx])
 
 
 class MoeExpertsPass(FusionPass):
     name = "moe_experts"
-    int_ranges = {"token": lambda metas, free: (0, metas["x"].shape[0])}
+    int_ranges = {"token": lambda metas, free: (0, metas["x"].shape[0]),
+                  "expert_idx": lambda metas, free: (0, metas["w2"].shape[0])}
     # a formulation computed with other ops may round g, u or a to the neighbouring bf16 and so flip an FP8 step
     tolerance = {torch.bfloat16: (2.0**-5, 2.0**-6)}
 
     def patterns(self):
         c = self.config
-
-        def experts_fp8(x, token, row_weights, offsets, w13, w2):
-            return experts(x, token, row_weights, offsets, w13, w2, c.swiglu_limit, c.fp8_block)
-
-        def experts_bf16(x, token, row_weights, offsets, w13, w2):
-            return experts(x, token, row_weights, offsets, w13, w2, c.swiglu_limit, 0)
-
-        def experts_fp8_unweighted(x, token, offsets, w13, w2):
-            return experts(x, token, None, offsets, w13, w2, c.swiglu_limit, c.fp8_block)
-
-        def experts_bf16_unweighted(x, token, offsets, w13, w2):
-            return experts(x, token, None, offsets, w13, w2, c.swiglu_limit, 0)
-
         anchor = aten._grouped_mm.default
-        return [Pattern("experts_fp8", experts_fp8, _inputs, anchor=anchor),
-                Pattern("experts", experts_bf16, _inputs, anchor=anchor),
-                Pattern(UNWEIGHTED_FP8, experts_fp8_unweighted, _unweighted_inputs, anchor=anchor),
-                Pattern(UNWEIGHTED, experts_bf16_unweighted, _unweighted_inputs, anchor=anchor)]
+        pats = []
+        for quant_block, fp8 in ((c.fp8_block, "_fp8"), (0, "")):
+            def sorted_rows(x, token, row_weights, offsets, w13, w2, quant_block=quant_block):
+                return experts(x, token, row_weights, offsets, w13, w2, c.swiglu_limit, quant_block)
+
+            def sorted_unweighted(x, token, offsets, w13, w2, quant_block=quant_block):
+                return experts(x, token, None, offsets, w13, w2, c.swiglu_limit, quant_block)
+
+            pats.append(Pattern(f"experts{fp8}", sorted_rows, _inputs, anchor=anchor))
+            pats.append(Pattern(f"experts{fp8}_unweighted", sorted_unweighted, _without_weights(_inputs), anchor=anchor))
+        for spelling in GATHERED_PRODUCTS:
+            for quant_block, fp8 in ((c.fp8_block, "_fp8"), (0, "")):
+                def gathered(x, expert_idx, weights, w13, w2, quant_block=quant_block, spelling=spelling):
+                    return gathered_experts(x, expert_idx, weights, w13, w2, c.swiglu_limit, quant_block, spelling)
+
+                def gathered_unweighted(x, expert_idx, w13, w2, quant_block=quant_block, spelling=spelling):
+                    return gathered_experts(x, expert_idx, None, w13, w2, c.swiglu_limit, quant_block, spelling)
+
+                def split(x, expert_idx, weights, w1, w3, w2, quant_block=quant_block, spelling=spelling):
+                    return gathered_split_experts(x, expert_idx, weights, w1, w3, w2, c.swiglu_limit, quant_block,
+                                                  spelling)
+
+                def split_unweighted(x, expert_idx, w1, w3, w2, quant_block=quant_block, spelling=spelling):
+                    return gathered_split_experts(x, expert_idx, None, w1, w3, w2, c.swiglu_limit, quant_block,
+                                                  spelling)
+
+                for name, search, inputs in (
+                        (f"{GATHERED}_{spelling}{fp8}", gathered, _gathered_inputs),
+                        (f"{GATHERED}_{spelling}_{SPLIT}{fp8}", split, _split_inputs),
+                        (f"{GATHERED}_{spelling}{fp8}_unweighted", gathered_unweighted, _without_weights(_gathered_inputs)),
+                        (f"{GATHERED}_{spelling}_{SPLIT}{fp8}_unweighted", split_unweighted, _without_weights(_split_inputs))):
+                    # at one token the batched product's broadcast x needs no contiguous copy: another form
+                    pats.append(Pattern(name, search, inputs, variants=(lambda inputs=inputs: inputs(1),),
+                                        anchor=aten.bmm.default))
+        return pats
 
     def check(self, m):
-        rows = m.inputs[1].meta["val"].shape[0]
+        rows = m.inputs[1].meta["val"].numel()
         if rows > MAX_ROWS:
             return f"rows: M = T*k = {rows} > {MAX_ROWS} (small-row kernel); the _grouped_mm path stays"
         return None
 
     def sample_inputs(self, m, g):
-        """As the base class, with valid offsets: random expert row counts (some zero) that sum to M; the first row
-        weight zero, so that row's activation is an all-zero FP8 block, where the amax floor (1e-4) decides the
-        scale (without it 0 / 0 is NaN)."""
+        """As the base class, with the first token's routing weights zero, so its activation rows are all-zero FP8
+        blocks, where the amax floor (1e-4) decides the scale (without it 0 / 0 is NaN); for the sorted rows, valid
+        offsets: random expert row counts (some zero) that sum to M."""
         values = super().sample_inputs(m, g)
-        weighted = m.pattern.name not in (UNWEIGHTED, UNWEIGHTED_FP8)
-        if weighted and m.inputs[2] in values:
-            values[m.inputs[2]][0] = 0
+        weighted = not m.pattern.name.endswith("_unweighted")
+        weights = leaves([m.inputs[2]])[0] if weighted else None
+        if weights in values:
+            values[weights][0] = 0
+        if m.pattern.name.startswith(GATHERED):
+            return values
         offsets = m.inputs[3 if weighted else 2]
         rows, experts_n = m.inputs[1].meta["val"].shape[0], offsets.meta["val"].shape[0]
         counts = torch.bincount(torch.randint(0, experts_n, (rows,), generator=g), minlength=experts_n)
@@ -101,10 +192,79 @@ class MoeExpertsPass(FusionPass):
         return values
 
     def replacement(self, m):
-        quant_block = self.config.fp8_block if m.pattern.name in ("experts_fp8", UNWEIGHTED_FP8) else 0
+        quant_block = self.config.fp8_block if "_fp8" in m.pattern.name else 0
+        weighted = not m.pattern.name.endswith("_unweighted")
+        tail = (self.config.swiglu_limit, quant_block, self.config.kernel)
+        if m.pattern.name.startswith(GATHERED) and f"_{SPLIT}" in m.pattern.name:
+            x, expert_idx, *rest = m.inputs
+            w13 = _stacked_halves(*rest[-3:-1])
+            if w13 is None:
+                return _per_pair_replacement(m.inputs, weighted, tail)
+            return _sorted_replacement([x, expert_idx, *rest[:-3], w13, rest[-1]], weighted, tail)
+        if m.pattern.name.startswith(GATHERED):
+            return _sorted_replacement(m.inputs, weighted, tail)
         inputs = list(m.inputs)
-        if m.pattern.name in (UNWEIGHTED, UNWEIGHTED_FP8):  # rows weighted after w2: weights of 1 ([M] fp32)
-            ones = Derived(aten.ones_like.default, (inputs[1],))
-            inputs.insert(2, Derived(prims.convert_element_type.default, (ones, torch.float32)))
-        return Replacement(torch.ops.dsv41.moe_experts.default,
-                           (*inputs, self.config.swiglu_limit, quant_block, self.config.kernel), (None,))
+        if not weighted:  # rows weighted after w2: weights of 1 ([M] fp32)
+            inputs.insert(2, _ones(inputs[1]))
+        return Replacement(torch.ops.dsv41.moe_experts.default, (*inputs, *tail), (None,))
+
+
+def _ones(like):
+    """[M] fp32 ones, the row weights of an unweighted formulation (`a * 1.0` is `a`, exact)."""
+    return Derived(prims.convert_element_type.default, (Derived(aten.ones_like.default, (like,)), torch.float32))
+
+
+def _sorted_replacement(inputs, weighted, tail):
+    """The op on the sorted rows of a gathered match (see the module): x, expert_idx [T, k], (weights [T, k],) w13,
+    w2 -> the op's [T * k, D] rows, put back in (t, j) order as [T, k, D]."""
+    x, expert_idx, *rest = inputs
+    w13, w2 = rest[-2:]
+    t, k = expert_idx.meta["val"].shape
+    rows, experts_n, dim = t * k, w13.meta["val"].shape[0], x.meta["val"].shape[-1]
+    flat = Derived(aten.reshape.default, (expert_idx, [rows]))
+    order = Derived(aten.argsort.stable, (flat,), (("stable", True),))
+    token = Derived(aten.div.Tensor_mode, (order, k), (("rounding_mode", "floor"),))
+    zeros = Derived(aten.new_zeros.default, (flat, [experts_n]), (("dtype", torch.int32),))
+    ones = Derived(aten.ones_like.default, (flat,), (("dtype", torch.int32),))
+    counts = Derived(aten.scatter_add.default, (zeros, 0, flat, ones))
+    offsets = Derived(aten.cumsum.default, (counts, 0), (("dtype", torch.int32),))
+    row_weights = (Derived(aten.index.Tensor, (Derived(aten.reshape.default, (rest[0], [rows])), [order]))
+                   if weighted else _ones(order))
+    inverse = Derived(aten.argsort.stable, (order,), (("stable", True),))
+
+    def in_pair_order(out):
+        return Derived(aten.view.default, (Derived(aten.index.Tensor, (out, [inverse])), [t, k, dim]))
+
+    return Replacement(torch.ops.dsv41.moe_experts.default, (x, token, row_weights, offsets, w13, w2, *tail),
+                       (in_pair_order,))
+
+
+def _stacked_halves(w1, w3):
+    """The graph value [E, 2I, D] whose dim-1 halves w1 = w13[:, :I] and w3 = w13[:, I:] are (slices of one value),
+    or None: then w1 and w3 are held apart."""
+    if not all(isinstance(w, fx.Node) and w.target is aten.slice.Tensor for w in (w1, w3)):
+        return None
+    (root, dim1, start1, end1, *step1), (root3, dim3, start3, end3, *step3) = w1.args, w3.args
+    inter, whole = w1.meta["val"].shape[1], root.meta["val"].shape
+    if root is not root3 or len(whole) != 3 or whole[1] != 2 * inter or {dim1, dim3} != {1} or step1 + step3 not in ([], [1], [1, 1]):
+        return None
+    return root if (start1, min(end1, whole[1]), start3, min(end3, whole[1])) == (0, inter, inter, 2 * inter) else None
+
+
+def _per_pair_replacement(inputs, weighted, tail):
+    """The op with one expert a pair for a gathered match with w1 and w3 apart (see the module): x, expert_idx [T, k],
+    (weights [T, k],) w1, w3, w2 -> the op's [T * k, D] rows (in pair order) viewed [T, k, D]."""
+    x, expert_idx, *rest = inputs
+    w1, w3, w2 = rest[-3:]
+    t, k = expert_idx.meta["val"].shape
+    rows, dim = t * k, x.meta["val"].shape[-1]
+    flat = Derived(aten.reshape.default, (expert_idx, [rows]))
+    w13 = Derived(aten.cat.default, ([Derived(aten.index.Tensor, (w, [flat])) for w in (w1, w3)], 1))
+    pair_weights = Derived(aten.index.Tensor, (w2, [flat]))
+    offsets = Derived(aten.cumsum.default, (Derived(aten.ones_like.default, (flat,)), 0), (("dtype", torch.int32),))
+    pair = Derived(aten.sub.Tensor, (Derived(aten.cumsum.default, (Derived(aten.ones_like.default, (flat,)), 0)), 1))
+    token = Derived(aten.div.Tensor_mode, (pair, k), (("rounding_mode", "floor"),))
+    row_weights = Derived(aten.reshape.default, (rest[0], [rows])) if weighted else _ones(flat)
+    return Replacement(torch.ops.dsv41.moe_experts.default,
+                       (x, token, row_weights, offsets, w13, pair_weights, *tail),
+                       (lambda out: Derived(aten.view.default, (out, [t, k, dim])),))

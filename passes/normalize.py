@@ -61,7 +61,7 @@
   transposed, `bmm(v^T, a^T)^T`; a bmm of batch 1 against a 2-D value viewed with a unit batch dim
   (`einsum('bld,dq->blq', h, w)` with a Flax-style [in, out] kernel) is an mm;
 - JAX-port spellings: `ldexp(x, e)` is `x * pow(2, e)` (`ldexp(1, e)` the power alone); maximum / minimum with a
-  nonzero constant are clamp_min / clamp_max; an int64 sum of a lossless integer cast (`one_hot.to(int32).sum(0)`)
+  nonzero constant are clamp_min / clamp_max (and a clamp with one bound is clamp_min / clamp_max); an int64 sum of a lossless integer cast (`one_hot.to(int32).sum(0)`)
   is the sum of the int64 cast; a slice_scatter of a value computed from that slice (`x.at[..., -r:].set(...)`)
   is the cat of the rest and the value; take_along_dim's wrap (`remainder`) of indices known to lie in range (a
   sort's or top-k's indices, their floor division) is dropped, and its gather of an index vector broadcast along
@@ -303,6 +303,20 @@ def _ldexp(graph: fx.Graph, node: fx.Node) -> bool:
             graph.erase_node(x)
         return True
     node.target, node.args = aten.mul.Tensor, (x, power)
+    return True
+
+
+def _one_sided_clamp(node: fx.Node) -> bool:
+    """clamp(x, lo) / clamp(x, None, hi) with one bound given is clamp_min(x, lo) / clamp_max(x, hi): the same op."""
+    if node.target is not aten.clamp.default:
+        return False
+    x, *bounds = node.args
+    bounds += [None] * (2 - len(bounds))
+    lo, hi = node.kwargs.get("min", bounds[0]), node.kwargs.get("max", bounds[1])
+    if (lo is None) == (hi is None):
+        return False
+    node.target, node.args = (aten.clamp_min.default, (x, lo)) if hi is None else (aten.clamp_max.default, (x, hi))
+    node.kwargs = {}
     return True
 
 
@@ -1090,7 +1104,7 @@ def _local_forms(graph: fx.Graph) -> int:
             continue
         changed += _scalar_overload(node) + _fused_arith(graph, node) + _gemm_plus_input(graph, node)
         changed += _scatter_reduce_sum(node) + _gather_1d(node) + _ldexp(graph, node)
-        changed += _extremum_with_constant(graph, node)
+        changed += _extremum_with_constant(graph, node) + _one_sided_clamp(node)
         changed += _sum_of_widening_cast(graph, node) + _gather_of_broadcast_rows(graph, node)
         if _remainder_in_range(node) or _clone_of_contiguous(node):
             graph.erase_node(node)

@@ -829,6 +829,33 @@ def test_maximum_and_minimum_with_a_nonzero_constant_are_clamps():
         assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)) and torch.equal(got.isnan(), want.isnan())
 
 
+def test_a_clamp_with_one_bound_is_clamp_min_or_clamp_max():
+    """aten.clamp(x, lo), clamp(x, None, hi) and clamp(x, min=lo) (the traced decompositions give clamp_min /
+    clamp_max; a graph rewritten elsewhere may not) are clamp_min / clamp_max, NaN propagated alike; a clamp with both
+    bounds stays."""
+    def f(x):
+        return x.clamp_min(-10.0), x.clamp_max(10.0), x.clamp_min(1e-4), x.clamp_max(3.0)
+
+    g = gen(0)
+    x = torch.randn(4, 8, generator=g) * 20
+    x[0, :2] = torch.tensor([float("nan"), -0.0])
+    gm = aten_graph(f, x)
+    lo, hi, lo_kw, both = [n for n in gm.graph.nodes if n.op == "call_function"]
+    lo.target, lo.args = torch.ops.aten.clamp.default, (lo.args[0], -10.0)
+    hi.target, hi.args = torch.ops.aten.clamp.default, (hi.args[0], None, 10.0)
+    lo_kw.target, lo_kw.args, lo_kw.kwargs = torch.ops.aten.clamp.default, (lo_kw.args[0],), {"min": 1e-4}
+    both.target, both.args = torch.ops.aten.clamp.default, (both.args[0], -3.0, 3.0)
+    gm.recompile()
+    want = gm(x)
+    normalize_graph(gm.graph)
+    gm.recompile()
+    assert [(n.target, n.args[1:], n.kwargs) for n in gm.graph.nodes if n.op == "call_function"] == [
+        (torch.ops.aten.clamp_min.default, (-10.0,), {}), (torch.ops.aten.clamp_max.default, (10.0,), {}),
+        (torch.ops.aten.clamp_min.default, (1e-4,), {}), (torch.ops.aten.clamp.default, (-3.0, 3.0), {})], gm.code
+    for got, w in zip(gm(x), want, strict=True):
+        assert torch.equal(got.nan_to_num(7.0), w.nan_to_num(7.0)) and torch.equal(got.isnan(), w.isnan())
+
+
 def test_int64_sum_of_a_lossless_narrow_integer_cast_is_the_sum_of_the_int64_cast():
     """A one-hot count cast to int32 before its (int64) sum, `(ids[:, None] == arange(E)).to(int32).sum(0)`, is the
     sum of the comparison cast to int64, the form of `F.one_hot(ids, E).sum(0)`; a cast that can lose values

@@ -28,7 +28,11 @@ forward(x [B, 1, hc, D] bf16, pre_mix [B, 1, hc] fp32, cos/sin [B, 1, rd/2] fp32
         n_c [B] int64) -> (h [B, 1, D] bf16, x_new [B, 1, hc, D] bf16, idx [B, 1, k] int64)
 
 Sites (each a fusion when the backend finds it): mhc_coeffs x2, qkv_norm, indexer_topk, wo_a, mhc_post_pre x2,
-moe_route, moe_finalize (the experts are per-pair einsums, not `_grouped_mm`, so no moe_metadata/moe_experts site).
+moe_route, moe_finalize. No moe_metadata site (no sort); the experts, per-pair einsums on gathered w1 / w3 / w2,
+are a moe_experts candidate (the gathered split formulation) but stay a near miss at the FP8 round trip of the
+[T, k, I] activation (`reshape(-1, 32)` rows, the `2.0 ** ceil(log2(...))` scale), which the island phase does not
+accept: on the experts alone it pairs the operands of `q.float() * scale` the wrong way round (a commutative product's
+order is chosen by the fewest islands, and the other order is not retried when the semantic check then declines).
 
 Measured when the block was written (fx mode, CPU): 8 of the 9 sites fused, qkv_norm only as its two norms
 (`q_kv_norm_none_split`, the KV RoPE and FP8 step left as glue). The causes, and their general fixes
