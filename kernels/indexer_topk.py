@@ -374,14 +374,7 @@ class TopkSelect:
         cute.arch.barrier()
 
         if const_expr(self.resident):
-            count = cutlass.min(mScores.shape[1], span)
-            keys = []  # columns _RESIDENT * tidx + j
-            for j in cutlass.range_constexpr(_RESIDENT):
-                e = tidx * _RESIDENT + j
-                key = Int32(_PAD)
-                if e < count:
-                    key = _order_key(gRow[e])
-                keys.append(key)
+            keys, _ = _resident_keys(gRow, Int32(0), cutlass.min(mScores.shape[1], span), _RESIDENT, tidx)
             lo, hi, remaining = _register_select(keys, Int32(self.k), sHist, sPick, tidx, warp, lane)
             self.collect(keys, [tidx * _RESIDENT + j for j in range(_RESIDENT)], Int32(0), Int32(0), Int32(0), lo,
                          hi, remaining, mOut, t, offset, sScan, warp, lane)
@@ -478,16 +471,8 @@ class TopkSelect:
         the prefix build's do (``_cluster_pick``), and one collection step writes the CTA's keys."""
         per_thread = self.capacity // THREADS
         first = rank * span
-        count = cutlass.max(cutlass.min(n - first, span), Int32(0))
-        keys = []
-        lives = []
-        for j in cutlass.range_constexpr(per_thread):
-            e = tidx * per_thread + j
-            key = Int32(_PAD)
-            if e < count:
-                key = _order_key(gRow[first + e])
-            keys.append(key)
-            lives.append(e < count)
+        keys, lives = _resident_keys(gRow, first, cutlass.max(cutlass.min(n - first, span), Int32(0)), per_thread,
+                                     tidx)
         prefix, remaining, level, done, gt_before, eq_before = _first_round_state(self.k)
         for rnd in cutlass.range_constexpr(_ROUNDS):
             if done == 0:
@@ -703,6 +688,22 @@ def _select_smem(smem, tidx: Int32):
         sHist[tidx, 0] = Int32(0)
         sHist[tidx, 1] = Int32(0)
     return sHist, sScan, sPick
+
+
+@cute.jit
+def _resident_keys(gRow: cute.Tensor, first: Int32, count: Int32, per_thread: cutlass.Constexpr[int], tidx: Int32):
+    """(keys, lives): the order keys of columns first + per_thread * tidx + j, j < per_thread, of a row held in
+    registers (_PAD, not live, at and past ``count`` columns from ``first``)."""
+    keys = []
+    lives = []
+    for j in cutlass.range_constexpr(per_thread):
+        e = tidx * per_thread + j
+        key = Int32(_PAD)
+        if e < count:
+            key = _order_key(gRow[first + e])
+        keys.append(key)
+        lives.append(e < count)
+    return keys, lives
 
 
 @cute.jit
