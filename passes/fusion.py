@@ -426,12 +426,13 @@ class FusionPass(GraphPass):
                 new.meta["val"] = pat_out.meta["val"]
                 created.append(new)
             pat_out.replace_all_uses_with(new)
-        for n in reversed(m.nodes):
+        erased = [n for n in m.nodes if n not in m.kept]
+        for n in reversed(erased):
             graph.erase_node(n)
         stable_topological_sort(graph)  # users of an output that preceded the last input move after the op
         return {
             "pattern": m.pattern.name,
-            "erased": [n.name for n in m.nodes],
+            "erased": [n.name for n in erased],
             "created": [n.name for n in created],
             "stack_trace": anchor.meta.get("stack_trace"),
             "module": module_path(anchor.meta.get("nn_module_stack")),

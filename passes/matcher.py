@@ -39,7 +39,8 @@ A pattern value read twice may be two graph nodes that repeat one op on the same
 viewed once for the quotient and again for the product); both lie in the region.
 
 A match also fails when an interior node of the pattern has a user outside it ("extra user"; but for a value the
-pattern declares an optional output, which the op then also returns), or when the fusion's own `check` rejects
+pattern declares an optional output, which the op then also returns, and for a layout op of bound inputs, which the
+replacement leaves in place for its other readers: `MatchResult.kept`), or when the fusion's own `check` rejects
 the bound inputs (dtype, shape, token limit).
 
 Costs: an island's closure tests are shared by the patterns of a pass until a replacement changes the graph, the
@@ -149,6 +150,8 @@ class MatchResult:
     exposed: tuple = ()
     # the region's graph nodes inside islands (computed another way than the pattern writes them)
     another_way: frozenset = frozenset()
+    # the region's layout ops of bound inputs that the graph also reads outside it: left in place, not erased
+    kept: frozenset = frozenset()
 
 
 @dataclass
@@ -1112,21 +1115,35 @@ class PatternSet:
         optional = [st2.p2t.get(o) for o in exact.outputs[required:]]
         exposed = tuple(isinstance(t, fx.Node) and t in inside and any(u not in inside for u in t.users) for t in optional)
         outputs += [t for t, e in zip(optional, exposed) if e]
+        kept = _input_layouts_read_outside(inside, inputs_bound)
         for t in inside:
-            if t in outputs:
+            if t in outputs or t in kept:
                 continue
             for user in t.users:
                 if user not in inside:
                     return MatchFailure(pat.name, anchor.name, total, total, "extra user",
                                         f"{_fmt(t)} inside the pattern is also used by {_fmt(user)}", user.name)
         inputs = [d if isinstance(d, Derived) else st2.p2t.get(p) for p, d in zip(exact.placeholders, bound)]
-        cyclic = next((v for v in leaves(inputs) if _reaches(v, inside)), None)
+        cyclic = next((v for v in leaves(inputs) if _reaches(v, inside - kept)), None)
         if cyclic is not None:
             return MatchFailure(pat.name, anchor.name, total, total, "inconsistent input",
                                 f"input {_fmt(cyclic)} depends on the matched region", cyclic.name)
         nodes = [n for n in anchor.graph.nodes if n in inside]
         found_islands = [(_op_name(p.target), t, why) for p, t, why in st2.islands]
-        return MatchResult(pat, inputs, outputs, nodes, free, found_islands, exposed=exposed, another_way=another_way)
+        return MatchResult(pat, inputs, outputs, nodes, free, found_islands, exposed=exposed, another_way=another_way,
+                           kept=kept)
+
+
+def _input_layouts_read_outside(inside: set, inputs_bound: set) -> frozenset:
+    """The region's layout ops (views, unsqueezes, permutes) of bound inputs, through such ops only, that the graph
+    also reads outside the region (a `[T, 1, rd/2]` view of cos that the model's q RoPE reads too): each is a view of
+    graph values the op takes anyway, so the region may leave it in place for those readers rather than fail on an
+    extra user. The rest of the region does not depend on them being erased."""
+    layouts: set = set()
+    for t in sorted(inside, key=_position):  # operands before users
+        if t.target in _LAYOUT_OPS and all(a in inputs_bound or a in layouts for a in t.all_input_nodes):
+            layouts.add(t)
+    return frozenset(t for t in layouts if any(u not in inside for u in t.users))
 
 
 def _repeats(a, b) -> bool:

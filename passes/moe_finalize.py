@@ -12,7 +12,10 @@ slot) order by the inverse of the sort's permutation (`argsort(order)`), viewed 
 order; the same products, summed in the op's row order rather than the slot order: fp32 reordering). That one
 needs `order` to be a sort's indices (a permutation); other indices are declined. The unpermute also without
 weights, the rows weighted before w2 as the spec has it (`rows[argsort(order)].view(T, k, D).float().sum(1)`;
-SGLang's `new_x[order] = rows`, normalised to that gather): the op then takes no weights.
+SGLang's `new_x[order] = rows`, normalised to that gather): the op then takes no weights. And the combine
+accumulated into the shared output itself, `shared.float().scatter_add(0, index, rows)` (or `index_add`), weighted
+or not (TorchTitan's `out = shared_experts(x); out.scatter_add(0, index, routed_output)`, in fp32): the same sum with
+the shared row added first rather than last (fp32 reordering).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ M, T, D = 6, 3, 32
 aten = torch.ops.aten
 UNPERMUTE = "unpermute"
 UNWEIGHTED = f"{UNPERMUTE}_unweighted"
+INTO_SHARED = "into_shared"
 
 
 def _inputs(with_shared):
@@ -43,6 +47,14 @@ def combine_index_add(out, token, num_tokens):
 def combine_scatter_add(out, token, num_tokens):
     index = token.unsqueeze(-1).expand(-1, out.shape[1])
     return torch.zeros(num_tokens, out.shape[1], dtype=torch.float32, device=out.device).scatter_add_(0, index, out.float())
+
+
+def accumulate_into(init, rows, token, method):
+    """init [T, D] fp32 with rows [M, D] fp32 added at their tokens, by `index_add` or by `scatter_add` over the
+    token index expanded along D: init[t] + sum_{i: token[i] = t} rows[i] -> [T, D] fp32."""
+    if method == "index_add":
+        return init.index_add(0, token, rows)
+    return init.scatter_add(0, token.unsqueeze(-1).expand(-1, rows.shape[1]), rows)
 
 
 def unpermute(out, order, weights):
@@ -94,6 +106,16 @@ class MoeFinalizePass(FusionPass):
             def weighted_only(out, token, weights, num_tokens, combine=combine):
                 return combine(out.float() * weights.unsqueeze(-1), token, num_tokens)
 
+            def weighted_into_shared(out, token, weights, shared, method=name):
+                rows = out.float() * weights.unsqueeze(-1)
+                return accumulate_into(shared.float(), rows, token, method).to(shared.dtype)
+
+            def into_shared(out, token, shared, method=name):
+                return accumulate_into(shared.float(), out.float(), token, method).to(shared.dtype)
+
+            pats.append(Pattern(f"{name}_weighted_into_shared", weighted_into_shared, _weighted_inputs(True),
+                                anchor=combine_op))
+            pats.append(Pattern(f"{name}_into_shared", into_shared, _inputs(True), anchor=combine_op))
             pats.append(Pattern(f"{name}_weighted_shared", weighted_shared, _weighted_inputs(True), free, defaults, anchor=combine_op))
             pats.append(Pattern(f"{name}_weighted_only", weighted_only, _weighted_inputs(False), free, defaults, anchor=combine_op))
             pats.append(Pattern(f"{name}_shared", with_shared, _inputs(True), free, defaults, anchor=combine_op))
@@ -119,6 +141,8 @@ class MoeFinalizePass(FusionPass):
     def tokens(self, m):
         if m.pattern.name.startswith(UNWEIGHTED):
             return m.inputs[0].meta["val"].shape[0] // m.free["topk"]
+        if m.pattern.name.endswith(INTO_SHARED):
+            return m.inputs[-1].meta["val"].shape[0]
         return m.inputs[2].meta["val"].shape[0] if m.pattern.name.startswith(UNPERMUTE) else m.free["num_tokens"]
 
     def check(self, m):
@@ -145,5 +169,5 @@ class MoeFinalizePass(FusionPass):
         weighted = "_weighted" in m.pattern.name
         weights = m.inputs[2] if weighted else None
         shared = m.inputs[3 if weighted else 2] if m.pattern.name.endswith("_shared") else None
-        args = (out, token, shared, m.free["num_tokens"], weights, self.config.kernel)
+        args = (out, token, shared, self.tokens(m), weights, self.config.kernel)
         return Replacement(torch.ops.dsv41.moe_finalize.default, args, (None,))

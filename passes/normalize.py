@@ -20,7 +20,9 @@
   (`torch.chunk(y.float(), 2, -1)` is the casts of y's halves);
 - routing maps: the column sums of a map scattered from top-k ids, `zeros(T, E).scatter(1, ids, 1).sum(0)`
   (Megatron's `tokens_per_expert`), are the counts of the flat ids, `zeros(E).scatter_add(0, ids.view(-1), ones)`;
-  a 1-D `gather(x, 0, i)` is the lookup `x[i]`;
+  a 1-D `gather(x, 0, i)` is the lookup `x[i]`; `histc(float(ids), bins=n, min=0, max=n)` of indices known to lie in
+  [0, n) (TorchTitan's `num_tokens_per_expert`) is the float of their counts by an int32 scatter_add, and a cumsum
+  with an integer dtype of such a float cast of exact integer counts is the cumsum of the counts;
 - an add of a where of two constants is the where of two adds (`s + where(c, 0, -inf)`, an additive mask, is
   `where(c, s + 0, s - inf)`);
 - `where(~m, a, b)` (or `logical_not`) is `where(m, b, a)`, and on integers `where(a >= b, x, y)` is
@@ -2164,6 +2166,24 @@ def _zeros(n) -> bool:
             and n.args[1] == 0)
 
 
+def _flat_view(graph: fx.Graph, ids: fx.Node, before: fx.Node) -> fx.Node:
+    """ids viewed 1-D, available before `before`: the ids' own flat view where the graph has one (the sort's, moved
+    up: its only input is ids; other flat views of ids, the same value, read as it), so the counts and the sort read
+    one node; else a new view."""
+    n = _val(ids).numel()
+    flat, *copies = sorted((u for u in ids.users if u.target is aten.view.default and list(_val(u).shape) == [n]),
+                           key=position) or [None]
+    if flat is None:
+        return _insert(graph, before, aten.view.default, (ids, [n]), source=before)
+    for copy in copies:
+        copy.replace_all_uses_with(flat)
+        graph.erase_node(copy)
+    if position(flat) > position(before):
+        before.prepend(flat)
+        graph._dsv41_positions = None
+    return flat
+
+
 def _routing_map_counts(graph: fx.Graph, node: fx.Node) -> bool:
     """The column sums of a routing map, `zeros(T, E).scatter(1, ids, 1).sum(0)` (Megatron's `tokens_per_expert =
     routing_map.sum(dim=0)`, the map maybe cast to int or bool), are the counts of each expert among the flat ids,
@@ -2185,12 +2205,7 @@ def _routing_map_counts(graph: fx.Graph, node: fx.Node) -> bool:
         return False
     ids = m.args[2]
     (t, k), e = _val(ids).shape, _val(m).shape[1]
-    flat = next((u for u in ids.users if u.target is aten.view.default and list(_val(u).shape) == [t * k]), None)
-    if flat is None:
-        flat = _insert(graph, node, aten.view.default, (ids, [t * k]), source=node)
-    elif position(flat) > position(node):
-        node.prepend(flat)  # the ids' one flat view (the sort's) moves up to the counts: its only input is ids
-        graph._dsv41_positions = None
+    flat = _flat_view(graph, ids, node)
     kw = {"dtype": torch.int64, "layout": torch.strided, "device": _val(ids).device, "pin_memory": False}
     zeros = _insert(graph, node, aten.full.default, ([e], 0), kw, source=node)
     ones = _insert(graph, node, aten.full.default, ([t * k], 1), kw, source=node)
@@ -2199,6 +2214,69 @@ def _routing_map_counts(graph: fx.Graph, node: fx.Node) -> bool:
     node.replace_all_uses_with(counts)
     graph.erase_node(node)
     _erase_unused(graph, [src])
+    return True
+
+
+# the largest integer n such that every integer in [0, n] is exact in the float dtype (2^(mantissa bits + 1))
+_EXACT_INTEGERS = {torch.float32: 2 ** 24, torch.float64: 2 ** 53}
+
+
+def _histc_of_indices(graph: fx.Graph, node: fx.Node) -> bool:
+    """histc(float(ids), bins=n, min=0, max=n) of integer ids whose values all lie in [0, U), U <= n (`_index_bound`:
+    TorchTitan's `num_tokens_per_expert = torch.histc(top_k_ids.view(-1), bins=E, min=0, max=E)`) is the float of the
+    counts of each value among the ids, `float(zeros(n, int32).scatter_add(0, ids.view(-1), ones))`: with min = 0 and
+    max = n the bins have width 1, so bin b holds exactly the integer b (the last bin's closed end, n, is no id).
+    Exact where the float dtype holds every integer up to the number of ids (a count) and up to n (an id): fp32 up to
+    2^24."""
+    x = node.args[0]
+    if not (len(node.args) == 4 and not node.kwargs and isinstance(x, fx.Node) and x.op == "call_function"
+            and x.target is prims.convert_element_type.default and _static(_val(x))):
+        return False
+    bins, lo, hi = node.args[1:]
+    ids, limit = x.args[0], _EXACT_INTEGERS.get(_val(x).dtype)
+    vi = _val(ids)
+    bound = _index_bound(ids)
+    if not (isinstance(bins, int) and lo == 0 and hi == bins and limit is not None and isinstance(vi, torch.Tensor)
+            and not vi.dtype.is_floating_point and vi.dtype is not torch.bool and bound is not None and bound <= bins
+            and max(vi.numel(), bins) <= limit):
+        return False
+    while ids.op == "call_function" and ids.target is aten.view.default and _val(ids.args[0]).dim() > 1:
+        ids = ids.args[0]  # the flat view's root, whose flat views the sort also reads
+    flat = _flat_view(graph, ids, node) if _val(ids).dim() > 1 else ids
+    kw = {"dtype": torch.int32, "layout": torch.strided, "device": vi.device, "pin_memory": False}
+    zeros = _insert(graph, node, aten.full.default, ([bins], 0), kw, source=node)
+    ones = _insert(graph, node, aten.full.default, ([vi.numel()], 1), kw, source=node)
+    counts = _insert(graph, node, aten.scatter_add.default, (zeros, 0, flat, ones), source=node)
+    node.replace_all_uses_with(_insert(graph, node, prims.convert_element_type.default, (counts, _val(x).dtype),
+                                       source=node))
+    graph.erase_node(node)
+    _erase_unused(graph, [x])
+    return True
+
+
+def _count_bound(c) -> int | None:
+    """M when c counts M indices, `zeros.scatter_add(0, idx, ones)` with M = idx.numel(): every value in [0, M]."""
+    if not (isinstance(c, fx.Node) and c.op == "call_function" and c.target is aten.scatter_add.default
+            and _zeros(c.args[0]) and isinstance(c.args[3], fx.Node) and c.args[3].target is aten.full.default
+            and c.args[3].args[1] == 1 and _static(_val(c.args[2]))):
+        return None
+    return _val(c.args[2]).numel()
+
+
+def _cumsum_of_exact_cast(graph: fx.Graph, node: fx.Node) -> bool:
+    """cumsum(float(c), d, dtype=D) of integer counts c of dtype D (`_count_bound`) that the float holds exactly is
+    cumsum(c, d, dtype=D): cumsum casts its input to D first, and the round trip D -> float -> D of an exact integer
+    is that integer (titan's `torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)` of histc's counts)."""
+    x, dtype = node.args[0], node.kwargs.get("dtype")
+    if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target is prims.convert_element_type.default
+            and set(node.kwargs) == {"dtype"} and len(node.args) == 2):
+        return False
+    c, limit = x.args[0], _EXACT_INTEGERS.get(_val(x).dtype)
+    bound = _count_bound(c)
+    if not (limit is not None and bound is not None and bound <= limit and _val(c).dtype is dtype):
+        return False
+    node.args = (c, node.args[1])
+    _erase_unused(graph, [x])
     return True
 
 
@@ -2239,6 +2317,10 @@ def _canonical_forms(graph: fx.Graph) -> int:
             continue
         elif node.target is aten.sum.dim_IntList and (_routing_map_counts(graph, node)
                                                       or _reduced_over_columns(graph, node)):
+            changed += 1
+            continue
+        elif (node.target is aten.histc.default and _histc_of_indices(graph, node)
+              or node.target is aten.cumsum.default and _cumsum_of_exact_cast(graph, node)):
             changed += 1
             continue
         elif node.target in _BROADCASTING:

@@ -83,6 +83,21 @@ def tolerance(name):
     return dict(atol=1e-6, rtol=1e-6) if name.endswith("_only") else dict(atol=1.6e-2, rtol=1.6e-2)
 
 
+def into_shared(combine, weighted):
+    """The combine accumulated into the shared output in fp32 (TorchTitan's), the rows weighted in fp32 or not."""
+    def f(out, token, *rest):
+        *w, shared = rest
+        rows = out.float() * w[0].unsqueeze(-1) if weighted else out.float()
+        if combine == "index_add":
+            return shared.float().index_add(0, token, rows).to(shared.dtype)
+        return shared.float().scatter_add(0, token.unsqueeze(-1).expand(-1, rows.shape[1]), rows).to(shared.dtype)
+    return f
+
+
+INTO_SHARED_FORMULATIONS = {f"{c}{'_weighted' if w else ''}_into_shared": into_shared(c, w)
+                            for c in ("index_add", "scatter_add") for w in (True, False)}
+
+
 def unpermute_of(ids, out, w):
     """MaxText's unpermute of the rows `out` sorted by the stable argsort of the flat expert ids: back in (token,
     slot) order by the inverse permutation, [T, k, D], summed with the [T, k] weights by einsum."""
@@ -120,7 +135,24 @@ def unpermute_inputs(seed, shared=True, weights=True):
 
 def test_every_formulation_has_a_test():
     assert pattern_names(FUSION) == (set(FORMULATIONS) | set(WEIGHTED_FORMULATIONS) | set(UNPERMUTE_FORMULATIONS)
-                                     | set(UNWEIGHTED_FORMULATIONS))
+                                     | set(UNWEIGHTED_FORMULATIONS) | set(INTO_SHARED_FORMULATIONS))
+
+
+@pytest.mark.parametrize("name", sorted(INTO_SHARED_FORMULATIONS))
+def test_into_shared_formulation_is_fused(name):
+    """The op adds the shared row after the routed rows, the graph before them: fp32 reordering before the one
+    rounding, so equal to eager within one bf16 ulp (atol=rtol=2^-7); the weights are the op's where the graph
+    weights the rows."""
+    f, weighted = INTO_SHARED_FORMULATIONS[name], "_weighted" in name
+    inputs_of = weighted_inputs if weighted else inputs
+    gm, report, node = run_fused_once(f, inputs_of(0), FUSION, ("aten.index_add", "aten.scatter_add"))
+    assert report.passes[1].replaced[0]["pattern"] == name and node.args[3] == T
+    assert (node.args[4] is not None) == weighted
+    for seed in (1, 2):
+        x = inputs_of(seed)
+        got = gm(*x)
+        assert not got.isnan().any()
+        assert_close(got, f(*x), atol=2 ** -7, rtol=2 ** -7)
 
 
 @pytest.mark.parametrize("name", sorted(UNPERMUTE_FORMULATIONS))

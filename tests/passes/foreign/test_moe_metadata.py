@@ -107,3 +107,39 @@ def test_routing_map_counts_found_once_and_equal_to_eager():
     for seed in (1, 2):
         x = scores_inputs(seed)
         assert_close(gm(*x), routing_map(*x), atol=0, rtol=0)
+
+
+def histc_counts(scores, flat_w):
+    """TorchTitan's `TokenReorderer`: the counts by `torch.histc(ids.view(-1).float(), bins=E, min=0, max=E)` of the
+    top-k ids (float counts), summed by `torch.cumsum(counts, dim=0, dtype=torch.int32)`, the order by
+    `argsort(ids.view(-1), stable=True)`, the row weights by `view(-1)[order]`."""
+    top = torch.topk(scores, K, dim=1).indices
+    counts = torch.histc(top.view(-1).float(), bins=E, min=0, max=E)
+    order = torch.argsort(top.view(-1), stable=True)
+    return order // K, torch.cumsum(counts, dim=0, dtype=torch.int32), flat_w.view(-1)[order]
+
+
+def test_histc_counts_found_once_and_equal_to_eager():
+    """histc of indices known to lie in [0, E) with unit bins over [0, E] is their counts: fused once, the histc
+    gone, equal to eager exactly (also where every id is one expert, all counts in one bin)."""
+    gm, report = run_passes(histc_counts, scores_inputs(0), FUSION)
+    assert report.matches == {FUSION: 1} and op_counts(gm)[OP] == 1, report.declined
+    assert op_counts(gm)["aten.histc"] == 0
+    one_expert = torch.full((T, E), -1.0).index_fill_(1, torch.tensor([E - 1, 0]), 1.0)  # ids E - 1 and 0 only
+    for x in (scores_inputs(1), scores_inputs(2), [one_expert, torch.rand(T * K)]):
+        assert_close(gm(*x), histc_counts(*x), atol=0, rtol=0)
+
+
+def test_histc_with_other_bins_is_not_the_counts():
+    """histc over [0, E - 1] with E bins (bin width (E - 1) / E: ids E - 2 and E - 1 share a bin) is not the counts:
+    the histc stays and no metadata fuses (a near miss at the histc)."""
+    def f(scores, flat_w):
+        top = torch.topk(scores, K, dim=1).indices
+        counts = torch.histc(top.view(-1).float(), bins=E, min=0, max=E - 1)
+        order = torch.argsort(top.view(-1), stable=True)
+        return order // K, torch.cumsum(counts, dim=0, dtype=torch.int32), flat_w.view(-1)[order]
+
+    gm, report = run_passes(f, scores_inputs(0), FUSION)
+    assert report.matches == {FUSION: 0} and op_counts(gm)["aten.histc"] == 1
+    (miss,) = report.near_misses[FUSION]
+    assert "found %histc" in miss, miss

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dsv41.models import functional as fn
 
-from ..harness import assert_found_once, gen, rand
+from ..harness import assert_found_once, gen, rand, run_passes
 from ..test_wo_a import R, T, inputs
 
 FUSION = "wo_a"
@@ -170,3 +170,34 @@ def test_one_token_angles_in_head_layout():
 
 def test_megatron_sequence_first_found_once_and_equal_to_eager():
     assert_found_once(megatron_sequence_first, megatron_inputs, FUSION)
+
+
+def cos_view_shared_with_the_q_rope(o, cos, sin, w, q):
+    """TorchTitan's habit: one `[T, 1, rd/2]` view of cos and sin read by the q RoPE (outside the fusion) and by the
+    inverse RoPE before wo_a; returns (z, the rotated q tail)."""
+    t, g, rd = o.shape[0], w.shape[0] // R, cos.shape[-1] * 2
+    c, s = cos.view(t, 1, -1), sin.view(t, 1, -1)
+
+    def rotate(x, sin_):
+        xf = x.float().unflatten(-1, (-1, 2))
+        x0, x1 = xf[..., 0], xf[..., 1]
+        return torch.stack((x0 * c - x1 * sin_, x1 * c + x0 * sin_), dim=-1).flatten(-2).to(x.dtype)
+
+    o = torch.cat((o[..., :-rd], rotate(o[..., -rd:], -s)), dim=-1)
+    return torch.einsum("tgd,grd->tgr", o.view(t, g, -1), w.view(g, R, -1)).flatten(1), rotate(q[..., -rd:], s)
+
+
+def _with_q(seed):
+    return inputs(seed) + [rand(gen(seed + 100), T, 4, 32)]
+
+
+def test_a_layout_of_an_input_read_outside_stays_for_its_readers(monkeypatch):
+    """The cos / sin views that the q RoPE reads too lie inside the wo_a region: the replacement leaves them in place
+    for the q RoPE (`MatchResult.kept`) rather than failing on an extra user. Fused once, equal to eager exactly (both
+    outputs); without the rule the site is declined for that extra user."""
+    from dsv41.passes import matcher
+
+    assert_found_once(cos_view_shared_with_the_q_rope, _with_q, FUSION)
+    monkeypatch.setattr(matcher, "_input_layouts_read_outside", lambda inside, inputs_bound: frozenset())
+    (declined,) = run_passes(cos_view_shared_with_the_q_rope, _with_q(0), FUSION)[1].declined[FUSION]
+    assert "extra user" in declined and "inside the pattern is also used by" in declined, declined
