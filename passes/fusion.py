@@ -34,11 +34,12 @@ log = logging.getLogger("dsv41")
 # Every anchor that a pass does not fuse leaves one record, its deepest failure over the patterns: a decline
 # (`declined`) when it matched the whole structure and failed on a scalar, an extra user, the semantic check, the
 # op's check or the token limit, or failed on a dtype after four ops; else a near miss (`attempts`) when it matched
-# at least _NEAR pattern ops before the first differing op, or reached an input of the graph (a graph break may
-# split it); else another computation (`unrelated`: it differs within the pattern's first ops, e.g. the top-k of
-# another fusion).
+# at least _NEAR pattern ops before the first differing op, or reached an input of the graph (kind "graph input"; and
+# "graph break" where Dynamo has recorded breaks, which may have split the site there: `_SPLIT`); else another
+# computation (`unrelated`: it differs within the pattern's first ops, e.g. the top-k of another fusion).
 _REPORTED_KINDS = ("scalar", "extra user", "check", "token limit", "symbolic shape", "semantic")
 _NEAR = 2
+_SPLIT = "graph break"  # the kind of a site that reaches a graph input where Dynamo has recorded graph breaks
 _SEMANTIC_DRAWS = 2
 # Traced patterns per (fusion pass class, config constants), shared by every backend of the process: a pass's
 # patterns depend on nothing else, and tracing them is most of a small graph's pass time.
@@ -208,7 +209,7 @@ class FusionPass(GraphPass):
         candidates = self.anchors(graph)
         erased: set[fx.Node] = set()
         failures: dict[fx.Node, MatchFailure] = {}  # per anchor: the deepest op-for-op failure
-        island_failures: dict[fx.Node, MatchFailure] = {}  # per anchor: a semantic disagreement or graph break
+        island_failures: dict[fx.Node, MatchFailure] = {}  # per anchor: a semantic disagreement
         # Formulations in order over the whole graph: a wider pattern claims its nodes before a narrower one
         # (e.g. combine + shared add before the combine alone); first op for op, then with parts computed another
         # way (islands), which the semantic check must accept.
@@ -242,14 +243,20 @@ class FusionPass(GraphPass):
                     result.matches += 1
         names = {n.name: n for n in graph.nodes}
         failures.update(island_failures)
+        breaks, ends_here = dynamo_graph_breaks(graph)
+        fused = {names[name] for r in result.replaced for name in r["created"] if name in names}
         for anchor in candidates:  # each anchor left: one record
             if anchor in erased:
                 continue
             f = failures[anchor]
+            if f.kind == "graph input" and breaks and not _feeds(anchor, fused):
+                # (a candidate that feeds a site this pass fused reached the input through that site)
+                f = failures[anchor] = dataclasses.replace(f, kind=_SPLIT, reason=f"{f.reason}; Dynamo has recorded "
+                                                           "graph breaks, so the site may be split by one (notes)")
             f = _at_site(self.explain(f, graph) if f.blocking in names else f, anchor)
             if f.kind in _REPORTED_KINDS or f.kind == "dtype" and f.progress >= 4:
                 result.declined.append(f)
-            elif f.progress >= _NEAR or f.kind == "graph break":  # a site that reaches the graph's edge: near
+            elif f.progress >= _NEAR or f.kind in ("graph input", _SPLIT):  # a site that reaches the graph's edge
                 result.attempts.append(f)
             else:
                 result.unrelated.append(f)
@@ -258,7 +265,7 @@ class FusionPass(GraphPass):
             result.note = (f"no candidate: the graph has no {' or '.join(ops)}" if not candidates else
                            f"no candidate: the graph's {len(candidates)} {' or '.join(ops)} "
                            f"{'is' if len(candidates) == 1 else 'are'} another computation (unrelated)")
-        split = self._split_by_graph_break(graph, result, failures, erased)
+        split = self._split_by_graph_break(graph, result, failures, erased, breaks, ends_here)
         if split:
             result.note = f"{result.note}; {split}" if result.note else split
         return result
@@ -310,37 +317,37 @@ class FusionPass(GraphPass):
         accepted = self._accept(closest, anchor)
         return self._accept(m, anchor) if isinstance(accepted, MatchFailure) and closest is not m else accepted
 
-    def _split_by_graph_break(self, graph: fx.Graph, result: PassResult, failures: dict, erased: set) -> str | None:
-        """When Dynamo has recorded graph breaks: the sites of this fusion whose region ends at this graph's
-        boundary, and the breaks by name (`dynamo_graph_breaks`); None when there is none of either. A fused op
-        whose result is a graph output counts only in the graph compiled as the break was recorded (the graph that
-        ends there); a candidate that reaches a graph input, in any graph after a break, unless it feeds a site this
-        pass fused (then it is that site's input, and its walk reached the input through the site)."""
-        breaks, ends_here = dynamo_graph_breaks(graph)
+    def _split_by_graph_break(self, graph: fx.Graph, result: PassResult, failures: dict, erased: set,
+                              breaks: list[str], ends_here: bool) -> str | None:
+        """When Dynamo has recorded graph breaks (`breaks`, by name: `dynamo_graph_breaks`): the sites of this
+        fusion whose region ends at this graph's boundary, and the breaks; None when there is none of either. A fused
+        op whose result is a graph output counts only in the graph compiled as the break was recorded (`ends_here`:
+        the graph that ends there); a candidate that reaches a graph input (its record's kind `_SPLIT`), in any graph
+        after a break."""
         if not breaks:
             return None
         outputs = set(leaves(next(n for n in reversed(graph.nodes) if n.op == "output").args))
         names = {n.name: n for n in graph.nodes}
         sites = [f"%{name} ({r['pattern']}) is an output of this graph" for r in result.replaced for name in r["created"]
                  if ends_here and names.get(name) in outputs]
-        fused = {names[name] for r in result.replaced for name in r["created"] if name in names}
         sites += [f"the candidate at %{anchor.name} reaches an input of this graph ({f.reason})"
-                  for anchor, f in failures.items()
-                  if anchor not in erased and f.kind == "graph break" and not _feeds(anchor, fused)]
+                  for anchor, f in failures.items() if anchor not in erased and f.kind == _SPLIT]
         if not sites:
             return None
         return f"split by a graph break? {'; '.join(sites)}; Dynamo's latest graph breaks: {'; '.join(breaks)}"
 
     def _accept(self, m: MatchResult, anchor: fx.Node):
         """(match, replacement, fake output, what the semantic check verified) or the MatchFailure that declines it;
-        when the semantic check rejects the match, its alternatives (other bindings of island inputs) in order."""
+        when the semantic check rejects the match, its alternatives (other bindings of island inputs, other operand
+        orders) in order. A match found only in another operand order after the walk failed declines with that
+        failure (`MatchResult.instead`): its own decline would name a pairing the graph does not have."""
         accepted = self._accept_one(m, anchor)
         if isinstance(accepted, MatchFailure) and accepted.kind == "semantic" and m.alternatives is not None:
             for alternative in m.alternatives():
                 found = self._accept_one(alternative, anchor)
                 if not isinstance(found, MatchFailure):
                     return found
-        return accepted
+        return m.instead if isinstance(accepted, MatchFailure) and m.instead is not None else accepted
 
     def _accept_one(self, m: MatchResult, anchor: fx.Node):
         tokens = self.tokens(m)

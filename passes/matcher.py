@@ -12,13 +12,14 @@ there, in two phases as Inductor's matcher does:
    to the graph's shape; and the number operand of an fp32 add/sub/mul/div compares as the fp32 value it enters
    the arithmetic as). A different eps therefore fails here, named as a scalar mismatch.
 
-Both phases treat commutative ops (add, mul, ...) as unordered. Where the graph computes a pattern value with
-other ops (`exp2(ceil(log2(a)))` for a bit-manipulated power of two, stride-2 slices for unflatten + select, ...),
-the walk does not stop: the graph node is recorded as an *island* whose value stands for the pattern node's,
-closed by walking its graph ancestors back to values the match has bound (or to a graph value whose dtype and
-rank fit an input the pattern has not bound yet). A match with islands is accepted only after the fusion's
-semantic check (`dsv41.passes.fusion`): the matched region and the fused op's reference run on fresh random inputs
-and agree. The island's first differing op is what a decline names.
+Both phases treat commutative ops (`COMMUTATIVE`) as unordered; a match that chose an order where the other could
+also fit is retried in the other order, one op at a time (`PatternSet._match_one`). Where the graph computes a
+pattern value with other ops (`exp2(ceil(log2(a)))` for a bit-manipulated power of two, stride-2 slices for
+unflatten + select, ...), the walk does not stop: the graph node is recorded as an *island* whose value stands for
+the pattern node's, closed by walking its graph ancestors back to values the match has bound (or to a graph value
+whose dtype and rank fit an input the pattern has not bound yet). A match with islands is accepted only after the
+fusion's semantic check (`dsv41.passes.fusion`): the matched region and the fused op's reference run on fresh
+random inputs and agree. The island's first differing op is what a decline names.
 
 Inputs bind through layout: a pattern input the pattern views (only adding or dropping size-1 dims, maybe after
 a negation or cast) may bind a graph value that has that layout already (`_input_in_layout`), and an input read
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -72,10 +74,15 @@ ANY_STR = "__dsv41_any__"  # a string argument of a search function that matches
 
 
 aten = torch.ops.aten
-# Ops whose two tensor operands may be swapped.
-COMMUTATIVE = frozenset({aten.add.Tensor, aten.mul.Tensor, aten.maximum.default, aten.minimum.default, aten.eq.Tensor,
-                         aten.ne.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.logical_and.default,
-                         aten.logical_or.default})
+# Ops whose two tensor operands the matcher pairs in either order (with no keyword argument, so no `alpha`): those
+# whose result is the same bit for bit either way. IEEE add and mul round the exact sum or product, which does not
+# depend on the order, and a sum of zeros of opposite sign is +0 either way; a NaN operand gives a NaN either way
+# (which NaN's payload is not fixed). Comparisons for equality and the bitwise and logical and / or / xor are symmetric.
+# Not maximum / minimum: where the operands are zeros of opposite sign torch returns the first (maximum(-0., 0.) is
+# -0., maximum(0., -0.) is 0.), so a swapped one is a part computed another way, which the semantic check decides.
+COMMUTATIVE = frozenset({aten.add.Tensor, aten.mul.Tensor, aten.eq.Tensor, aten.ne.Tensor, aten.bitwise_and.Tensor,
+                         aten.bitwise_or.Tensor, aten.bitwise_xor.Tensor, aten.logical_and.default,
+                         aten.logical_or.default, aten.logical_xor.default})
 # Layout ops that only reshape (normalize's layout ops but the permute): one the graph or the pattern lacks is skipped
 _RESHAPES = frozenset(_LAYOUT_OPS) - {aten.permute.default}
 _CONE = 2000         # graph nodes searched downstream of an anchor for the pattern's output
@@ -86,6 +93,7 @@ _OUTPUTS = 12        # graph nodes (nearest downstream of the anchor) tried as t
 _NEAR_TRIES = 16     # bindings nearest to an island tried when none farthest from it fits
 _ALTERNATIVES = 12   # other bindings of an island's unbound inputs kept for the semantic check to choose among
 _TRIES = 64          # bindings (farthest from an island first) tried for its unbound inputs
+_FLIPS = 8           # whole-match retries, each taking the other operand order at one commutative op (`_Matcher.flip`)
 
 
 @dataclass
@@ -152,6 +160,9 @@ class MatchResult:
     another_way: frozenset = frozenset()
     # the region's layout ops of bound inputs that the graph also reads outside it: left in place, not erased
     kept: frozenset = frozenset()
+    # where this match takes the other operand order at a commutative op after the walk in the preferred orders
+    # failed (`PatternSet._match_one`): that failure, which a decline of this match reports in its place
+    instead: MatchFailure | None = None
 
 
 @dataclass
@@ -162,7 +173,9 @@ class MatchFailure:
     anchor: str
     progress: int
     total: int
-    kind: str  # wrong op | argument | dtype | scalar | extra user | inconsistent input | check | semantic | graph break
+    # wrong op | argument | dtype | scalar | extra user | inconsistent input | check | semantic | graph input (a graph
+    # input where the pattern has an op; "graph break" where Dynamo has recorded breaks: `dsv41.passes.fusion`)
+    kind: str
     reason: str
     blocking: str | None = None
     # the first differing op: the pattern's op and the graph's there (an op name, "placeholder", a constant's repr,
@@ -240,7 +253,7 @@ def _view_of_input(n) -> bool:
 
 class _Matcher:
     def __init__(self, pattern_gm: fx.GraphModule, exact: bool, islands: bool = True, traces=None, optional: int = 0,
-                 closure_cache: dict | None = None):
+                 closure_cache: dict | None = None, flip: frozenset = frozenset()):
         self.pg = pattern_gm.graph
         self.closure_cache = closure_cache  # (island node, bound nodes) -> closes(combo); None: not kept
         self.optional = optional  # the last outputs are interior values, matched where the rest binds them
@@ -251,6 +264,15 @@ class _Matcher:
         outs = out.args[0]
         self.outputs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         self.call_nodes = [n for n in self.pg.nodes if n.op == "call_function"]
+        # a commutative pattern op by (op, occurrence among the pattern's ops of that op): one op of the structural
+        # trace and of the exact trace alike
+        occurrences = collections.Counter()
+        self.keys = {}
+        for n in self.call_nodes:
+            self.keys[n] = (n.target, occurrences[n.target])
+            occurrences[n.target] += 1
+        self.flip = flip  # keys of the commutative ops at which the walk takes the order it would not take
+        self.choices: list = []  # keys of the commutative ops where the other order could also have matched
         self.islands_on = islands
         self.steps = 0
         self.fp32_scalars = False  # the node being compared computes in fp32: its numbers compare as fp32 values
@@ -337,10 +359,9 @@ class _Matcher:
         if self._input_in_layout(p, t, st) or self._input_in_inverse_layout(p, t, st):
             return
         if not isinstance(t, fx.Node) or t.op != "call_function":
-            kind = "graph break" if _is_input(t) and t.op == "placeholder" else "argument"
+            kind = "graph input" if _is_input(t) and t.op == "placeholder" else "argument"
             raise _Fail(kind, f"expected {_op_name(p.target)}, found {_fmt(t)}" + (
-                " (an input of this graph: the site may be split by a graph break)" if kind == "graph break" else ""),
-                t if isinstance(t, fx.Node) else None)
+                " (an input of this graph)" if kind == "graph input" else ""), t if isinstance(t, fx.Node) else None)
         if t.target != p.target:
             raise _Fail("wrong op", f"expected {_op_name(p.target)}, found {_fmt(t)}", t)
         if t in st.t2p:
@@ -357,7 +378,7 @@ class _Matcher:
             self._match_arg(p.args[1], t.args[1], st, f"{_fmt(t)} argument 1")
             return
         fp32 = _fp32_opmath(t)
-        if p.target in COMMUTATIVE and len(p.args) == 2 and not p.kwargs and all(isinstance(a, fx.Node) for a in t.args):
+        if _commutes(p) and _commutes(t):
             self._match_unordered(p, t, st)
         elif p.target is aten.where.self and self.islands_on:
             self._match_where(p, t, st)
@@ -547,12 +568,31 @@ class _Matcher:
 
     def _match_unordered(self, p: fx.Node, t: fx.Node, st: _State):
         """The two operands of a commutative op in either order: an order that matches without islands if there is
-        one, else the order with the fewest islands."""
+        one, else the order with the fewest islands (`_pick_order`). At an op in `self.flip` the other order is taken
+        where it matches; where the other order could also have matched (it matched too, or was not tried and is
+        plausible), the op is a choice point (`self.choices`) that a retry of the whole match may flip: a pairing
+        that fits here can fail later (an input bound twice) or be declined by the semantic check."""
         orders = [tuple(t.args), tuple(reversed(t.args))]
         orders.sort(key=lambda ta: -sum(_plausible(pa, x) for pa, x in zip(p.args, ta)))
+        if t.args[0] is t.args[1]:
+            orders = orders[:1]
+        chosen, trial, other_fits = self._pick_order(p, t, st, orders)
+        if self.keys[p] in self.flip and other_fits:
+            with contextlib.suppress(_Fail):  # (the inputs bound before may fix the order: the exact phase's)
+                _, trial, _ = self._pick_order(p, t, st, [ta for ta in orders if ta is not chosen])
+        elif other_fits and self.keys[p] not in self.choices:
+            self.choices.append(self.keys[p])
+        st.assign(trial)
+
+    def _pick_order(self, p: fx.Node, t: fx.Node, st: _State, orders: list) -> tuple:
+        """(the order of t's operands taken for p's, the state after matching them so, whether another of `orders`
+        could also match): the first that matches without islands, else the one with the fewest islands; raises the
+        deepest failure when none matches. Another order could match when it matched too (with islands), or was not
+        tried (the first matched without islands) and each of its operands is plausible for p's."""
         deepest, best = None, None
         saved = self.islands_on
         for islands in ((False, True) if saved else (False,)):
+            failed = set()
             for ta in orders:
                 trial = st.copy()
                 self.islands_on = islands
@@ -565,17 +605,17 @@ class _Matcher:
                         raise  # the structure fits in this order; its numbers or dtypes do not
                     if deepest is None or e.progress > deepest.progress:
                         deepest = e
+                    failed.add(ta)
                     continue
                 finally:
                     self.islands_on = saved
                 if not islands:
-                    st.assign(trial)
-                    return
-                if best is None or len(trial.islands) < len(best.islands):
-                    best = trial
+                    rest = [o for o in orders if o is not ta and o not in failed]
+                    return ta, trial, any(all(_plausible(pa, x) for pa, x in zip(p.args, o)) for o in rest)
+                if best is None or len(trial.islands) < len(best[1].islands):
+                    best = (ta, trial)
             if best is not None:
-                st.assign(best)
-                return
+                return best[0], best[1], len(failed) < len(orders) - 1
         raise deepest
 
     # -- the whole pattern -------------------------------------------------------------------------------------
@@ -769,6 +809,11 @@ def _reaches(node: fx.Node, region: set) -> bool:
         seen.add(n)
         stack.extend(n.all_input_nodes)
     return False
+
+
+def _commutes(n: fx.Node) -> bool:
+    """n is a commutative op (`COMMUTATIVE`) of two tensor operands, without keyword arguments."""
+    return n.target in COMMUTATIVE and len(n.args) == 2 and not n.kwargs and all(isinstance(a, fx.Node) for a in n.args)
 
 
 def _plausible(p, t) -> bool:
@@ -1000,13 +1045,13 @@ class PatternSet:
                                       if anchor_ps & set(_ancestors(o, stop=lambda n: False))), 0)
         return self._firsts[key]
 
-    def _structural_match(self, pat: Pattern, anchor: fx.Node, islands: bool):
+    def _structural_match(self, pat: Pattern, anchor: fx.Node, islands: bool, flip: frozenset, choices: list):
         """(structural matcher, state, output index, graph output node) of the first structural match whose region
-        holds the anchor, or the deepest failure."""
+        holds the anchor, or the deepest failure; the walks' choice points are added to `choices`."""
         failure, best, wanted, elsewhere, total = None, None, [], None, 1
         for gm in self._structural[pat.name]:
             structural = _Matcher(gm, exact=False, islands=islands, traces=lambda bound: self._traces(pat, bound),
-                                  optional=pat.optional_outputs, closure_cache=self.closure_cache)
+                                  optional=pat.optional_outputs, closure_cache=self.closure_cache, flip=flip)
             total = len(structural.call_nodes)
             anchor_ps = [n for n in structural.call_nodes if n.target == anchor.target]
             if not anchor_ps:
@@ -1018,10 +1063,12 @@ class PatternSet:
                 try:
                     st = structural.run(first, cand, st)
                 except _Fail as e:
+                    _extend(choices, structural.choices)
                     progress = max(structural.progress(st), e.progress)
                     if failure is None or progress / total > failure.progress / failure.total:
                         failure = _failure(pat.name, anchor, progress, total, e)
                     continue
+                _extend(choices, structural.choices)
                 if anchor not in st.t2p and anchor not in structural.island_nodes(st):
                     elsewhere = elsewhere or cand
                     continue
@@ -1041,7 +1088,37 @@ class PatternSet:
                             "of the anchor", None, wanted, None)
 
     def _match_one(self, pat: Pattern, anchor: fx.Node, islands: bool) -> MatchResult | MatchFailure:
-        found = self._structural_match(pat, anchor, islands)
+        """The match of pat at anchor, or its failure. Where the walk chose the order of a commutative op's operands
+        and the other order could also have matched (a choice point), the match is retried with the other order at
+        one such op (`_Matcher.flip`), the first `_FLIPS` of them in walk order: when the first match fails, the
+        first retry that matches is the match (the first failure is still the one reported when none does, or when the
+        fusion declines that match: `MatchResult.instead`); when it
+        matches, the retries' matches follow its own other bindings among its `alternatives`, for the semantic check
+        to choose among. So a match costs at most 1 + _FLIPS walks, not one per combination of orders; a site that
+        needs the other order at two ops at once is not found."""
+        choices: list = []
+        result = self._match_flipped(pat, anchor, islands, frozenset(), choices)
+        retries = (self._match_flipped(pat, anchor, islands, frozenset({key}), []) for key in choices[:_FLIPS])
+        if isinstance(result, MatchFailure):
+            retry = next((r for r in retries if isinstance(r, MatchResult)), None)
+            return result if retry is None else dataclasses.replace(retry, instead=result)
+        if choices:
+            rebound = result.alternatives
+
+            def alternatives():
+                yield from rebound() if rebound is not None else ()
+                for retry in retries:
+                    if isinstance(retry, MatchResult):
+                        yield retry
+                        yield from retry.alternatives() if retry.alternatives is not None else ()
+            result.alternatives = alternatives
+        return result
+
+    def _match_flipped(self, pat: Pattern, anchor: fx.Node, islands: bool, flip: frozenset,
+                       choices: list) -> MatchResult | MatchFailure:
+        """The match of pat at anchor with the other operand order at the commutative ops `flip`; the walks' choice
+        points are added to `choices`."""
+        found = self._structural_match(pat, anchor, islands, flip, choices)
         if isinstance(found, MatchFailure):
             return found
         structural, st, first, out_node = found
@@ -1070,21 +1147,22 @@ class PatternSet:
                 return MatchFailure(pat.name, anchor.name, total, total, "check", f"{name} is {value!r}, not a static {kind.__name__}")
             value = kind(value)
             free[name] = value
-        result = self._exact_match(pat, anchor, structural, st, first, out_node, islands, free)
+        result = self._exact_match(pat, anchor, structural, st, first, out_node, islands, free, flip)
         if isinstance(result, MatchResult) and st.rebindings:
             def alternatives():
                 for alt in structural.rebindings(st):
-                    m = self._exact_match(pat, anchor, structural, alt, first, out_node, islands, free)
+                    m = self._exact_match(pat, anchor, structural, alt, first, out_node, islands, free, flip)
                     if isinstance(m, MatchResult):
                         yield m
             result.alternatives = alternatives
         return result
 
     def _exact_match(self, pat: Pattern, anchor: fx.Node, structural: _Matcher, st: _State, first: int,
-                     out_node: fx.Node, islands: bool, free: dict) -> MatchResult | MatchFailure:
+                     out_node: fx.Node, islands: bool, free: dict, flip: frozenset) -> MatchResult | MatchFailure:
         """The exact phase on the structural match `st`: re-trace at the bound shapes (an input bound through a
-        layout chain at the shape the pattern declares, see `_layout_derived`), match comparing every number,
-        check the region's boundary."""
+        layout chain at the shape the pattern declares, see `_layout_derived`), match comparing every number (with
+        the other operand order at the commutative ops `flip`, as the structural walk took), check the region's
+        boundary."""
         total = len(structural.call_nodes)
         bound = [_promoted(p, _layout_derived(p, st) or st.p2t.get(p)) for p in structural.placeholders]
         key = (pat.name, tuple(_meta_key(b) for b in bound), tuple(sorted(free.items())))
@@ -1097,7 +1175,7 @@ class PatternSet:
         if isinstance(self._exact[key], Exception):
             return MatchFailure(pat.name, anchor.name, structural.progress(st), total, "inconsistent input",
                                 f"re-trace with the matched shapes failed: {self._exact[key]}")
-        exact = _Matcher(self._exact[key], exact=True, islands=islands, optional=pat.optional_outputs)
+        exact = _Matcher(self._exact[key], exact=True, islands=islands, optional=pat.optional_outputs, flip=flip)
         st2 = _State()
         for p_struct, p_exact in zip(structural.placeholders, exact.placeholders):  # the same inputs as before
             if isinstance(st.p2t.get(p_struct), fx.Node):
@@ -1144,6 +1222,11 @@ def _input_layouts_read_outside(inside: set, inputs_bound: set) -> frozenset:
         if t.target in _LAYOUT_OPS and all(a in inputs_bound or a in layouts for a in t.all_input_nodes):
             layouts.add(t)
     return frozenset(t for t in layouts if any(u not in inside for u in t.users))
+
+
+def _extend(keys: list, more: list) -> None:
+    """Append to keys those of more it lacks, in order."""
+    keys.extend(k for k in more if k not in keys)
 
 
 def _repeats(a, b) -> bool:

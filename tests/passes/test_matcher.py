@@ -1,6 +1,8 @@
 """The matcher's input binding (`dsv41.passes.matcher`) on small traced graphs, matched by a one-pattern
 `PatternSet` directly: what each pattern input binds, and that the pattern computed on the bound inputs (reshaped
-as the op would take them) is the graph's value, bit for bit."""
+as the op would take them) is the graph's value, bit for bit; and the operand order of a commutative op, where only
+the order the walk does not prefer first is correct (op for op, and with parts computed another way through a
+fusion pass and its semantic check)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,11 @@ import pytest
 import torch
 import torch.fx as fx
 
-from dsv41.passes.matcher import Derived, MatchResult, Pattern, PatternSet, evaluate
+from dsv41.passes.fusion import FusionPass, Replacement
+from dsv41.passes.matcher import Derived, MatchFailure, MatchResult, Pattern, PatternSet, evaluate
 from dsv41.passes.normalize import normalize_graph
 
-from .harness import aten_graph, gen, rand
+from .harness import aten_graph, config, gen, rand
 
 aten = torch.ops.aten
 H, D = 4, 16
@@ -30,15 +33,21 @@ def values(gm: fx.GraphModule, *args) -> dict:
     return seen
 
 
-def match(fn, args, search, example):
-    """fn traced and normalised as the backend does; search as a pattern traced at example() and anchored on its
-    sum; (its match at the graph's one sum, the values of the graph's nodes on args)."""
+def traced(fn, args) -> fx.GraphModule:
+    """fn traced and normalised as the backend does."""
     gm = aten_graph(fn, *args)
     normalize_graph(gm.graph)
     gm.recompile()
+    return gm
+
+
+def match(fn, args, search, example, islands=True):
+    """search as a pattern traced at example() and anchored on its sum; (its match at the one sum of fn `traced`,
+    the values of the graph's nodes on args)."""
+    gm = traced(fn, args)
     patterns = PatternSet([Pattern("p", search, example, anchor=aten.sum.dim_IntList)])
     (anchor,) = patterns.anchors(gm.graph, 0)
-    return patterns.match_one(0, anchor), values(gm, *args)
+    return patterns.match_one(0, anchor, islands), values(gm, *args)
 
 
 def weighted_sum(y, z):
@@ -92,3 +101,107 @@ def test_an_input_keeps_its_unit_dims_where_no_other_operand_has_the_products_ra
     assert isinstance(m, MatchResult), m
     assert isinstance(m.inputs[0], fx.Node) and list(m.inputs[0].meta["val"].shape) == [1, 1, D]
     check_values(m, seen)
+
+
+def product_plus_first(a, b):
+    """(a * b + a) summed over the last dim: a is read twice, so the product's operand order decides a's binding."""
+    return (a * b + a).sum(-1)
+
+
+def two_inputs():
+    return [torch.empty(3, D), torch.empty(3, D)]
+
+
+@pytest.mark.parametrize("islands", [False, True])
+def test_a_product_paired_the_other_way_round_is_retried_when_a_later_input_disagrees(islands):
+    """The graph writes `y * x + x`: the product's operands in written order bind a = y, b = x, and the add's
+    second operand then finds a bound to y (an input bound twice). The match is retried with the product's other
+    order (a = x, b = y), which is the only consistent binding, op for op; the pattern on it is the graph's value."""
+    g = gen(2)
+    args = (torch.randn(3, D, generator=g), torch.randn(3, D, generator=g))
+    m, seen = match(lambda y, x: (y * x + x).sum(-1), args, product_plus_first, two_inputs, islands)
+    assert isinstance(m, MatchResult) and not m.islands, m
+    y, x = (n for n in seen if n.op == "placeholder")
+    assert m.inputs == [x, y]
+    assert torch.equal(product_plus_first(seen[x], seen[y]), seen[m.outputs[0]])
+
+
+def test_no_order_binds_an_input_to_two_values():
+    """`y * x + z`: a would be y or x in the product and z in the add; no operand order is consistent, so there is
+    no match (the retry does not accept a pairing that binds one input to two values)."""
+    g = gen(3)
+    args = tuple(torch.randn(3, D, generator=g) for _ in range(3))
+    m, _ = match(lambda y, x, z: (y * x + z).sum(-1), args, product_plus_first, two_inputs)
+    assert isinstance(m, MatchFailure) and m.kind == "inconsistent input", m
+
+
+def test_maximum_is_not_paired_the_other_way_round():
+    """maximum is not commutative bit for bit (torch returns its first operand where the operands are zeros of
+    opposite sign), so the graph's `maximum(y, exp(x))` is no op-for-op match of the pattern's `maximum(exp(a), b)`."""
+    assert torch.maximum(torch.tensor(-0.0), torch.tensor(0.0)).signbit()
+    assert not torch.maximum(torch.tensor(0.0), torch.tensor(-0.0)).signbit()
+    g = gen(4)
+    args = (torch.randn(3, D, generator=g), torch.randn(3, D, generator=g))
+    m, _ = match(lambda x, y: torch.maximum(y, x.exp()).sum(-1), args, lambda a, b: torch.maximum(a.exp(), b).sum(-1),
+                 two_inputs, islands=False)
+    assert isinstance(m, MatchFailure), m
+
+
+# -- a pass whose parts computed another way tie in both orders of a product: the semantic check picks the order ---
+def abs_times_exp2(x, s):
+    """|x| * 2^s summed over the last dim: x, s [T, D] fp32 -> [T]."""
+    return (torch.abs(x) * torch.exp2(s)).sum(-1)
+
+
+@torch.library.custom_op("dsv41_test::abs_times_exp2", mutates_args=())
+def abs_times_exp2_op(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return abs_times_exp2(x, s)
+
+
+@abs_times_exp2_op.register_fake
+def _(x, s):
+    return x.new_empty(x.shape[:-1])
+
+
+class AbsTimesExp2Pass(FusionPass):
+    """A fusion of `abs_times_exp2`; its semantic check's tolerance: a few fp32 ulps (`pow(2, s)` against exp2)."""
+
+    name = "abs_times_exp2"
+    tolerance = {torch.float32: (0.0, 2.0**-20)}
+
+    def patterns(self):
+        return [Pattern("abs_times_exp2", abs_times_exp2, two_inputs, anchor=aten.sum.dim_IntList)]
+
+    def replacement(self, m):
+        return Replacement(torch.ops.dsv41_test.abs_times_exp2.default, tuple(m.inputs), (None,))
+
+
+def exp2_written_first(x, s):
+    """The same math with both factors computed another way and the product written the other way round:
+    `pow(2, s) * where(x < 0, -x, x)`. Either order has two parts computed another way, and the tie goes to the
+    written order, which pairs |x| with pow(2, s): a part that then binds x to s and s to x."""
+    return (torch.pow(2.0, s) * torch.where(x < 0, -x, x)).sum(-1)
+
+
+def test_a_product_paired_the_wrong_way_is_declined_and_the_other_order_fuses():
+    g = gen(5)
+    gm = traced(exp2_written_first, (torch.randn(3, D, generator=g), torch.randn(3, D, generator=g)))
+    x, s = gm.graph.find_nodes(op="placeholder")
+    fusion = AbsTimesExp2Pass(config())
+    (anchor,) = fusion.anchors(gm.graph)
+    first = fusion.pattern_set().match_one(0, anchor)
+    assert isinstance(first, MatchResult) and first.inputs == [s, x]  # the written order's pairing
+    reason, _ = fusion.semantic_check(first, fusion.replacement(first))
+    assert reason is not None and "differs from dsv41::abs_times_exp2's reference" in reason, reason
+
+    result = fusion(gm.graph)
+    gm.recompile()
+    assert result.matches == 1 and not result.declined and not result.attempts, result
+    (fused,) = gm.graph.find_nodes(op="call_function", target=torch.ops.dsv41_test.abs_times_exp2.default)
+    assert list(fused.args) == [x, s]
+    assert "checked on" in result.replaced[0]["verified"]
+    for seed in (6, 7):
+        g = gen(seed)
+        args = (torch.randn(3, D, generator=g) * 4, torch.randn(3, D, generator=g) * 4)
+        got, want = gm(*args), exp2_written_first(*args)
+        assert not got.isnan().any() and torch.allclose(got, want, rtol=2.0**-20, atol=0.0), (got - want).abs().max()

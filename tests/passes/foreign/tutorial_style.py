@@ -30,9 +30,10 @@ forward(x [B, 1, hc, D] bf16, pre_mix [B, 1, hc] fp32, cos/sin [B, 1, rd/2] fp32
 Sites (each a fusion when the backend finds it): mhc_coeffs x2, qkv_norm, indexer_topk, wo_a, mhc_post_pre x2,
 moe_route, moe_finalize. No moe_metadata site (no sort); the experts, per-pair einsums on gathered w1 / w3 / w2,
 are a moe_experts candidate (the gathered split formulation) but stay a near miss at the FP8 round trip of the
-[T, k, I] activation (`reshape(-1, 32)` rows, the `2.0 ** ceil(log2(...))` scale), which the island phase does not
-accept: on the experts alone it pairs the operands of `q.float() * scale` the wrong way round (a commutative product's
-order is chosen by the fewest islands, and the other order is not retried when the semantic check then declines).
+[T, k, I] activation (`reshape(-1, 32)` rows, the `2.0 ** ceil(log2(...))` scale): at I = 32 each row is one block,
+which the rows normalisation (two or more blocks a row) leaves as the `[T k, 32]` view where the pattern has
+`[T, k, 1, 32]`, a scalar mismatch in the exact phase; past it, the experts' output is read as a `[T k, D]` view where
+the pattern's is `[T, k, D]`. (Not the operand order of `q.float() * scale`, once thought the cause: it pairs right.)
 
 Measured when the block was written (fx mode, CPU): 8 of the 9 sites fused, qkv_norm only as its two norms
 (`q_kv_norm_none_split`, the KV RoPE and FP8 step left as glue). The causes, and their general fixes
