@@ -214,6 +214,15 @@ def _ones(like):
     return Derived(prims.convert_element_type.default, (Derived(aten.ones_like.default, (like,)), torch.float32))
 
 
+def pair_tokens(per_pair, k):
+    """The token of each (token, slot) pair in pair order, p // k for p in [0, T * k) (the pair indices as the
+    cumsum of ones less one): [T * k] int64 on the device of per_pair, any [T * k] value (a Derived needs a graph
+    value to compute from)."""
+    ones = Derived(aten.ones_like.default, (per_pair,), (("dtype", torch.int64),))
+    pair = Derived(aten.sub.Tensor, (Derived(aten.cumsum.default, (ones, 0)), 1))
+    return Derived(aten.div.Tensor_mode, (pair, k), (("rounding_mode", "floor"),))
+
+
 def _sorted_replacement(inputs, weighted, tail):
     """The op on the sorted rows of a gathered match (see the module): x, expert_idx [T, k], (weights [T, k],) w13,
     w2 -> the op's [T * k, D] rows, put back in (t, j) order as [T, k, D]."""
@@ -262,8 +271,7 @@ def _per_pair_replacement(inputs, weighted, tail):
     w13 = Derived(aten.cat.default, ([Derived(aten.index.Tensor, (w, [flat])) for w in (w1, w3)], 1))
     pair_weights = Derived(aten.index.Tensor, (w2, [flat]))
     offsets = Derived(aten.cumsum.default, (Derived(aten.ones_like.default, (flat,)), 0), (("dtype", torch.int32),))
-    pair = Derived(aten.sub.Tensor, (Derived(aten.cumsum.default, (Derived(aten.ones_like.default, (flat,)), 0)), 1))
-    token = Derived(aten.div.Tensor_mode, (pair, k), (("rounding_mode", "floor"),))
+    token = pair_tokens(flat, k)
     row_weights = Derived(aten.reshape.default, (rest[0], [rows])) if weighted else _ones(flat)
     return Replacement(torch.ops.dsv41.moe_experts.default,
                        (x, token, row_weights, offsets, w13, pair_weights, *tail),
