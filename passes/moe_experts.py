@@ -36,7 +36,11 @@ D] and w2[flat] [T * k, D, I] (the pairs' weights, which the graph's own gathers
 (one row an expert), token = pair // k and the weights flattened; its rows are then in pair order, viewed [T, k, D].
 Exact as above (the same rows, each with its own expert's products). The kernel then reads each pair's weights,
 also where two tokens chose one expert, which the sorted form reads once. Where w1 and w3 are the two dim-1 halves of
-one [E, 2I, D] graph value (`w13[:, :I]`, `w13[:, I:]`), that value is w13 and the sorted form runs.
+one [E, 2I, D] graph value (`w13[:, :I]`, `w13[:, I:]`), that value is w13 and the sorted form runs. Their gathers
+may also be joined by a cat along I before one product (`cat([w1[idx], w3[idx]], 2)`, split after it): since
+cat(w1[e], w3[e]) = w13[e], that is the same formulation (`..._split_cat`), replaced alike; the op's per-pair w13 is
+then the very cat the graph computes (no cat of all experts' weights, which a rule turning the cat of gathers into
+the gather of a cat would add on every call).
 """
 
 from __future__ import annotations
@@ -115,11 +119,16 @@ def gathered_experts(x, expert_idx, weights, w13, w2, limit, quant_block, spelli
     return down(_activation(gu[..., :inter], gu[..., inter:], weights, limit, quant_block, x.dtype), w2[expert_idx])
 
 
-def gathered_split_experts(x, expert_idx, weights, w1, w3, w2, limit, quant_block, spelling):
-    """As `gathered_experts` with w1 [E, I, D] and w3 [E, I, D] held apart (gpt-fast's `ConditionalFeedForward`)."""
+def gathered_split_experts(x, expert_idx, weights, w1, w3, w2, limit, quant_block, spelling, joined):
+    """As `gathered_experts` with w1 [E, I, D] and w3 [E, I, D] held apart (gpt-fast's `ConditionalFeedForward`):
+    a product each, or (joined) one product over their gathers joined along I, cat(w1[e], w3[e]) = w13[e]."""
     up, down = GATHERED_PRODUCTS[spelling]
-    a = _activation(up(x, w1[expert_idx]), up(x, w3[expert_idx]), weights, limit, quant_block, x.dtype)
-    return down(a, w2[expert_idx])
+    if joined:
+        gu = up(x, torch.cat([w1[expert_idx], w3[expert_idx]], dim=2))
+        g, u = gu[..., :w1.shape[1]], gu[..., w1.shape[1]:]
+    else:
+        g, u = up(x, w1[expert_idx]), up(x, w3[expert_idx])
+    return down(_activation(g, u, weights, limit, quant_block, x.dtype), w2[expert_idx])
 
 
 class MoeExpertsPass(FusionPass):
@@ -150,19 +159,24 @@ class MoeExpertsPass(FusionPass):
                 def gathered_unweighted(x, expert_idx, w13, w2, quant_block=quant_block, spelling=spelling):
                     return gathered_experts(x, expert_idx, None, w13, w2, c.swiglu_limit, quant_block, spelling)
 
-                def split(x, expert_idx, weights, w1, w3, w2, quant_block=quant_block, spelling=spelling):
-                    return gathered_split_experts(x, expert_idx, weights, w1, w3, w2, c.swiglu_limit, quant_block,
-                                                  spelling)
+                weighted_forms = [(f"{GATHERED}_{spelling}{fp8}", gathered, _gathered_inputs)]
+                unweighted_forms = [(f"{GATHERED}_{spelling}{fp8}_unweighted", gathered_unweighted,
+                                     _without_weights(_gathered_inputs))]
+                for joined, cat in ((False, ""), (True, "_cat")):
+                    def split(x, expert_idx, weights, w1, w3, w2, quant_block=quant_block, spelling=spelling,
+                              joined=joined):
+                        return gathered_split_experts(x, expert_idx, weights, w1, w3, w2, c.swiglu_limit, quant_block,
+                                                      spelling, joined)
 
-                def split_unweighted(x, expert_idx, w1, w3, w2, quant_block=quant_block, spelling=spelling):
-                    return gathered_split_experts(x, expert_idx, None, w1, w3, w2, c.swiglu_limit, quant_block,
-                                                  spelling)
+                    def split_unweighted(x, expert_idx, w1, w3, w2, quant_block=quant_block, spelling=spelling,
+                                         joined=joined):
+                        return gathered_split_experts(x, expert_idx, None, w1, w3, w2, c.swiglu_limit, quant_block,
+                                                      spelling, joined)
 
-                for name, search, inputs in (
-                        (f"{GATHERED}_{spelling}{fp8}", gathered, _gathered_inputs),
-                        (f"{GATHERED}_{spelling}_{SPLIT}{fp8}", split, _split_inputs),
-                        (f"{GATHERED}_{spelling}{fp8}_unweighted", gathered_unweighted, _without_weights(_gathered_inputs)),
-                        (f"{GATHERED}_{spelling}_{SPLIT}{fp8}_unweighted", split_unweighted, _without_weights(_split_inputs))):
+                    weighted_forms.append((f"{GATHERED}_{spelling}_{SPLIT}{cat}{fp8}", split, _split_inputs))
+                    unweighted_forms.append((f"{GATHERED}_{spelling}_{SPLIT}{cat}{fp8}_unweighted", split_unweighted,
+                                             _without_weights(_split_inputs)))
+                for name, search, inputs in weighted_forms + unweighted_forms:
                     # at one token the batched product's broadcast x needs no contiguous copy: another form
                     pats.append(Pattern(name, search, inputs, variants=(lambda inputs=inputs: inputs(1),),
                                         anchor=aten.bmm.default))
