@@ -16,6 +16,22 @@ SGLang's `new_x[order] = rows`, normalised to that gather): the op then takes no
 accumulated into the shared output itself, `shared.float().scatter_add(0, index, rows)` (or `index_add`), weighted
 or not (TorchTitan's `out = shared_experts(x); out.scatter_add(0, index, routed_output)`, in fp32): the same sum with
 the shared row added first rather than last (fp32 reordering).
+
+Per-slot sums (gpt-fast's Mixtral `MOEFeedForward`, the gathered-weight experts' rows, a loop or a dense batched
+product per slot): rows [T, k, D] already in (token, slot) order, combined per token with the [T, k] fp32 routing
+weights, the shared expert added in fp32 and rounded once,
+
+    out = bf16(sum_j weights[t, j] * fp32(rows[t, j]) + fp32(shared[t]))   (einsum 'tkd,tk->td', `w[:, None] @
+    rows`, `(rows * w[..., None]).sum(1)`; unweighted: `rows.float().sum(1)`, the rows weighted before w2)
+
+is the op on the rows viewed [T * k, D] in pair order, token = p // k of row p (the identity order: row t * k + j
+is token t's slot j) and the weights flattened the same way: each token's k products, summed in slot order from
++0.0 (the op's row order), where the graph's batched product may sum them in another order or fused (fp32
+reordering). Only with the shared add: without it the per-slot weighted sum is any weighted reduction over a middle
+dim (the mHC collapse `einsum('tjd,tj->td')` is one), so the pattern alone would not say it is the MoE combine; the
+TP combine in this form is therefore not taken. Where the rows are the gathered experts' op put back in pair order
+(`passes/moe_experts.py`), the op reads them in that order: with w1 and w3 apart they are the op's own rows (a view),
+with a stacked w13 a gather by the inverse permutation that the graph keeps.
 """
 
 from __future__ import annotations
@@ -24,6 +40,7 @@ import torch
 
 from dsv41.passes.fusion import Derived, FusionPass, Replacement
 from dsv41.passes.matcher import Pattern
+from dsv41.passes.moe_experts import pair_tokens
 from dsv41.passes.normalize import sort_permutation
 
 M, T, D = 6, 3, 32
@@ -31,6 +48,7 @@ aten = torch.ops.aten
 UNPERMUTE = "unpermute"
 UNWEIGHTED = f"{UNPERMUTE}_unweighted"
 INTO_SHARED = "into_shared"
+PER_SLOT = "slots"
 
 
 def _inputs(with_shared):
@@ -57,24 +75,45 @@ def accumulate_into(init, rows, token, method):
     return init.scatter_add(0, token.unsqueeze(-1).expand(-1, rows.shape[1]), rows)
 
 
+# The per-slot weighted sums of rows [T, k, D] bf16 with weights [T, k] fp32 -> [T, D] fp32, y[t] = sum_j
+# weights[t, j] * fp32(rows[t, j]), per spelling, with its distinctive op (`w[:, None] @ rows` and `bmm` normalise
+# to the einsum's product).
+SLOT_SUMS = {
+    "einsum": (lambda rows, weights: torch.einsum("tkd,tk->td", rows.float(), weights), aten.bmm.default),
+    "mul_sum": (lambda rows, weights: (rows.float() * weights.unsqueeze(-1)).sum(dim=1), aten.sum.dim_IntList),
+}
+
+
+def unweighted_slot_sum(rows):
+    """Rows [T, k, D] bf16 weighted before w2 -> y[t] = sum_j fp32(rows[t, j]) [T, D] fp32."""
+    return rows.float().sum(dim=1)
+
+
 def unpermute(out, order, weights):
     """MaxText's unpermute: y[t] = sum_j weights[t, j] * out[inv[t * k + j]] in fp32, inv = argsort(order) the inverse
     of the sort's permutation; out [M, D], order [M], weights [T, k] fp32, M = T * k -> [T, D] fp32."""
     rows = out[torch.argsort(order)].reshape(weights.shape[0], weights.shape[1], out.shape[1])
-    return torch.einsum("tkd,tk->td", rows.float(), weights)
+    return SLOT_SUMS["einsum"][0](rows, weights)
 
 
 def unpermute_unweighted(out, order, topk):
     """MaxText's unpermute of rows weighted before w2 (the spec's order): y[t] = sum_j out[inv[t * k + j]] in fp32,
     inv = argsort(order); out [M, D], order [M], k = topk, M = T * k -> [T, D] fp32."""
-    rows = out[torch.argsort(order)].reshape(out.shape[0] // topk, topk, out.shape[1])
-    return rows.float().sum(dim=1)
+    return unweighted_slot_sum(out[torch.argsort(order)].reshape(out.shape[0] // topk, topk, out.shape[1]))
 
 
 def _unpermute_inputs(with_shared):
     def inputs():
         out, token, *shared = _inputs(with_shared)()
         return [out, token, torch.empty(T, M // T)] + shared
+    return inputs
+
+
+def _slot_inputs(weighted):
+    """rows [T, k, D] bf16 in (token, slot) order, (weights [T, k] fp32,) shared [T, D] bf16."""
+    def inputs():
+        rows, shared = torch.empty(T, M // T, D, dtype=torch.bfloat16), torch.empty(T, D, dtype=torch.bfloat16)
+        return [rows, torch.empty(T, M // T), shared] if weighted else [rows, shared]
     return inputs
 
 
@@ -136,9 +175,23 @@ class MoeFinalizePass(FusionPass):
                             k_default, anchor=inverse))
         pats.append(Pattern(f"{UNWEIGHTED}_only", unpermute_unweighted, _inputs(False), k_free, k_default,
                             anchor=inverse))
+        # after the unpermutes, which take rows put back by a sort's inverse without that gather
+        for spelling, (slot_sum, anchor) in SLOT_SUMS.items():
+            def slots_shared(rows, weights, shared, slot_sum=slot_sum):
+                return (slot_sum(rows, weights) + shared.float()).to(shared.dtype)
+
+            pats.append(Pattern(f"{PER_SLOT}_{spelling}_shared", slots_shared, _slot_inputs(True), anchor=anchor))
+
+        def slots_unweighted_shared(rows, shared):
+            return (unweighted_slot_sum(rows) + shared.float()).to(shared.dtype)
+
+        pats.append(Pattern(f"{PER_SLOT}_unweighted_shared", slots_unweighted_shared, _slot_inputs(False),
+                            anchor=aten.sum.dim_IntList))
         return pats
 
     def tokens(self, m):
+        if m.pattern.name.startswith(PER_SLOT):
+            return m.inputs[0].meta["val"].shape[0]
         if m.pattern.name.startswith(UNWEIGHTED):
             return m.inputs[0].meta["val"].shape[0] // m.free["topk"]
         if m.pattern.name.endswith(INTO_SHARED):
@@ -152,6 +205,14 @@ class MoeFinalizePass(FusionPass):
         return None
 
     def replacement(self, m):
+        if m.pattern.name.startswith(PER_SLOT):
+            rows, *weights, shared = m.inputs
+            t, k, dim = rows.meta["val"].shape
+            pair_rows = Derived(aten.reshape.default, (rows, [t * k, dim]))
+            pair_weights = Derived(aten.reshape.default, (weights[0], [t * k])) if weights else None
+            token = pair_tokens(Derived(aten.select.int, (pair_rows, 1, 0)), k)
+            args = (pair_rows, token, shared, t, pair_weights, self.config.kernel)
+            return Replacement(torch.ops.dsv41.moe_finalize.default, args, (None,))
         if m.pattern.name.startswith(UNWEIGHTED):
             out, order, *shared = m.inputs
             k = m.free["topk"]

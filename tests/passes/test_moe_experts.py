@@ -15,7 +15,8 @@ import torch
 from dsv41.lowerings.moe_experts import MAX_ROWS
 from dsv41.models import TINY, DSV41Model
 from dsv41.models import functional as fn
-from dsv41.passes.moe_experts import MoeExpertsPass, experts, gathered_experts, gathered_split_experts
+from dsv41.passes.moe_experts import JOINED_SPELLINGS, MoeExpertsPass, experts, gathered_experts, \
+    gathered_split_experts
 
 from .harness import BF16, assert_close, compile_fx, config, make_backend, gen, graph_text, op_counts, pattern_names, rand, \
     run_declined, run_fused_once, run_passes
@@ -66,9 +67,10 @@ def _gathered(spelling, block, weighted):
     return f
 
 
-def _gathered_split(spelling, block, weighted):
+def _gathered_split(spelling, block, weighted, joined):
     def f(x, expert_idx, w, w1, w3, w2):
-        return gathered_split_experts(x, expert_idx, w if weighted else None, w1, w3, w2, LIMIT, block, spelling)
+        return gathered_split_experts(x, expert_idx, w if weighted else None, w1, w3, w2, LIMIT, block, spelling,
+                                      joined)
     return f
 
 
@@ -79,8 +81,9 @@ for _spelling in ("einsum", "matmul"):
         for _weighted, _suffix in ((True, ""), (False, "_unweighted")):
             GATHERED[f"gathered_{_spelling}{_fp8}{_suffix}"] = (
                 _gathered(_spelling, _block, _weighted), lambda seed, t=3: stacked(gathered_inputs(seed, t)))
-            GATHERED[f"gathered_{_spelling}_split{_fp8}{_suffix}"] = (
-                _gathered_split(_spelling, _block, _weighted), gathered_inputs)
+            for _joined, _cat in ((False, ""), (True, "_cat"))[:2 if _spelling in JOINED_SPELLINGS else 1]:
+                GATHERED[f"gathered_{_spelling}_split{_cat}{_fp8}{_suffix}"] = (
+                    _gathered_split(_spelling, _block, _weighted, _joined), gathered_inputs)
 GATHERED_TOL = dict(zip(("atol", "rtol"), MoeExpertsPass.tolerance[BF16]))
 
 
@@ -119,16 +122,18 @@ def test_gathered_formulation_is_fused(name, t):
 
 
 @pytest.mark.parametrize("t", [3, 1])
-def test_split_halves_of_one_w13_run_sorted(t):
-    """w1 and w3 as the two halves of one stacked w13 (`w13.chunk(2, 1)`): the split formulation matches, and the op
-    takes that w13 on the sorted rows (no per-pair copy: no cat); equal to eager within the pass's tolerance."""
-    f, _ = GATHERED["gathered_einsum_split_fp8"]
+@pytest.mark.parametrize("name", ["gathered_einsum_split_fp8", "gathered_einsum_split_cat_fp8"])
+def test_split_halves_of_one_w13_run_sorted(name, t):
+    """w1 and w3 as the two halves of one stacked w13 (`w13.chunk(2, 1)`), used apart or their gathers joined by a
+    cat: the split formulation matches, and the op takes that w13 on the sorted rows (no per-pair copy: no cat);
+    equal to eager within the pass's tolerance."""
+    f, _ = GATHERED[name]
 
     def halves(x, expert_idx, w, w13, w2):
         return f(x, expert_idx, w, *w13.chunk(2, 1), w2)
 
     gm, report, node = run_fused_once(halves, stacked(gathered_inputs(0, t)), FUSION, ("aten.bmm", "aten.cat"))
-    assert report.passes[1].replaced[0]["pattern"] == "gathered_einsum_split_fp8"
+    assert report.passes[1].replaced[0]["pattern"] == name
     assert op_counts(gm)["aten.argsort.stable"] == 2 and node.args[4].name == "arg3_1"  # the graph's w13 itself
     x = stacked(gathered_inputs(1, t))
     assert_close(gm(*x), halves(*x), **GATHERED_TOL)

@@ -2,8 +2,8 @@
 -> dsv41::moe_finalize.
 
 Every formulation the pass lists (combine by index_add (the model's) or scatter_add over an expanded index; with
-the shared add, or the combine alone as under TP where an all-reduce sits between) has a user-written function
-here. The combine with the shared add is claimed before the combine alone. The op accumulates in the same
+the shared add, or the combine alone as under TP where an all-reduce sits between; the unpermutes of sorted rows;
+the per-slot sums of rows in (token, slot) order) has a user-written function here. The combine with the shared add is claimed before the combine alone. The op accumulates in the same
 row order as index_add_, so index_add formulations are bit-exact (atol=rtol=0); scatter_add sums the same rows
 in fp32, possibly in another order: fp32 tolerance (atol=rtol=1e-6) for the combine-only output, bf16 (atol=rtol=
 1.6e-2) after the cast.
@@ -15,8 +15,8 @@ import expecttest
 import pytest
 import torch
 
-from .harness import BF16, F16, assert_close, compiled_matches, gen, graph_text, op_counts, pattern_names, rand, \
-    run_declined, run_fused_once, run_passes
+from .harness import BF16, F16, assert_close, compiled_matches, declined, gen, graph_text, op_counts, pattern_names, \
+    rand, run_declined, run_fused_once, run_passes
 
 FUSION, OP = "moe_finalize", "dsv41.moe_finalize"
 T, D, K = 3, 32, 6
@@ -133,9 +133,26 @@ def unpermute_inputs(seed, shared=True, weights=True):
     return out + w + ([rand(g, T, D)] if shared else [])
 
 
+SLOT_FORMULATIONS = {
+    "slots_einsum_shared": lambda rows, w, shared: (torch.einsum("tkd,tk->td", rows.float(), w)
+                                                    + shared.float()).to(shared.dtype),
+    "slots_mul_sum_shared": lambda rows, w, shared: ((rows.float() * w.unsqueeze(-1)).sum(dim=1)
+                                                     + shared.float()).to(shared.dtype),
+    "slots_unweighted_shared": lambda rows, shared: (rows.float().sum(dim=1) + shared.float()).to(shared.dtype),
+}
+
+
+def slot_inputs(seed, t=T, weights=True):
+    """expert rows [T, K, D] in (token, slot) order, [weights [T, K] fp32], shared [T, D]."""
+    g = gen(seed)
+    rows = [rand(g, t, K, D)] + ([torch.rand(t, K, generator=g)] if weights else [])
+    return rows + [rand(g, t, D)]
+
+
 def test_every_formulation_has_a_test():
     assert pattern_names(FUSION) == (set(FORMULATIONS) | set(WEIGHTED_FORMULATIONS) | set(UNPERMUTE_FORMULATIONS)
-                                     | set(UNWEIGHTED_FORMULATIONS) | set(INTO_SHARED_FORMULATIONS))
+                                     | set(UNWEIGHTED_FORMULATIONS) | set(INTO_SHARED_FORMULATIONS)
+                                     | set(SLOT_FORMULATIONS))
 
 
 @pytest.mark.parametrize("name", sorted(INTO_SHARED_FORMULATIONS))
@@ -153,6 +170,23 @@ def test_into_shared_formulation_is_fused(name):
         got = gm(*x)
         assert not got.isnan().any()
         assert_close(got, f(*x), atol=2 ** -7, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("t", [T, 1])
+@pytest.mark.parametrize("name", sorted(SLOT_FORMULATIONS))
+def test_per_slot_formulation_is_fused(name, t):
+    """Rows already in (token, slot) order: the op takes them viewed [T * K, D] with token = p // K of row p and the
+    weights flattened alike (none for the unweighted sum). The op sums a token's K products in slot order from +0.0;
+    the graph's batched product may sum them in another order: within one bf16 ulp of eager after the rounding
+    (atol 0, rtol 2^-7), no NaN."""
+    f = SLOT_FORMULATIONS[name]
+    weighted = "unweighted" not in name
+    gm, report, node = run_fused_once(f, slot_inputs(0, t, weighted), FUSION, ("aten.bmm", "aten.sum.dim_IntList"))
+    assert report.passes[1].replaced[0]["pattern"] == name
+    assert node.args[3] == t and (node.args[4] is not None) == weighted
+    for seed in (1, 2):
+        x = slot_inputs(seed, t, weighted)
+        assert_close(gm(*x), f(*x), atol=0, rtol=2**-7)
 
 
 @pytest.mark.parametrize("name", sorted(UNPERMUTE_FORMULATIONS))
@@ -181,15 +215,24 @@ def test_unweighted_unpermute_formulation_is_fused(name):
         assert_close(gm(*x), f(*x), **(dict(atol=1.6e-2, rtol=1.6e-2) if shared else dict(atol=1e-6, rtol=1e-6)))
 
 
-def test_decline_unpermute_of_indices_not_a_sort():
-    """An `order` that is a graph input (not known to be a permutation) is declined, naming it."""
+def test_unpermute_of_indices_not_a_sort_is_declined_and_the_per_slot_sum_fuses():
+    """An `order` that is a graph input (not known to be a permutation) declines the unpermute, naming it; the rows
+    the graph gathers by argsort(order) are then rows in (token, slot) order for the per-slot sum, which fuses with
+    that gather kept (the op reads the gathered rows); within one bf16 ulp of eager."""
     def f(out, order, w, shared):
         rows = out[torch.argsort(order)].reshape(T, K, D)
         return (torch.einsum("tkd,tk->td", rows.float(), w) + shared.float()).to(shared.dtype)
 
-    out, ids, w, shared = unpermute_inputs(0)
-    reasons = run_declined(f, [out, torch.randperm(T * K, generator=gen(0)), w, shared], FUSION)
-    assert "is not the indices of a sort of 18 values" in reasons, reasons
+    def inputs_of(seed):
+        out, _, w, shared = unpermute_inputs(seed)
+        return [out, torch.randperm(T * K, generator=gen(seed)), w, shared]
+
+    gm, report = run_passes(f, inputs_of(0), FUSION)
+    assert report.matches == {FUSION: 1} and op_counts(gm)["aten.sort"] == 1, gm.code
+    assert report.passes[1].replaced[0]["pattern"] == "slots_einsum_shared"
+    assert "is not the indices of a sort of 18 values" in declined(report, FUSION), report.declined
+    x = inputs_of(1)
+    assert_close(gm(*x), f(*x), atol=0, rtol=2**-7)
 
 
 @pytest.mark.parametrize("name", sorted(WEIGHTED_FORMULATIONS))

@@ -14,12 +14,11 @@ gathered and multiplied in batched einsums.
 
 forward(h [B, 1, D] bf16) -> [B, 1, D] bf16.
 
-Sites (measured, fx mode, CPU; `test_gptfast_style.py`): moe_route and moe_experts fuse (`gathered_einsum_split_fp8_
-unweighted`: w1 and w3 apart, so the op runs one expert a (token, slot) pair on their gathered weights). moe_finalize
-does not: its formulations take the combine as an index_add / scatter_add over token ids, or as MaxText's unpermute of
-rows sorted by a sort's indices; gpt-fast's per-slot einsum `'tai,ta->ti'` over rows already in (token, slot) order is
-neither (its near miss is recorded), and a pass cannot read it as one without a formulation of its own. No
-moe_metadata site (no sort in the block).
+Sites (measured, fx mode, CPU; `test_gptfast_style.py`): moe_route, moe_experts (`gathered_einsum_split_fp8_
+unweighted`: w1 and w3 apart, so the op runs one expert a (token, slot) pair on their gathered weights) and
+moe_finalize (`slots_einsum_shared`: the per-slot einsum `'tai,ta->ti'` over rows in (token, slot) order, + shared,
+one rounding, is the op on those rows with token = p // k; it reads the experts' op's rows through views). Before the
+per-slot formulation the combine was no moe_finalize candidate. No moe_metadata site (no sort in the block).
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from torch import nn
 from .params import param_factory
 
 ROUTE_SCALE, SWIGLU_LIMIT, FP8_BLOCK = 1.5, 10.0, 32
-SITES = {"moe_route": 1, "moe_experts": 1}
+SITES = {"moe_route": 1, "moe_experts": 1, "moe_finalize": 1}
 
 
 def fp8_round_trip(x, block=FP8_BLOCK):

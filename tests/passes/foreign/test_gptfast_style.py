@@ -1,14 +1,14 @@
 """The gpt-fast-style MoE sublayer (gptfast_style.py) through the real backend (fx mode): exactly its sites fused
-(moe_route, moe_experts as the gathered split formulation), at B = 3 and at one request, outputs equal to eager within
-one bf16 ulp of an fp32 reordering on at least 99% of elements (the FP8 round trip may move a bucket), no NaN; the
-combine einsum left unfused, with its record."""
+(moe_route, moe_experts as the gathered split formulation, moe_finalize as the per-slot einsum combine), at B = 3 and
+at one request, outputs equal to eager within one bf16 ulp of an fp32 reordering on at least 99% of elements (the FP8
+round trip may move a bucket), no NaN; the combine reads the experts' op's rows in place."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ..harness import gen, rand
+from ..harness import gen, rand, run_passes
 from .blocks import compile_and_run, fused_sites
 from .gptfast_style import SITES, GptFastStyleMoE
 
@@ -28,10 +28,23 @@ def test_sites_fused_and_agree(b):
     backend, runs = compile_and_run(GptFastStyleMoE(), lambda seed, block: inputs(seed, block, b), (1, 2))
     sites, report = fused_sites(backend)
     assert sites == SITES, (report.declined, report.near_misses)
-    assert [r["pattern"] for p in report.passes if p.name == "moe_experts" for r in p.replaced] == [
-        "gathered_einsum_split_fp8_unweighted"]
-    # the combine's einsum is a batched product too: a moe_experts anchor, recorded as a near miss
-    (combine,) = report.near_misses["moe_experts"]
-    assert "at %bmm" in combine, combine
-    assert report.notes["moe_finalize"].startswith("no candidate")
+    patterns = {p.name: [r["pattern"] for r in p.replaced] for p in report.passes if p.replaced}
+    assert patterns == {"moe_route": ["route_no_temperature"], "moe_experts": ["gathered_einsum_split_fp8_unweighted"],
+                        "moe_finalize": ["slots_einsum_shared"]}, patterns
+    # the combine's einsum, a batched product that moe_experts anchors on too, is inside moe_finalize's region
+    assert report.near_misses["moe_experts"] == report.declined["moe_experts"] == [], report.near_misses
     assert_agrees(runs)
+
+
+def test_combine_reads_the_experts_rows_in_place():
+    """With w1 and w3 apart the experts' op returns its rows in pair order, which the per-slot combine reads: the
+    finalize's rows are the experts' output through views only (no gather between the two ops)."""
+    block = GptFastStyleMoE()
+    with torch.no_grad():
+        gm, report = run_passes(block, inputs(0, block))
+    assert {k: v for k, v in report.matches.items() if v} == SITES
+    (finalize,) = gm.graph.find_nodes(op="call_function", target=torch.ops.dsv41.moe_finalize.default)
+    rows = finalize.args[0]
+    while rows.target in (torch.ops.aten.view.default, torch.ops.aten.reshape.default):
+        rows = rows.args[0]
+    assert rows.target is torch.ops.dsv41.moe_experts.default, gm.code

@@ -1,14 +1,16 @@
 """Foreign formulations of `moe_finalize` (combine of the expert rows + shared add), each differing from the
 project's model in one named way. Each must be found exactly once and equal eager bit for bit (the op sums the
-rows in index_add's row order; the weighted forms multiply in fp32 before the sum, as written)."""
+rows in index_add's row order; the weighted forms multiply in fp32 before the sum, as written), but for scatter_add
+(fp32 tolerance) and the per-slot sums of rows in (token, slot) order (`slots_`: a batched product may sum a token's
+k products in another order than the op's slot order; one bf16 ulp, atol 0, rtol 2^-7)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ..harness import assert_close, assert_found_once, gen, op_counts, run_passes
-from ..test_moe_finalize import T, inputs, weighted_inputs
+from ..harness import assert_close, assert_found_once, gen, op_counts, rand, run_passes
+from ..test_moe_finalize import D, T, inputs, slot_inputs, weighted_inputs
 
 FUSION = "moe_finalize"
 
@@ -51,6 +53,36 @@ def scatter_add_view_expand(out, token):
     return torch.zeros(T, out.shape[1], dtype=torch.float32).scatter_add(0, token.view(-1, 1).expand_as(rows), rows)
 
 
+def slots_gptfast_einsum(expert_outs, expert_weights, shared):
+    """gpt-fast's Mixtral combine: rows in (token, slot) order, `einsum('tai,ta->ti')` with the routing weights."""
+    y = torch.einsum("tai,ta->ti", expert_outs.float(), expert_weights)
+    return (y + shared.float()).to(shared.dtype)
+
+
+def slots_weights_first_type_as(rows, w, shared):
+    """operand order + other spelling: w[:, :, None] * rows summed over dim -2, the shared first, `type_as`."""
+    return (shared.float() + (w[:, :, None] * rows.to(torch.float32)).sum(-2)).type_as(shared)
+
+
+def slots_bmm_in_place(rows, w, shared):
+    """other op: `bmm(w[:, None], rows)` viewed [T, D], the shared added in place."""
+    y = torch.bmm(w.unsqueeze(1), rows.float()).view(rows.shape[0], rows.shape[2])
+    y.add_(shared.float())
+    return y.bfloat16()
+
+
+def slots_stacked_per_slot_rows(x, w, shared):
+    """a user's own per-slot experts (a Python loop over the slots, each a dense product stacked to [T, k, D]),
+    combined by the weighted sum over the slots."""
+    rows = torch.stack([(x * (j + 1)).bfloat16() for j in range(w.shape[1])], dim=1)
+    return ((rows.float() * w[..., None]).sum(dim=1) + shared.float()).to(shared.dtype)
+
+
+def slots_unweighted_torch_sum(rows, shared):
+    """rows weighted before w2: `torch.sum(rows.float(), 1)`, the shared added by `add_`."""
+    return torch.sum(rows.float(), dim=1).add_(shared.float()).to(torch.bfloat16)
+
+
 CASES = {
     "shared_first": (shared_first, inputs),
     "functional_index_add": (functional_index_add, inputs),
@@ -58,13 +90,21 @@ CASES = {
     "weights_after_w2": (weights_after_w2, weighted_inputs),
     "weights_first_operand": (weights_first_operand, weighted_inputs),
     "scatter_add_view_expand": (scatter_add_view_expand, lambda seed: inputs(seed, shared=False)),
+    "slots_gptfast_einsum": (slots_gptfast_einsum, slot_inputs),
+    "slots_weights_first_type_as": (slots_weights_first_type_as, slot_inputs),
+    "slots_bmm_in_place": (slots_bmm_in_place, slot_inputs),
+    "slots_stacked_per_slot_rows": (slots_stacked_per_slot_rows,
+                                    lambda seed: [rand(gen(seed + 50), T, D, dtype=torch.float32)] + slot_inputs(seed)[1:]),
+    "slots_unweighted_torch_sum": (slots_unweighted_torch_sum, lambda seed: slot_inputs(seed, weights=False)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_found_once_and_equal_to_eager(name):
     f, inputs_of = CASES[name]
-    tol = dict(atol=1e-6, rtol=1e-6) if name.startswith("scatter") else {}  # scatter_add may sum in another order
+    # scatter_add may sum in another order; a batched product over the slots too, before the bf16 rounding
+    tol = (dict(atol=1e-6, rtol=1e-6) if name.startswith("scatter") else dict(atol=0, rtol=2**-7)
+           if name.startswith("slots") else {})
     assert_found_once(f, inputs_of, FUSION, **tol)
 
 
