@@ -442,9 +442,69 @@ def _index_bound(n, depth: int = 16) -> int | None:
             and n.args[1] > 0:
         v = _index_bound(n.args[0], depth - 1)
         return None if v is None else -(-v // n.args[1])
-    if n.target in _VALUE_PRESERVING:
+    if n.target in _VALUE_PRESERVING or _lookup_index(n) is not None:
         return _index_bound(n.args[0], depth - 1)
     return None
+
+
+def _lookup_index(n) -> fx.Node | None:
+    """i when n is the lookup x[i] along dim 0 by one integer index tensor (`index.Tensor(x, [i])`), else None."""
+    if not (isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.index.Tensor and len(n.args) == 2
+            and isinstance(n.args[1], (list, tuple)) and len(n.args[1]) == 1 and isinstance(n.args[1][0], fx.Node)):
+        return None
+    i = _val(n.args[1][0])
+    return n.args[1][0] if isinstance(i, torch.Tensor) and not i.dtype.is_floating_point and i.dtype is not torch.bool \
+        else None
+
+
+def _lookup_of_lookup(graph: fx.Graph, node: fx.Node) -> bool:
+    """x[i][j] (two lookups along dim 0 by integer indices) is x[i[j]]: the lookup by j takes rows of x[i], whose
+    row r is x[i[r]] (HF's `current_hidden_states[perm]` of `hidden_states[token_idx]`); exact, rows are copied."""
+    j, inner = _lookup_index(node), node.args[0]
+    i = _lookup_index(inner)
+    if j is None or i is None:
+        return False
+    composed = _insert(graph, node, aten.index.Tensor, (i, [j]), source=node)
+    node.args = (inner.args[0], [composed])
+    _erase_unused(graph, [inner])
+    return True
+
+
+def _pair_tokens_view(n) -> int | None:
+    """k when n is arange(T) broadcast along a new last dim of size k and flattened, `arange(T).unsqueeze(1)
+    .expand(T, k).reshape(T * k)` (HF's `token_idx`; the expand's copy and the unit-dim view in any spelling): the
+    value at position p is p // k. Else None."""
+    if not (isinstance(n, fx.Node) and n.op == "call_function" and n.target in (aten.view.default, aten.reshape.default)
+            and _val(n).dim() == 1):
+        return None
+    e = n.args[0]
+    if isinstance(e, fx.Node) and e.target is aten.clone.default:
+        e = e.args[0]
+    if not (isinstance(e, fx.Node) and e.target is aten.expand.default and _val(e).dim() == 2):
+        return None
+    t, k = _val(e).shape
+    col = e.args[0]
+    if not (isinstance(col, fx.Node) and list(_val(col).shape) == [t, 1]
+            and col.target in (aten.unsqueeze.default, aten.view.default, aten.reshape.default)):
+        return None
+    iota = col.args[0]
+    if not (isinstance(iota, fx.Node) and iota.target is prims.iota.default and iota.args[0] == t
+            and iota.kwargs.get("start", 0) == 0 and iota.kwargs.get("step", 1) == 1):
+        return None
+    return k
+
+
+def _lookup_of_pair_tokens(graph: fx.Graph, node: fx.Node) -> bool:
+    """R[j] with R = arange(T).unsqueeze(1).expand(T, k).reshape(T * k) (`_pair_tokens_view`: R[p] = p // k) is
+    j // k when every value of j lies in [0, T * k) (`_index_bound`: a sort's indices of T * k pairs) and j has R's
+    dtype: HF's `token_idx[perm]`, the token of each expert-sorted pair, is `perm // k`. Exact."""
+    j = _lookup_index(node)
+    k = _pair_tokens_view(node.args[0]) if j is not None else None
+    bound = _index_bound(j) if k is not None else None
+    if bound is None or bound > _val(node.args[0]).numel() or _val(j).dtype != _val(node).dtype:
+        return False
+    node.target, node.args, node.kwargs = aten.div.Tensor_mode, (j, k), {"rounding_mode": "floor"}
+    return True
 
 
 def _remainder_in_range(node: fx.Node) -> bool:
@@ -2221,13 +2281,27 @@ def _routing_map_counts(graph: fx.Graph, node: fx.Node) -> bool:
 _EXACT_INTEGERS = {torch.float32: 2 ** 24, torch.float64: 2 ** 53}
 
 
+def _histc_exact_max(bins: int, hi, limit: int) -> bool:
+    """Whether histc(float(ids), bins=n, min=0, max=b) puts every integer id in [0, n) into bin id. torch computes an
+    element's bin as floor(x * n / b) in the input's float type (CPU and CUDA alike), with x = b in the last bin, n - 1.
+    With b = n that is x exactly (x * n / n is exact). With n - 1 <= b < n (HF's `max=num_experts - 1`): for i <= n - 2,
+    i <= i * n / b <= i + 1 - 1 / b (since (i + 1) b - i n >= n - 1 - i >= 1), so the floor is i once the quotient's
+    rounding error, at most half an ulp of a value below n <= 2^c, 2^(c - p - 1) for a p-bit significand, stays
+    below 1 / b >= 2^-c: 2c <= p suffices (and keeps i * n exact; fp32: n <= 2^12); and i = n - 1 lands in
+    [n - 1, n], bin n - 1 (n clamps to it). A
+    b outside [n - 1, n] misplaces ids (b > n: some i * n / b < i) or drops n - 1 (b < n - 1: above max)."""
+    if hi == bins:
+        return True
+    significand = limit.bit_length() - 1  # limit = 2^p
+    return isinstance(hi, (int, float)) and bins - 1 <= hi < bins and 2 * (bins - 1).bit_length() <= significand
+
+
 def _histc_of_indices(graph: fx.Graph, node: fx.Node) -> bool:
-    """histc(float(ids), bins=n, min=0, max=n) of integer ids whose values all lie in [0, U), U <= n (`_index_bound`:
-    TorchTitan's `num_tokens_per_expert = torch.histc(top_k_ids.view(-1), bins=E, min=0, max=E)`) is the float of the
-    counts of each value among the ids, `float(zeros(n, int32).scatter_add(0, ids.view(-1), ones))`: with min = 0 and
-    max = n the bins have width 1, so bin b holds exactly the integer b (the last bin's closed end, n, is no id).
-    Exact where the float dtype holds every integer up to the number of ids (a count) and up to n (an id): fp32 up to
-    2^24."""
+    """histc(float(ids), bins=n, min=0, max=b) of integer ids whose values all lie in [0, U), U <= n (`_index_bound`:
+    TorchTitan's `num_tokens_per_expert = torch.histc(top_k_ids.view(-1), bins=E, min=0, max=E)`, HF's `max=E - 1`),
+    with b where every id lands in its own bin (`_histc_exact_max`), is the float of the counts of each value among
+    the ids, `float(zeros(n, int32).scatter_add(0, ids.view(-1), ones))`. Exact where the float dtype holds every
+    integer up to the number of ids (a count) and up to n (an id): fp32 up to 2^24."""
     x = node.args[0]
     if not (len(node.args) == 4 and not node.kwargs and isinstance(x, fx.Node) and x.op == "call_function"
             and x.target is prims.convert_element_type.default and _static(_val(x))):
@@ -2236,9 +2310,9 @@ def _histc_of_indices(graph: fx.Graph, node: fx.Node) -> bool:
     ids, limit = x.args[0], _EXACT_INTEGERS.get(_val(x).dtype)
     vi = _val(ids)
     bound = _index_bound(ids)
-    if not (isinstance(bins, int) and lo == 0 and hi == bins and limit is not None and isinstance(vi, torch.Tensor)
-            and not vi.dtype.is_floating_point and vi.dtype is not torch.bool and bound is not None and bound <= bins
-            and max(vi.numel(), bins) <= limit):
+    if not (isinstance(bins, int) and lo == 0 and limit is not None and _histc_exact_max(bins, hi, limit)
+            and isinstance(vi, torch.Tensor) and not vi.dtype.is_floating_point and vi.dtype is not torch.bool
+            and bound is not None and bound <= bins and max(vi.numel(), bins) <= limit):
         return False
     while ids.op == "call_function" and ids.target is aten.view.default and _val(ids.args[0]).dim() > 1:
         ids = ids.args[0]  # the flat view's root, whose flat views the sort also reads
@@ -2251,6 +2325,22 @@ def _histc_of_indices(graph: fx.Graph, node: fx.Node) -> bool:
                                        source=node))
     graph.erase_node(node)
     _erase_unused(graph, [x])
+    return True
+
+
+def _counts_of_permuted(graph: fx.Graph, node: fx.Node) -> bool:
+    """The counts of x[p], `zeros.scatter_add(0, x[p], ones)` with p a permutation of x's M positions (a sort's
+    indices, `sort_permutation`) and x 1-D, are the counts of x: a count is a sum of ones over the positions holding
+    a value, and p only reorders the positions (HF's histc of `expert_ids[perm]`). Exact (integer sums)."""
+    if _count_bound(node) is None:
+        return False
+    p = _lookup_index(node.args[2])
+    x = node.args[2].args[0] if p is not None else None
+    if not (p is not None and sort_permutation(p) and _val(x).dim() == 1 and _val(x).shape == _val(p).shape):
+        return False
+    looked_up = node.args[2]
+    node.args = (node.args[0], node.args[1], x, node.args[3])
+    _erase_unused(graph, [looked_up])
     return True
 
 
@@ -2320,7 +2410,10 @@ def _canonical_forms(graph: fx.Graph) -> int:
             changed += 1
             continue
         elif (node.target is aten.histc.default and _histc_of_indices(graph, node)
-              or node.target is aten.cumsum.default and _cumsum_of_exact_cast(graph, node)):
+              or node.target is aten.cumsum.default and _cumsum_of_exact_cast(graph, node)
+              or node.target is aten.scatter_add.default and _counts_of_permuted(graph, node)
+              or node.target is aten.index.Tensor and (_lookup_of_lookup(graph, node)
+                                                       or _lookup_of_pair_tokens(graph, node))):
             changed += 1
             continue
         elif node.target in _BROADCASTING:

@@ -1254,3 +1254,36 @@ def test_a_sum_over_columns_of_other_values_stays():
     gm = normalized(f, torch.randn(2, 3, 4, generator=g), torch.randn(2, 4, 5, generator=g))
     ops = op_counts(gm)
     assert ops["aten.bmm"] == 2 and ops["aten.permute"] == 0, gm.code  # no product transposed
+
+
+def test_lookup_of_a_lookup_is_one_lookup():
+    """x[i][j] is x[i[j]]: one lookup of x (by the composed index), equal to eager exactly."""
+    def f(x, i, j):
+        return x[i][j]
+
+    g = gen(0)
+    args = (torch.randn(5, 4, generator=g), torch.randint(0, 5, (7,), generator=g), torch.randint(0, 7, (3,), generator=g))
+    gm = normalized(f, *args)
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    (of_x,) = x.users
+    assert of_x.target is aten.index.Tensor and of_x.args[1][0].target is aten.index.Tensor, gm.code
+    assert op_counts(gm)["aten.index.Tensor"] == 2, gm.code
+    assert torch.equal(gm(*args), f(*args))
+
+
+@pytest.mark.parametrize("in_range", [True, False])
+def test_pair_tokens_looked_up_by_a_sort_are_its_indices_floor_k(in_range):
+    """arange(T).unsqueeze(1).expand(-1, k).reshape(-1)[perm] with perm a sort's indices of T * k values is perm // k;
+    by a sort of more values (indices up to 2 T k) it stays a lookup."""
+    t, k = 3, 2
+
+    def f(ids):
+        token_idx = torch.arange(t).unsqueeze(1).expand(-1, k).reshape(-1)
+        return token_idx[torch.argsort(ids, stable=True)[:t * k]]
+
+    ids = torch.randint(0, 4, (t * k if in_range else 2 * t * k,), generator=gen(1))
+    gm = normalized(f, ids)
+    ops = op_counts(gm)
+    assert (ops["aten.index.Tensor"], ops["aten.div.Tensor_mode"]) == ((0, 1) if in_range else (1, 0)), gm.code
+    if in_range:
+        assert torch.equal(gm(ids), f(ids))

@@ -130,16 +130,59 @@ def test_histc_counts_found_once_and_equal_to_eager():
         assert_close(gm(*x), histc_counts(*x), atol=0, rtol=0)
 
 
-def test_histc_with_other_bins_is_not_the_counts():
-    """histc over [0, E - 1] with E bins (bin width (E - 1) / E: ids E - 2 and E - 1 share a bin) is not the counts:
-    the histc stays and no metadata fuses (a near miss at the histc)."""
+def histc_counts_over(upper):
+    """histc_counts with the bins over [0, upper] (E bins)."""
     def f(scores, flat_w):
         top = torch.topk(scores, K, dim=1).indices
-        counts = torch.histc(top.view(-1).float(), bins=E, min=0, max=E - 1)
+        counts = torch.histc(top.view(-1).float(), bins=E, min=0, max=upper)
         order = torch.argsort(top.view(-1), stable=True)
         return order // K, torch.cumsum(counts, dim=0, dtype=torch.int32), flat_w.view(-1)[order]
+    return f
 
+
+@pytest.mark.parametrize("upper", [E - 1, E - 0.5, float(torch.nextafter(torch.tensor(E - 1.0), torch.tensor(E)))])
+def test_histc_over_a_max_from_e_minus_1_to_e_is_the_counts(upper):
+    """bin = floor(id * E / max) puts every id in [0, E) in its own bin for max in [E - 1, E] (HF's `max=E - 1`; E -
+    1 itself by the last edge's closure): fused once, the histc gone, equal to eager exactly, also where every id is
+    E - 1 or 0 (the edges)."""
+    f = histc_counts_over(upper)
+    gm, report = run_passes(f, scores_inputs(0), FUSION)
+    assert report.matches == {FUSION: 1} and op_counts(gm)["aten.histc"] == 0, report.declined
+    one_expert = torch.full((T, E), -1.0).index_fill_(1, torch.tensor([E - 1, 0]), 1.0)
+    for x in (scores_inputs(1), scores_inputs(2), [one_expert, torch.rand(T * K)]):
+        assert_close(gm(*x), f(*x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("upper", [E + 0.5, float(torch.nextafter(torch.tensor(float(E)), torch.tensor(E + 1.0))),
+                                   E - 1.5])
+def test_histc_over_a_max_outside_e_minus_1_to_e_is_not_the_counts(upper):
+    """Just above E the bins are wider than 1 (some id lands a bin low); below E - 1 the id E - 1 lies above max and is
+    dropped: the histc stays and no metadata fuses (a near miss at the histc); eager's counts do differ there."""
+    f = histc_counts_over(upper)
     gm, report = run_passes(f, scores_inputs(0), FUSION)
     assert report.matches == {FUSION: 0} and op_counts(gm)["aten.histc"] == 1
     (miss,) = report.near_misses[FUSION]
     assert "found %histc" in miss, miss
+    every_id = torch.arange(E).float()
+    assert not torch.equal(torch.histc(every_id, bins=E, min=0, max=upper), torch.ones(E))
+
+
+def hf_grouped_metadata(scores, flat_w):
+    """HF's `grouped_mm_experts_forward` metadata: `token_idx = arange(T).unsqueeze(1).expand(-1, k).reshape(-1)`,
+    `perm = argsort(ids, stable=True)`, the tokens by `token_idx[perm]`, the counts by `histc(ids[perm].float(),
+    bins=E, min=0, max=E - 1)`, the row weights by `flat_w[perm]`."""
+    ids = torch.topk(scores, K, dim=1).indices.reshape(-1)
+    token_idx = torch.arange(T).unsqueeze(1).expand(-1, K).reshape(-1)
+    perm = torch.argsort(ids, stable=True)
+    counts = torch.histc(ids[perm].float(), bins=E, min=0, max=E - 1)
+    return token_idx[perm], torch.cumsum(counts, dim=0, dtype=torch.int32), flat_w[perm]
+
+
+def test_hf_grouped_metadata_found_once_and_equal_to_eager():
+    """token_idx[perm] is perm // k (a lookup in the flattened broadcast arange), the counts of the permuted ids are
+    the ids' counts: fused once, the histc and the lookups gone, equal to eager exactly."""
+    gm, report = run_passes(hf_grouped_metadata, scores_inputs(0), FUSION)
+    assert report.matches == {FUSION: 1} and op_counts(gm)[OP] == 1, (report.declined, report.near_misses)
+    assert op_counts(gm)["aten.histc"] == op_counts(gm)["aten.index.Tensor"] == 0, gm.code
+    for x in (scores_inputs(1), scores_inputs(2)):
+        assert_close(gm(*x), hf_grouped_metadata(*x), atol=0, rtol=0)
