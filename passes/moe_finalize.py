@@ -32,6 +32,13 @@ dim (the mHC collapse `einsum('tjd,tj->td')` is one), so the pattern alone would
 TP combine in this form is therefore not taken. Where the rows are the gathered experts' op put back in pair order
 (`passes/moe_experts.py`), the op reads them in that order: with w1 and w3 apart they are the op's own rows (a view),
 with a stacked w13 a gather by the inverse permutation that the graph keeps.
+
+Listed to be declined: the combine accumulated in bf16, `zeros_like(shared).index_add_(0, token, rows.to(bf16))`
+then `+ shared` in bf16 (Hugging Face's `batched_mm` / `grouped_mm` experts and its DeepSeek MoE's shared add):
+each row is rounded to bf16, each accumulation step and the shared add round the running sum to bf16 (k + 1
+roundings a token, errors of up to about k + 1 bf16 ulps), where the op sums in fp32 and rounds once. That is not
+an fp32 reordering of the program's sum but another function; torch's own bf16 `index_add_` rounds after every
+row, so the op would not compute what the program promises (`BF16_ACCUMULATION`).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ UNPERMUTE = "unpermute"
 UNWEIGHTED = f"{UNPERMUTE}_unweighted"
 INTO_SHARED = "into_shared"
 PER_SLOT = "slots"
+BF16_ACCUMULATION = "index_add_bf16_shared"
 
 
 def _inputs(with_shared):
@@ -100,6 +108,12 @@ def unpermute_unweighted(out, order, topk):
     """MaxText's unpermute of rows weighted before w2 (the spec's order): y[t] = sum_j out[inv[t * k + j]] in fp32,
     inv = argsort(order); out [M, D], order [M], k = topk, M = T * k -> [T, D] fp32."""
     return unweighted_slot_sum(out[torch.argsort(order)].reshape(out.shape[0] // topk, topk, out.shape[1]))
+
+
+def bf16_accumulation(rows, token, shared):
+    """The combine accumulated in shared's dtype (bf16): zeros [T, D].index_add_(0, token, rows.to(bf16)) + shared,
+    rows [M, D] (any float dtype, weighted), token [M], shared [T, D] bf16 -> [T, D] bf16, rounded at every step."""
+    return torch.zeros_like(shared).index_add_(0, token, rows.to(shared.dtype)) + shared
 
 
 def _unpermute_inputs(with_shared):
@@ -160,6 +174,12 @@ class MoeFinalizePass(FusionPass):
             pats.append(Pattern(f"{name}_shared", with_shared, _inputs(True), free, defaults, anchor=combine_op))
             pats.append(Pattern(f"{name}_only", combine_only, _inputs(False), free, defaults, anchor=combine_op))
 
+        def bf16_rows_inputs():
+            out, token, shared = _inputs(True)()
+            return [out.float(), token, shared]
+
+        pats.append(Pattern(BF16_ACCUMULATION, bf16_accumulation, bf16_rows_inputs, anchor=combine_op))
+
         def unpermute_shared(out, order, weights, shared):
             return (unpermute(out, order, weights) + shared.float()).to(shared.dtype)
 
@@ -194,11 +214,15 @@ class MoeFinalizePass(FusionPass):
             return m.inputs[0].meta["val"].shape[0]
         if m.pattern.name.startswith(UNWEIGHTED):
             return m.inputs[0].meta["val"].shape[0] // m.free["topk"]
-        if m.pattern.name.endswith(INTO_SHARED):
+        if m.pattern.name.endswith(INTO_SHARED) or m.pattern.name == BF16_ACCUMULATION:
             return m.inputs[-1].meta["val"].shape[0]
         return m.inputs[2].meta["val"].shape[0] if m.pattern.name.startswith(UNPERMUTE) else m.free["num_tokens"]
 
     def check(self, m):
+        if m.pattern.name == BF16_ACCUMULATION:
+            return ("the combine accumulates in bf16 (index_add_ into a bf16 zeros_like, then the shared expert added "
+                    "in bf16: a rounding per row and per step), the op in fp32 with one rounding: another function, "
+                    "not fused")
         if m.pattern.name.startswith(UNPERMUTE) and not sort_permutation(m.inputs[1]):
             return (f"%{m.inputs[1].name} is not the indices of a sort of {m.inputs[0].meta['val'].shape[0]} values, so "
                     "its argsort need not be its inverse permutation: the unpermute is not the op's combine")

@@ -149,10 +149,37 @@ def slot_inputs(seed, t=T, weights=True):
     return rows + [rand(g, t, D)]
 
 
+def bf16_accumulation(out, token, weights, shared):
+    """HF's experts combine: the weighted rows (fp32) rounded to bf16, `index_add_`ed into a bf16 zeros_like, the
+    shared expert added in bf16."""
+    rows = out * weights.unsqueeze(-1)
+    return torch.zeros_like(shared).index_add_(0, token, rows.to(shared.dtype)) + shared
+
+
+def bf16_accumulation_inputs(seed):
+    out, token, shared = inputs(seed)
+    return [out, token, torch.rand(T * K, generator=gen(seed + 100)), shared]
+
+
+def test_bf16_accumulation_is_declined_with_its_reason():
+    """The combine accumulated in bf16 matches its listed formulation once and is declined (it rounds every row and
+    step, the op once); the graph keeps it and still computes eager's values exactly, which do differ from the op's
+    fp32 sum rounded once."""
+    x = bf16_accumulation_inputs(0)
+    gm, report = run_passes(bf16_accumulation, x, FUSION)
+    assert report.matches[FUSION] == 0 and op_counts(gm)[OP] == 0
+    (reason,) = report.declined[FUSION]
+    assert reason.startswith("index_add_bf16_shared") and "accumulates in bf16" in reason, reason
+    out, token, weights, shared = x
+    assert torch.equal(gm(*x), bf16_accumulation(*x))
+    one_rounding = torch.ops.dsv41.moe_finalize(out, token, shared, T, weights, "reference")
+    assert not torch.equal(one_rounding, bf16_accumulation(*x))
+
+
 def test_every_formulation_has_a_test():
     assert pattern_names(FUSION) == (set(FORMULATIONS) | set(WEIGHTED_FORMULATIONS) | set(UNPERMUTE_FORMULATIONS)
                                      | set(UNWEIGHTED_FORMULATIONS) | set(INTO_SHARED_FORMULATIONS)
-                                     | set(SLOT_FORMULATIONS))
+                                     | set(SLOT_FORMULATIONS) | {"index_add_bf16_shared"})
 
 
 @pytest.mark.parametrize("name", sorted(INTO_SHARED_FORMULATIONS))
