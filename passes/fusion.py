@@ -178,6 +178,9 @@ class FusionPass(GraphPass):
                 return f"{where}: running the region or the op on random inputs failed: {type(e).__name__}: {e}", ""
             for i, (out, spec) in enumerate(zip(got, rep.outputs)):
                 ref = _op_output(spec, want, values.__getitem__)
+                if isinstance(ref, torch.Tensor) and isinstance(out, torch.Tensor) and ref.shape != out.shape \
+                        and ref.numel() == out.numel():
+                    ref = ref.reshape(out.shape)  # as the replacement views the op's output to the graph's shape
                 diff = _difference(out, ref, self.tolerance.get(ref.dtype, (0.0, 0.0)))
                 if diff:
                     return f"{where}: output {i} differs from dsv41::{self.name}'s reference on random inputs ({diff})", ""
@@ -427,9 +430,11 @@ class FusionPass(GraphPass):
                     if key in pat_out.meta:
                         new.meta[key] = pat_out.meta[key]
                 created.append(new)
-            if list(new.meta["val"].shape) != list(pat_out.meta["val"].shape):  # a graph output with more unit dims
+            if list(new.meta["val"].shape) != list(pat_out.meta["val"].shape):  # a graph view of another shape
+                # (an output that is not contiguous, a slice of the op's, is reshaped: its dims may not merge in place)
+                view = torch.ops.aten.view.default if new.meta["val"].is_contiguous() else torch.ops.aten.reshape.default
                 with graph.inserting_after(new):
-                    new = graph.call_function(torch.ops.aten.view.default, (new, list(pat_out.meta["val"].shape)))
+                    new = graph.call_function(view, (new, list(pat_out.meta["val"].shape)))
                 new.meta["val"] = pat_out.meta["val"]
                 created.append(new)
             pat_out.replace_all_uses_with(new)

@@ -8,8 +8,8 @@ there, in two phases as Inductor's matcher does:
 
 1. structural: compare ops, dtypes and non-numeric arguments; numbers (shapes, eps, ...) are not compared yet;
 2. exact: re-trace `search` with fake tensors shaped like the bound inputs and match again, now comparing every
-   scalar and shape list (but for size-1 dims of a view that is a pattern output: the op's output is then viewed
-   to the graph's shape; and the number operand of an fp32 add/sub/mul/div compares as the fp32 value it enters
+   scalar and shape list (but for the shape of a view that is a pattern output, which the graph may view to any
+   shape of its elements: the op's output is then viewed to the graph's shape; and the number operand of an fp32 add/sub/mul/div compares as the fp32 value it enters
    the arithmetic as). A different eps therefore fails here, named as a scalar mismatch.
 
 Both phases treat commutative ops (`COMMUTATIVE`) as unordered; a match that chose an order where the other could
@@ -34,7 +34,8 @@ pattern view of a bound input matches a graph view of that input's view root (`v
 the pattern reads only in pointwise ops that broadcast it (maybe through casts) against an operand of the result's
 rank binds a graph value with more leading size-1 dims without them (`_without_broadcast_units`: at one token a
 `[1, 1, D]` value times `[1, hc, 1]` weights is the product of the pattern's `[1, D]`). A
-pattern output that the graph views with more size-1 dims is viewed back after the op.
+pattern output that the graph views to another shape (with more size-1 dims, or leading dims merged: `[T, k, D]`
+read as `[T k, D]` rows) is viewed so after the op (`_same_elements`).
 
 A pattern value read twice may be two graph nodes that repeat one op on the same operands (`_repeats`: a scale
 viewed once for the quotient and again for the product); both lie in the region.
@@ -370,8 +371,8 @@ class _Matcher:
         st.t2p[t] = p
         if len(p.args) != len(t.args):
             raise _Fail("argument", f"{_fmt(t)}: {len(t.args)} arguments, pattern has {len(p.args)}", t)
-        if self.exact and p.target is aten.view.default and p in self.outputs and _same_but_units(p, t):
-            self._match_arg(p.args[0], t.args[0], st, f"{_fmt(t)} argument 0")  # the op's output is viewed back
+        if self.exact and p.target is aten.view.default and p in self.outputs and _same_elements(p, t):
+            self._match_arg(p.args[0], t.args[0], st, f"{_fmt(t)} argument 0")  # the op's output is viewed so
             return
         if p.target is aten.view.default and _views_of_one_root(st.p2t.get(p.args[0]), t.args[0]):
             # view(x, s) where the graph views x's own root: view(view(r), s) is view(r, s), one value
@@ -1269,11 +1270,14 @@ def _views_of_one_root(x, y) -> bool:
     return isinstance(x, fx.Node) and isinstance(y, fx.Node) and x is not y and view_root(x) is view_root(y)
 
 
-def _same_but_units(p: fx.Node, t: fx.Node) -> bool:
-    """p's and t's values have the same sizes but for size-1 dims (a pattern output [T, N], a graph's [B, 1, N])."""
+def _same_elements(p: fx.Node, t: fx.Node) -> bool:
+    """p's and t's values have the same dtype and number of elements: for a pattern output p = view(x, s) and a
+    graph view t = view(x', s') of the value x' matched at x, t is view(p, s') (row-major views compose), so the
+    op's output viewed to t's shape is t: a pattern output [T, N] read as [B, 1, N], or [T, k, D] read as the
+    [T k, D] rows a combine takes."""
     pv, tv = p.meta.get("val"), t.meta.get("val")
     return (isinstance(pv, torch.Tensor) and isinstance(tv, torch.Tensor) and pv.dtype == tv.dtype
-            and [d for d in pv.shape if d != 1] == [d for d in tv.shape if d != 1])
+            and pv.numel() == tv.numel())
 
 
 def _promoted(ph: fx.Node, b):

@@ -46,7 +46,8 @@
 - implicit promotion: an fp32 add/sub/mul/div/maximum/minimum with a bf16/fp16 tensor operand takes it cast to fp32
   (`xf * w` for a bf16 RMSNorm weight is `xf * w.float()`);
 - block rows: pointwise ops and keepdim last-dim reductions on `x.reshape(-1, k)` rows of blocks of x's last dim
-  run at `x.unflatten(-1, (-1, k))` (`_split_rows`), and the cast where they end moves below the view merging the
+  (one block a row too: a [..., k] x's rows merge its leading dims) run at `x.unflatten(-1, (-1, k))`
+  (`_split_rows`), and the cast where they end moves below the view merging the
   blocks back, so the reference's `view(-1, block)` quantisation and the model's unflatten form are one form; so
   does the cast of blocks computed pointwise from an unflatten view (`(q * s).to(bf16).reshape(x.shape)`);
 - a cast of blocked rows merged back by one view that also inserts size-1 dims (`reshape(x.shape).to(bf16)` of a
@@ -1852,8 +1853,13 @@ _ROWS = "dsv41_block_rows"  # meta key of a value `_split_rows` computes at [*A,
 
 def _row_split(a) -> tuple[fx.Node, list[int]] | None:
     """(source, its [*A, n, k] shape) when `a` is [M, k] rows of blocks of the last dim of a value: a view of a
-    computed (not a graph input's or GEMM output's, `_boundary_view`) value [*A, n k] with n, k > 1 to
-    [prod(A) n, k] (`x.reshape(-1, k)`), or a view of a value `_split_rows` computed at [*A, n, k]; else None."""
+    computed (not a graph input's or GEMM output's, `_boundary_view`) value [*A, n k] with k > 1 to
+    [prod(A) n, k] (`x.reshape(-1, k)`), or a view of a value `_split_rows` computed at [*A, n, k]; else None.
+    With one block a row (n = 1) the view only merges the leading dims A, and the block view [*A, 1, k] is the same
+    elements in the same order, as `x.unflatten(-1, (-1, k))` writes it; taken where it merges two dims or more that
+    patterns keep (a `[T, k, 32]` activation's rows, also at T = 1): a view that only drops the size-1 dims
+    `_sink_units` sinks (`_units`: a `[T, 1, 32]` value's rows) is that rule's form, which runs the ops without
+    them."""
     v = _val(a)
     if not (isinstance(a, fx.Node) and a.op == "call_function" and a.target is aten.view.default and _static(v)
             and v.dim() == 2 and isinstance(a.args[0], fx.Node) and _static(_val(a.args[0]))):
@@ -1862,7 +1868,8 @@ def _row_split(a) -> tuple[fx.Node, list[int]] | None:
     if src.meta.get(_ROWS):
         return (src, shape) if shape[-1] == v.shape[1] and math.prod(shape[:-1]) == v.shape[0] else None
     k = v.shape[1]
-    if _boundary_view(a) or len(shape) < 2 or k < 2 or shape[-1] % k or shape[-1] // k < 2 \
+    if _boundary_view(a) or len(shape) < 2 or k < 2 or shape[-1] % k \
+            or shape[-1] == k and len(shape) - 1 - len(_units(shape[:-1], _lead(shape, a.graph))) < 2 \
             or math.prod(shape[:-1]) * (shape[-1] // k) != v.shape[0]:
         return None
     return src, shape[:-1] + [shape[-1] // k, k]

@@ -205,3 +205,72 @@ def test_a_product_paired_the_wrong_way_is_declined_and_the_other_order_fuses():
         args = (torch.randn(3, D, generator=g) * 4, torch.randn(3, D, generator=g) * 4)
         got, want = gm(*args), exp2_written_first(*args)
         assert not got.isnan().any() and torch.allclose(got, want, rtol=2.0**-20, atol=0.0), (got - want).abs().max()
+
+
+# -- a pattern output the graph reads through a view of another shape: the op's output viewed so -------------------
+T, K, I = 3, 2, 8
+
+
+def scaled_slot_rows(a, s, w):
+    """a, s [T, K, I] fp32: a * 2^s times each (token, slot)'s own weight w [T, K, D, I] -> [T, K, D] fp32 (the
+    einsum's output is a view of its bmm, the pattern's output)."""
+    return torch.einsum("tki,tkdi->tkd", a * torch.exp2(s), w)
+
+
+@torch.library.custom_op("dsv41_test::scaled_slot_rows", mutates_args=())
+def scaled_slot_rows_op(a: torch.Tensor, s: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return scaled_slot_rows(a, s, w)
+
+
+@scaled_slot_rows_op.register_fake
+def _(a, s, w):
+    return a.new_empty(w.shape[:-1])
+
+
+class ScaledSlotRowsPass(FusionPass):
+    """A fusion of `scaled_slot_rows`, anchored on its bmm; its semantic check's tolerance: a few fp32 ulps
+    (`pow(2, s)` against exp2)."""
+
+    name = "scaled_slot_rows"
+    tolerance = {torch.float32: (0.0, 2.0**-20)}
+
+    def patterns(self):
+        example = lambda: [torch.empty(T, K, I), torch.empty(T, K, I), torch.empty(T, K, D, I)]  # noqa: E731
+        return [Pattern("scaled_slot_rows", scaled_slot_rows, example, anchor=aten.bmm.default)]
+
+    def replacement(self, m):
+        return Replacement(torch.ops.dsv41_test.scaled_slot_rows.default, tuple(m.inputs), (None,))
+
+
+@pytest.mark.parametrize("read", [
+    lambda y: y.reshape(-1, D),                         # the [T k, D] rows a per-slot combine takes
+    lambda y: y.flatten(0, 1)[None],                    # rows with a leading unit dim
+    lambda y: y.view(T, K * D),                         # the trailing dims merged
+])
+@pytest.mark.parametrize("scale", [torch.exp2, lambda s: torch.pow(2.0, s)], ids=["op_for_op", "another_way"])
+def test_a_pattern_output_read_through_a_view_of_another_shape_is_the_ops_output_viewed_so(read, scale):
+    """The graph reads the pattern's [T, K, D] output only through a view to another shape of its elements: that
+    view is the op's output viewed so (a view of a view is the view of the root), found once, op for op and with
+    the scale computed another way (where the semantic check compares the region's view with the op's output
+    viewed to it); the fused graph equals eager to a few fp32 ulps on fresh inputs."""
+    def graph(a, s, w):
+        return read(torch.einsum("tki,tkdi->tkd", a * scale(s), w))
+
+    def draw(seed):
+        g = gen(seed)
+        return (torch.randn(T, K, I, generator=g), torch.randn(T, K, I, generator=g) * 4,
+                torch.randn(T, K, D, I, generator=g))
+
+    gm = traced(graph, draw(0))
+    result = ScaledSlotRowsPass(config())(gm.graph)
+    gm.recompile()
+    assert result.matches == 1 and not result.declined, (result.declined, result.attempts)
+    assert not gm.graph.find_nodes(op="call_function", target=aten.bmm.default)
+    (fused,) = gm.graph.find_nodes(op="call_function", target=torch.ops.dsv41_test.scaled_slot_rows.default)
+    (view,) = fused.users
+    assert view.target is aten.view.default and list(view.args[1]) == list(read(torch.empty(T, K, D)).shape)
+    for seed in (1, 2):
+        args = draw(seed)
+        got, want = gm(*args), graph(*args)
+        assert got.shape == want.shape and not got.isnan().any()
+        assert torch.allclose(got, want, rtol=2.0**-20, atol=1e-6), (got - want).abs().max()

@@ -158,25 +158,45 @@ def test_implicit_promotion_is_an_explicit_cast_made_once():
         assert torch.equal(got, want)
 
 
-def test_blocked_rows_run_at_the_unflatten_layout():
+def _quantised_rows(x):
+    """x's last dim quantised in `reshape(-1, 32)` rows, cast back to bf16 in x's shape."""
+    xf = x.float().reshape(-1, 32)
+    s = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-4) / 448.0
+    return ((xf / s).round() * s).to(torch.bfloat16).reshape(x.shape)
+
+
+def _quantised_blocks(x):
+    """The same math at `x.unflatten(-1, (-1, 32))` blocks."""
+    xf = x.float().unflatten(-1, (-1, 32))
+    s = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4) / 448.0
+    return ((xf / s).round() * s).flatten(-2).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape, blocks", [((3, 96), (3, 3, 1)), ((3, 2, 32), (3, 2, 1, 1)), ((1, 2, 32), (1, 2, 1, 1))])
+def test_blocked_rows_run_at_the_unflatten_layout(shape, blocks):
     """The reference's x.reshape(-1, k) blocks and the model's x.unflatten(-1, (-1, k)) are one form: the rows' ops
-    run at [T, n, k], and the cast after them moves below the merge view (`(q * s).flatten(-2).to(bf16)`)."""
-    def rows(x):
-        xf = x.float().reshape(-1, 32)
-        s = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-4) / 448.0
-        return ((xf / s).round() * s).to(torch.bfloat16).reshape(x.shape)
-
-    def unflattened(x):
-        xf = x.float().unflatten(-1, (-1, 32))
-        s = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4) / 448.0
-        return ((xf / s).round() * s).flatten(-2).to(torch.bfloat16)
-
-    x = (torch.randn(3, 96, generator=gen(5)).bfloat16(),)
-    forms = [normalized(f, *x) for f in (rows, unflattened)]
+    run at [*A, n, k], and the cast after them moves below the merge view (`(q * s).flatten(-2).to(bf16)`); also with
+    one block a row (n = 1), where the rows of a [T, k, 32] value merge its leading dims (also at T = 1: the leading
+    dim is the token dim, which patterns keep): the block view is [T, k, 1, 32], the same elements in the same
+    order."""
+    x = (torch.randn(*shape, generator=gen(5)).bfloat16(),)
+    forms = [normalized(f, *x) for f in (_quantised_rows, _quantised_blocks)]
     assert _ops(forms[0]) == _ops(forms[1])
     amax = next(n for n in forms[0].graph.nodes if n.target is aten.amax.default)
-    assert tuple(amax.meta["val"].shape) == (3, 3, 1)
-    assert torch.equal(forms[0](*x), rows(*x)) and torch.equal(forms[1](*x), unflattened(*x))
+    assert tuple(amax.meta["val"].shape) == blocks
+    assert torch.equal(forms[0](*x), _quantised_rows(*x)) and torch.equal(forms[1](*x), _quantised_blocks(*x))
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 32), (3, 32)])
+def test_rows_of_one_block_that_only_drop_unit_dims_stay_rows(shape):
+    """Where the rows view only drops a non-leading size-1 dim ([3, 1, 32] -> [3, 32]: one `_sink_units` sinks) or
+    is no view ([3, 32]), the rows' ops run at [3, 32] (the form without such dims), not at a block view with a
+    size-1 dim added."""
+    x = (torch.randn(*shape, generator=gen(7)).bfloat16(),)
+    gm = normalized(_quantised_rows, *x)
+    amax = next(n for n in gm.graph.nodes if n.target is aten.amax.default)
+    assert tuple(amax.meta["val"].shape) == (3, 1)
+    assert torch.equal(gm(*x), _quantised_rows(*x))
 
 
 def test_keepdim_reduction_viewed_without_its_dim_is_the_plain_reduction():

@@ -28,12 +28,9 @@ forward(x [B, 1, hc, D] bf16, pre_mix [B, 1, hc] fp32, cos/sin [B, 1, rd/2] fp32
         n_c [B] int64) -> (h [B, 1, D] bf16, x_new [B, 1, hc, D] bf16, idx [B, 1, k] int64)
 
 Sites (each a fusion when the backend finds it): mhc_coeffs x2, qkv_norm, indexer_topk, wo_a, mhc_post_pre x2,
-moe_route, moe_finalize. No moe_metadata site (no sort); the experts, per-pair einsums on gathered w1 / w3 / w2,
-are a moe_experts candidate (the gathered split formulation) but stay a near miss at the FP8 round trip of the
-[T, k, I] activation (`reshape(-1, 32)` rows, the `2.0 ** ceil(log2(...))` scale): at I = 32 each row is one block,
-which the rows normalisation (two or more blocks a row) leaves as the `[T k, 32]` view where the pattern has
-`[T, k, 1, 32]`, a scalar mismatch in the exact phase; past it, the experts' output is read as a `[T k, D]` view where
-the pattern's is `[T, k, D]`. (Not the operand order of `q.float() * scale`, once thought the cause: it pairs right.)
+moe_route, moe_experts, moe_finalize. No moe_metadata site (no sort); the experts, per-pair einsums on gathered
+w1 / w3 / w2, are the gathered split formulation with the FP8 round trip of the [T, k, I] activation
+(`reshape(-1, 32)` rows, the `2.0 ** ceil(log2(...))` scale) inside the op.
 
 Measured when the block was written (fx mode, CPU): 8 of the 9 sites fused, qkv_norm only as its two norms
 (`q_kv_norm_none_split`, the KV RoPE and FP8 step left as glue). The causes, and their general fixes
@@ -47,6 +44,13 @@ Measured when the block was written (fx mode, CPU): 8 of the 9 sites fused, qkv_
   the cast below it, where the `unflatten` spelling ends at [B, kv], casts, then views [B, 1, kv]. Now the cast of
   such a view is the cast of the merged value, viewed after (exact).
 After: all 9 fused, qkv_norm as `q_kv_norm_rope_fp8_split`, outputs equal to eager (test_tutorial_style.py).
+- The experts stayed a near miss at their FP8 step: at I = 32 each row is one block, which the rows normalisation
+  (then two or more blocks a row) left as the `[T k, 32]` view where the pattern has `[T, k, 1, 32]`, a scalar
+  mismatch in the exact phase; past it, the combine read the experts' output as a `[T k, D]` view where the
+  pattern's is `[T, k, D]`. (Not the operand order of `q.float() * scale`, once thought the cause: it pairs right.)
+  Now rows of one block whose view merges leading dims run at the block view (normalize), and a pattern output the
+  graph views to another shape is the op's output viewed so (the matcher): all 10 fuse, moe_experts as
+  `gathered_einsum_split_fp8`, at B = 3 and B = 1.
 head_dim is 64, two FP8 blocks a KV row (the spec's 512 dims are 16 blocks).
 Tried and not kept (on the experts alone, outside this block): a Python loop over all experts with
 `torch.where(ids == e)` rows compiles under `fullgraph=True, dynamic=False` (torch 2.13) through the backend to one
@@ -63,7 +67,7 @@ from .params import param_factory
 
 EPS, HC_EPS, SINKHORN_ITERS, ROUTE_SCALE, SWIGLU_LIMIT, WINDOW, FP8_BLOCK = 1e-20, 1e-6, 20, 1.5, 10.0, 8, 32
 T_SITES = {"mhc_coeffs": 2, "qkv_norm": 1, "indexer_topk": 1, "wo_a": 1, "mhc_post_pre": 2, "moe_route": 1,
-           "moe_finalize": 1}
+           "moe_experts": 1, "moe_finalize": 1}
 
 
 def quant_dequant(x, block=FP8_BLOCK):
