@@ -30,6 +30,10 @@ row's products (bf16 in, fp32 accumulation, bf16 out), activation, weight, cast 
 gathered match with parts written another way passes the semantic check within the pass's bf16 `tolerance`
 (atol 2^-5, rtol 2^-6), as the sorted-rows ones. Declined above MAX_ROWS pairs as those.
 
+The pairs may also be flattened first (HF's `batched_mm` experts, `flat_pair_experts`): ids = expert_idx.reshape(T *
+k), rows x[p // k], bmm over the gathered [S, 2I, D] and [S, D, I] weights, the [S, D] rows returned; replaced alike,
+the op's rows put back in pair order as [S, D].
+
 With w1 and w3 held apart (gpt-fast), the op's stacked w13 of all E experts would be a cat copying every expert's
 weights on every call; instead each pair is its own expert: the op takes w13 = cat(w1[flat], w3[flat], 1) [T * k, 2I,
 D] and w2[flat] [T * k, D, I] (the pairs' weights, which the graph's own gathers copy too), offsets 1, 2, ..., T * k
@@ -56,7 +60,7 @@ from dsv41.passes.matcher import Pattern, leaves
 
 T, D, I, E, K = 3, 32, 32, 4, 6
 aten, prims = torch.ops.aten, torch.ops.prims
-GATHERED, SPLIT = "gathered", "split"  # the gathered formulations' name prefix; w1 and w3 held apart
+GATHERED, SPLIT, FLAT = "gathered", "split", "flat"  # the gathered formulations' prefix; w1, w3 apart; pairs flat
 
 
 def _inputs():
@@ -137,6 +141,22 @@ def gathered_split_experts(x, expert_idx, weights, w1, w3, w2, limit, quant_bloc
     return down(_activation(g, u, weights, limit, quant_block, x.dtype), w2[expert_idx])
 
 
+def flat_pair_experts(x, expert_idx, weights, w13, w2, limit, quant_block):
+    """The gathered experts over the S = T * k (token, slot) pairs flattened (HF's `batched_mm` experts, a per-pair
+    loop batched): row p = t * k + j is x[t] with pair (t, j)'s expert weights, x [T, D] bf16, expert_idx [T, k],
+    weights [T, k] fp32 (None: unweighted), w13 [E, 2I, D], w2 [E, D, I] -> [S, D] bf16 rows in pair order,
+
+        gu[p] = w13[ids[p]] @ x[p // k]   (bmm over [S, 2I, D] and [S, D, 1]),  ids = expert_idx.reshape(S)
+        out[p] = w2[ids[p]] @ a[p],  a as `_activation` of gu's halves with weights.reshape(S)."""
+    t, k = expert_idx.shape
+    ids = expert_idx.reshape(t * k)
+    inter = w2.shape[2]
+    gu = torch.bmm(w13[ids], x.repeat_interleave(k, 0).unsqueeze(-1)).squeeze(-1)
+    flat_weights = None if weights is None else weights.reshape(t * k)
+    a = _activation(gu[:, :inter], gu[:, inter:], flat_weights, limit, quant_block, x.dtype)
+    return torch.bmm(w2[ids], a.unsqueeze(-1)).squeeze(-1)
+
+
 class MoeExpertsPass(FusionPass):
     name = "moe_experts"
     int_ranges = {"token": lambda metas, free: (0, metas["x"].shape[0]),
@@ -183,6 +203,16 @@ class MoeExpertsPass(FusionPass):
                     weighted_forms.append((f"{GATHERED}_{spelling}_{SPLIT}{cat}{fp8}", split, _split_inputs))
                     unweighted_forms.append((f"{GATHERED}_{spelling}_{SPLIT}{cat}{fp8}_unweighted", split_unweighted,
                                              _without_weights(_split_inputs)))
+                if spelling == "einsum":  # the flat pairs' form has one spelling (bmm; matmul normalises to it)
+                    def flat(x, expert_idx, weights, w13, w2, quant_block=quant_block):
+                        return flat_pair_experts(x, expert_idx, weights, w13, w2, c.swiglu_limit, quant_block)
+
+                    def flat_unweighted(x, expert_idx, w13, w2, quant_block=quant_block):
+                        return flat_pair_experts(x, expert_idx, None, w13, w2, c.swiglu_limit, quant_block)
+
+                    weighted_forms.append((f"{GATHERED}_{FLAT}{fp8}", flat, _gathered_inputs))
+                    unweighted_forms.append((f"{GATHERED}_{FLAT}{fp8}_unweighted", flat_unweighted,
+                                             _without_weights(_gathered_inputs)))
                 for name, search, inputs in weighted_forms + unweighted_forms:
                     # at one token the batched product's broadcast x needs no contiguous copy: another form
                     pats.append(Pattern(name, search, inputs, variants=(lambda inputs=inputs: inputs(1),),
@@ -223,7 +253,7 @@ class MoeExpertsPass(FusionPass):
                 return _per_pair_replacement(m.inputs, weighted, tail)
             return _sorted_replacement([x, expert_idx, *rest[:-3], w13, rest[-1]], weighted, tail)
         if m.pattern.name.startswith(GATHERED):
-            return _sorted_replacement(m.inputs, weighted, tail)
+            return _sorted_replacement(m.inputs, weighted, tail, rows_out=f"_{FLAT}" in m.pattern.name)
         inputs = list(m.inputs)
         if not weighted:  # rows weighted after w2: weights of 1 ([M] fp32)
             inputs.insert(2, _ones(inputs[1]))
@@ -244,9 +274,9 @@ def pair_tokens(per_pair, k):
     return Derived(aten.div.Tensor_mode, (pair, k), (("rounding_mode", "floor"),))
 
 
-def _sorted_replacement(inputs, weighted, tail):
+def _sorted_replacement(inputs, weighted, tail, rows_out=False):
     """The op on the sorted rows of a gathered match (see the module): x, expert_idx [T, k], (weights [T, k],) w13,
-    w2 -> the op's [T * k, D] rows, put back in (t, j) order as [T, k, D]."""
+    w2 -> the op's [T * k, D] rows, put back in (t, j) order as [T, k, D] (rows_out: as [T * k, D], the flat pairs' form)."""
     x, expert_idx, *rest = inputs
     w13, w2 = rest[-2:]
     t, k = expert_idx.meta["val"].shape
@@ -263,7 +293,8 @@ def _sorted_replacement(inputs, weighted, tail):
     inverse = Derived(aten.argsort.stable, (order,), (("stable", True),))
 
     def in_pair_order(out):
-        return Derived(aten.view.default, (Derived(aten.index.Tensor, (out, [inverse])), [t, k, dim]))
+        return Derived(aten.view.default, (Derived(aten.index.Tensor, (out, [inverse])),
+                                           [rows, dim] if rows_out else [t, k, dim]))
 
     return Replacement(torch.ops.dsv41.moe_experts.default, (x, token, row_weights, offsets, w13, w2, *tail),
                        (in_pair_order,))

@@ -22,7 +22,9 @@
   (Megatron's `tokens_per_expert`), are the counts of the flat ids, `zeros(E).scatter_add(0, ids.view(-1), ones)`;
   a 1-D `gather(x, 0, i)` is the lookup `x[i]`; `histc(float(ids), bins=n, min=0, max=n)` of indices known to lie in
   [0, n) (TorchTitan's `num_tokens_per_expert`) is the float of their counts by an int32 scatter_add, and a cumsum
-  with an integer dtype of such a float cast of exact integer counts is the cumsum of the counts;
+  with an integer dtype of such a float cast of exact integer counts is the cumsum of the counts; a lookup
+  `x[token_idx]` by HF's pair tokens `arange(T).unsqueeze(1).expand(T, k).reshape(T * k)` is x's rows repeated k
+  times (`x.repeat_interleave(k, 0)`'s form), where something other than a lookup reads it;
 - an add of a where of two constants is the where of two adds (`s + where(c, 0, -inf)`, an additive mask, is
   `where(c, s + 0, s - inf)`);
 - `where(~m, a, b)` (or `logical_not`) is `where(m, b, a)`, and on integers `where(a >= b, x, y)` is
@@ -505,6 +507,26 @@ def _lookup_of_pair_tokens(graph: fx.Graph, node: fx.Node) -> bool:
     if bound is None or bound > _val(node.args[0]).numel() or _val(j).dtype != _val(node).dtype:
         return False
     node.target, node.args, node.kwargs = aten.div.Tensor_mode, (j, k), {"rounding_mode": "floor"}
+    return True
+
+
+def _lookup_by_pair_tokens(graph: fx.Graph, node: fx.Node) -> bool:
+    """x[R] with R = arange(T).unsqueeze(1).expand(T, k).reshape(T * k) (`_pair_tokens_view`: R[p] = p // k) and x
+    [T, ...] is each row of x repeated k times, `x.unsqueeze(1).expand(T, k, ...).reshape(T * k, ...)` (HF's
+    `hidden_states[token_idx]`; the form `x.repeat_interleave(k, 0)` traces to). Exact: row p of both is x[p // k].
+    Not where only lookups read it: those compose with it first (`_lookup_of_lookup`, then `_lookup_of_pair_tokens`)."""
+    i = _lookup_index(node)
+    k = _pair_tokens_view(i) if i is not None else None
+    x = node.args[0]
+    if k is None or _val(x).shape[0] * k != _val(i).numel() or all(
+            _lookup_index(u) is not None and u.args[0] is node for u in node.users):
+        return False
+    t, rest = _val(x).shape[0], list(_val(x).shape[1:])
+    unsqueezed = _insert(graph, node, aten.unsqueeze.default, (x, 1), source=node)
+    expanded = _insert(graph, node, aten.expand.default, (unsqueezed, [t, k, *rest]), source=node)
+    copied = _insert(graph, node, aten.clone.default, (expanded,), {"memory_format": torch.contiguous_format},
+                     source=node)
+    node.target, node.args, node.kwargs = aten.view.default, (copied, [t * k, *rest]), {}
     return True
 
 
@@ -2420,7 +2442,8 @@ def _canonical_forms(graph: fx.Graph) -> int:
               or node.target is aten.cumsum.default and _cumsum_of_exact_cast(graph, node)
               or node.target is aten.scatter_add.default and _counts_of_permuted(graph, node)
               or node.target is aten.index.Tensor and (_lookup_of_lookup(graph, node)
-                                                       or _lookup_of_pair_tokens(graph, node))):
+                                                       or _lookup_of_pair_tokens(graph, node)
+                                                       or _lookup_by_pair_tokens(graph, node))):
             changed += 1
             continue
         elif node.target in _BROADCASTING:

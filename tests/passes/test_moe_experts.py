@@ -15,7 +15,7 @@ import torch
 from dsv41.lowerings.moe_experts import MAX_ROWS
 from dsv41.models import TINY, DSV41Model
 from dsv41.models import functional as fn
-from dsv41.passes.moe_experts import JOINED_SPELLINGS, MoeExpertsPass, experts, gathered_experts, \
+from dsv41.passes.moe_experts import JOINED_SPELLINGS, MoeExpertsPass, experts, flat_pair_experts, gathered_experts, \
     gathered_split_experts
 
 from .harness import BF16, assert_close, compile_fx, config, make_backend, gen, graph_text, op_counts, pattern_names, rand, \
@@ -61,6 +61,12 @@ def stacked(inputs):
     return [x, expert_idx, w, torch.cat([w1, w3], 1), w2]
 
 
+def _gathered_flat(block, weighted):
+    def f(x, expert_idx, w, w13, w2):
+        return flat_pair_experts(x, expert_idx, w if weighted else None, w13, w2, LIMIT, block)
+    return f
+
+
 def _gathered(spelling, block, weighted):
     def f(x, expert_idx, w, w13, w2):
         return gathered_experts(x, expert_idx, w if weighted else None, w13, w2, LIMIT, block, spelling)
@@ -84,6 +90,10 @@ for _spelling in ("einsum", "matmul"):
             for _joined, _cat in ((False, ""), (True, "_cat"))[:2 if _spelling in JOINED_SPELLINGS else 1]:
                 GATHERED[f"gathered_{_spelling}_split{_cat}{_fp8}{_suffix}"] = (
                     _gathered_split(_spelling, _block, _weighted, _joined), gathered_inputs)
+for _block, _fp8 in ((BLOCK, "_fp8"), (0, "")):
+    for _weighted, _suffix in ((True, ""), (False, "_unweighted")):
+        GATHERED[f"gathered_flat{_fp8}{_suffix}"] = (
+            _gathered_flat(_block, _weighted), lambda seed, t=3: stacked(gathered_inputs(seed, t)))
 GATHERED_TOL = dict(zip(("atol", "rtol"), MoeExpertsPass.tolerance[BF16]))
 
 
@@ -117,7 +127,7 @@ def test_gathered_formulation_is_fused(name, t):
     for seed in (1, 2):
         x = inputs_of(seed, t)
         got, want = gm(*x), f(*x)
-        assert got.shape == (t, K, D) and not got.isnan().any()
+        assert got.shape == ((t * K, D) if "_flat" in name else (t, K, D)) and not got.isnan().any()
         assert_close(got, want, **GATHERED_TOL)
 
 

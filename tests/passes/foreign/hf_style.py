@@ -8,7 +8,7 @@ forward(x [T, hc, D] bf16, pre_mix [T, hc] fp32, cos/sin [T, rd/2] fp32, keys [T
   -> (h [T, D] bf16, x_new [T, hc, D] bf16, index_mask [T, N] fp32: 0 at the selected rows, -inf elsewhere)
 
 Sites (each a fusion when the backend finds it): mhc_coeffs x2, qkv_norm, indexer_topk, wo_a, mhc_post_pre x2,
-moe_route, moe_finalize.
+moe_route, moe_experts (its flat pairs' bmm over `w13[flat_e]`, a site since 2026-12-02), moe_finalize.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .params import param_factory
 
 EPS, HC_EPS, ITERS, ROUTE_SCALE, SWIGLU_LIMIT = 1e-20, 1e-6, 20, 1.5, 10.0
 T_SITES = {"mhc_coeffs": 2, "qkv_norm": 1, "indexer_topk": 1, "wo_a": 1, "mhc_post_pre": 2, "moe_route": 1,
-           "moe_finalize": 1}
+           "moe_experts": 1, "moe_finalize": 1}
 
 
 def rms_norm(x, w):

@@ -1,6 +1,6 @@
 """The HF-style block (hf_style.py) through the real backend (fx mode): outputs equal to eager (h and x_new bf16
 within one bf16 ulp of the fp32 reordering: atol=rtol=1.6e-2 on at least 99% of elements, since the FP8 round trip
-may move a bucket; the indexer's -inf mask exactly), and every one of its 9 sites fused, among them the two that need more than
+may move a bucket; the indexer's -inf mask exactly), and every one of its 10 sites fused, among them the two that need more than
 op-for-op matching: moe_finalize, whose routing weights reach the combine as `weights.flatten()[:, None]` of a
 [T, k] tensor (bound through the layout chain, reshaped to the op's [M]), and the ffn-side mhc_post_pre, whose
 einsum mixing is an island whose comb input is chosen among the values that fit by the semantic check."""

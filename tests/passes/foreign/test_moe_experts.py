@@ -107,7 +107,19 @@ def w1_w3_gathers_catted(x, expert_idx, w, w1, w3, w2):
     return torch.einsum("tki,tkdi->tkd", _activation(gu, w), w2[expert_idx])
 
 
-GATHERED_SPELLINGS = {"einsum_then_matmul": einsum_then_matmul, "flat_bmm": flat_bmm}
+def pairs_by_token_index(x, expert_idx, w, w13, w2):
+    """HF's `batched_mm` experts: the pairs flattened first, `expert_ids = expert_idx.reshape(-1)` and `token_idx =
+    arange(T).unsqueeze(1).expand(-1, k).reshape(-1)`, rows `x[token_idx]`, bmm of the gathered weights `w13[expert_ids]`
+    [S, 2I, D] with the rows as column vectors, the activation on [S, 2I] rows, the pair rows [S, D] returned."""
+    t, k = expert_idx.shape
+    expert_ids = expert_idx.reshape(-1)
+    token_idx = torch.arange(t).unsqueeze(1).expand(-1, k).reshape(-1)
+    gu = torch.bmm(w13[expert_ids], x[token_idx].unsqueeze(-1)).squeeze(-1)
+    return torch.bmm(w2[expert_ids], _activation(gu, w.reshape(-1)).unsqueeze(-1)).squeeze(-1)
+
+
+GATHERED_SPELLINGS = {"einsum_then_matmul": einsum_then_matmul, "flat_bmm": flat_bmm,
+                      "pairs_by_token_index": pairs_by_token_index}
 
 
 @pytest.mark.parametrize("t", [3, 1])
