@@ -1,9 +1,11 @@
 """The routed experts of one MoE layer at small row counts (spec section 2.6): ``dsv41::moe_experts`` in two launches.
 
 x [T, D] bf16, token [M] int64, row_weights [M] fp32, offsets [E] int32 (expert e owns the expert-sorted rows
-[offsets[e - 1], offsets[e])), w13 [E, 2I, D], w2 [E, D, I] bf16 -> out [M, D] bf16:
+[offsets[e - 1], offsets[e])), w2 [E, D, I] bf16, and the gate / up weights W1, W3 of expert e either stacked, w13
+[E, 2I, D] with W1 = w13[e, :I], W3 = w13[e, I:], or held apart, w1 = w13 [E, I, D] and w3 [E, I, D] with
+W1 = w1[e], W3 = w3[e] (``split``: the same math and order, only the addresses differ) -> out [M, D] bf16:
 
-    GEMM1 (launch 1)   g, u = bf16(x[token[m]] @ w13[e, :I]^T), bf16(x[token[m]] @ w13[e, I:]^T)     fp32 accumulation
+    GEMM1 (launch 1)   g, u = bf16(x[token[m]] @ W1^T), bf16(x[token[m]] @ W3^T)                       fp32 accumulation
                        a[m] = bf16(silu(min(g, limit)) * clamp(u, -limit, limit) * row_weights[m])   in the epilogue
     GEMM2 (launch 2)   a[m] <- fp8_fake_quant(a[m], 32) as it is loaded (if quant_block = 32)
                        out[m] = bf16(a[m] @ w2[e]^T)                                                  fp32 accumulation
@@ -71,14 +73,17 @@ def _group(chunks: int) -> int:
 
 
 class ExpertGemm:
-    """One grouped expert GEMM for small row counts: GEMM1 (``swiglu``: gathered x rows, w13, the clamped SwiGLU x
-    row weight epilogue) or GEMM2 (a rows, w2, optional FP8 fake quantisation of a on load)."""
+    """One grouped expert GEMM for small row counts: GEMM1 (``swiglu``: gathered x rows, w13 or (``split``) w1 and
+    w3, the clamped SwiGLU x row weight epilogue) or GEMM2 (a rows, w2, optional FP8 fake quantisation of a on load).
+    The launch takes a second weight ``mW3``, read only when ``split`` (otherwise any tensor: the entry passes mW)."""
 
-    def __init__(self, k: int, n_out: int, experts: int, swiglu: bool, quant: bool, pdl: bool):
+    def __init__(self, k: int, n_out: int, experts: int, swiglu: bool, split: bool, quant: bool, pdl: bool):
+        assert swiglu or not split, "only GEMM1 reads two weights"
         self.k = k
         self.n_out = n_out  # output columns: I (GEMM1) or D (GEMM2)
         self.experts = experts
         self.swiglu = swiglu
+        self.split = split
         self.quant = quant
         self.pdl = pdl
         self.cols = ROWS // 2 if swiglu else ROWS  # output columns per CTA
@@ -89,13 +94,13 @@ class ExpertGemm:
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mToken: cute.Tensor, mRowW: cute.Tensor, mOffsets: cute.Tensor,
-                 mW: cute.Tensor, mOut: cute.Tensor, slots: Int32, limit: Float32, stream):
-        self.kernel(mX, mToken, mRowW, mOffsets, mW, mOut, limit).launch(
+                 mW: cute.Tensor, mW3: cute.Tensor, mOut: cute.Tensor, slots: Int32, limit: Float32, stream):
+        self.kernel(mX, mToken, mRowW, mOffsets, mW, mW3, mOut, limit).launch(
             grid=[slots * self.tiles, 1, 1], block=[self.warps * 32, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mToken: cute.Tensor, mRowW: cute.Tensor, mOffsets: cute.Tensor,
-               mW: cute.Tensor, mOut: cute.Tensor, limit: Float32):
+               mW: cute.Tensor, mW3: cute.Tensor, mOut: cute.Tensor, limit: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()
@@ -124,16 +129,15 @@ class ExpertGemm:
             first, end = sExpert[1], sExpert[2]
             n0 = tile * self.cols
             row_lo = n0 + r
-            row_hi = n0 + r + 8
-            if const_expr(self.swiglu):
-                row_hi = self.n_out + n0 + r  # the w3 row of w1 row row_lo
+            mWe = _expert_slice(mW, expert)
+            mWe_hi, row_hi = mWe, row_lo + 8  # GEMM2: the next 8 w2 rows
+            if const_expr(self.split):
+                mWe_hi, row_hi = _expert_slice(mW3, expert), row_lo  # the w3 row of w1 row row_lo
+            elif const_expr(self.swiglu):
+                row_hi = self.n_out + row_lo  # the w3 row of w1 row row_lo, in w13
             vec = (_VEC,)
-            # the expert's [rows, K] slice from a 64-bit offset: E x 2I x D passes 2^31 at Flash sizes
-            rows, k = mW.shape[1], mW.shape[2]
-            mWe = cute.make_tensor(mW.iterator + cute.assume(Int64(expert) * Int64(rows * k), divby=_VEC),
-                                   cute.make_layout((rows, k), stride=(k, 1)))
             gW_lo = cute.tiled_divide(mWe[row_lo, None], vec)
-            gW_hi = cute.tiled_divide(mWe[row_hi, None], vec)
+            gW_hi = cute.tiled_divide(mWe_hi[row_hi, None], vec)
             for t0 in cutlass.range(first, end, _TILE_N):
                 m = t0 + r
                 valid = m < end
@@ -205,6 +209,15 @@ class ExpertGemm:
 
 
 @cute.jit
+def _expert_slice(mW: cute.Tensor, expert: Int32) -> cute.Tensor:
+    """Expert ``expert``'s [rows, K] matrix of the row-major [E, rows, K] weight mW, located from a 64-bit offset
+    (E x 2I x D passes 2^31 elements at Flash sizes)."""
+    rows, k = mW.shape[1], mW.shape[2]
+    return cute.make_tensor(mW.iterator + cute.assume(Int64(expert) * Int64(rows * k), divby=_VEC),
+                            cute.make_layout((rows, k), stride=(k, 1)))
+
+
+@cute.jit
 def _bf16_round(v: Float32) -> Float32:
     """v rounded to bf16 (round to nearest even) and back: the model's bf16 GEMM output."""
     return Float32(BFloat16(v))
@@ -262,16 +275,20 @@ def config_reason(dim: int, inter: int, experts: int, quant_block: int) -> str |
 
 
 def supports(x: torch.Tensor, token: torch.Tensor, row_weights: torch.Tensor, offsets: torch.Tensor,
-             w13: torch.Tensor, w2: torch.Tensor, *, swiglu_limit: float, quant_block: int) -> str | None:
-    """None when the kernel computes ``dsv41::moe_experts`` of these arguments, else the reason it cannot."""
+             w13: torch.Tensor, w2: torch.Tensor, *, swiglu_limit: float, quant_block: int,
+             w3: torch.Tensor | None = None) -> str | None:
+    """None when the kernel computes ``dsv41::moe_experts`` of these arguments (w3 given: w13 is w1), else the
+    reason it cannot."""
     if x.dim() != 2 or w2.dim() != 3 or token.dim() != 1:
         return f"x, token and w2 must be 2-D, 1-D and 3-D, got shapes {list(x.shape)}, {list(token.shape)}, {list(w2.shape)}"
     (t, d), m, (e, _, inter) = x.shape, token.shape[0], w2.shape
+    gate_rows = 2 * inter if w3 is None else inter
     for reason in (shape_reason("x", x, torch.bfloat16, (t, d)), shape_reason("token", token, torch.int64, (m,)),
                    shape_reason("row_weights", row_weights, torch.float32, (m,)),
                    shape_reason("offsets", offsets, torch.int32, (e,)),
-                   shape_reason("w13", w13, torch.bfloat16, (e, 2 * inter, d)),
-                   shape_reason("w2", w2, torch.bfloat16, (e, d, inter))):
+                   shape_reason("w13", w13, torch.bfloat16, (e, gate_rows, d)),
+                   shape_reason("w2", w2, torch.bfloat16, (e, d, inter)),
+                   None if w3 is None else shape_reason("w3", w3, torch.bfloat16, (e, inter, d))):
         if reason is not None:
             return reason
     reason = config_reason(d, inter, e, quant_block)
@@ -279,39 +296,44 @@ def supports(x: torch.Tensor, token: torch.Tensor, row_weights: torch.Tensor, of
         return reason
     if not 1 <= m <= MAX_ROWS:
         return f"M = {m} rows, the kernel takes 1 to {MAX_ROWS}"
-    return hopper_reason(x=x, token=token, row_weights=row_weights, offsets=offsets, w13=w13, w2=w2)
+    weights = dict(w13=w13, w2=w2) if w3 is None else dict(w13=w13, w2=w2, w3=w3)
+    return hopper_reason(x=x, token=token, row_weights=row_weights, offsets=offsets, **weights)
 
 
 @cached_kernel(__file__, cute_utils.__file__)
-def _compile_moe_experts(k: int, n_out: int, experts: int, swiglu: bool, quant: bool, pdl: bool):
-    """GEMM1 (swiglu: k = D, n_out = I) or GEMM2 (k = I, n_out = D)."""
+def _compile_moe_experts(k: int, n_out: int, experts: int, swiglu: bool, split: bool, quant: bool, pdl: bool):
+    """GEMM1 (swiglu: k = D, n_out = I; split: w1 and w3 [E, I, D] apart, else w13 [E, 2I, D] and a stand-in for
+    mW3 that is never read) or GEMM2 (k = I, n_out = D)."""
     t, m = cute.sym_int(), cute.sym_int()
-    n_w = 2 * n_out if swiglu else n_out
+    n_w = 2 * n_out if swiglu and not split else n_out
     n_in = t if swiglu else m  # GEMM1 reads x [T, D], GEMM2 a [M, I]
+    weight = fake_tensor(BFloat16, (experts, n_w, k))
     return compile_tvm_ffi(
-        ExpertGemm(k, n_out, experts, swiglu, quant, pdl),
+        ExpertGemm(k, n_out, experts, swiglu, split, quant, pdl),
         fake_tensor(BFloat16, (n_in, k)), fake_tensor(Int64, (m,), 8), fake_tensor(Float32, (m,), 4),
-        fake_tensor(Int32, (experts,), 4), fake_tensor(BFloat16, (experts, n_w, k)), fake_tensor(BFloat16, (m, n_out)),
-        Int32(1), Float32(1.0), env_stream(),
+        fake_tensor(Int32, (experts,), 4), weight, fake_tensor(BFloat16, (experts, n_out, k)) if split else weight,
+        fake_tensor(BFloat16, (m, n_out)), Int32(1), Float32(1.0), env_stream(),
     )
 
 
-def compile_for(dim: int, inter: int, experts: int, quant_block: int, pdl: bool = True):
-    """The two compiled launches (GEMM1, GEMM2) for these sizes (memory, disk or a fresh compile)."""
-    return (_compile_moe_experts(dim, inter, experts, True, False, pdl),
-            _compile_moe_experts(inter, dim, experts, False, quant_block == QUANT_BLOCK, pdl))
+def compile_for(dim: int, inter: int, experts: int, quant_block: int, pdl: bool = True, split: bool = False):
+    """The two compiled launches (GEMM1, GEMM2) for these sizes, GEMM1 with w1 and w3 apart if ``split`` (memory,
+    disk or a fresh compile)."""
+    return (_compile_moe_experts(dim, inter, experts, True, split, False, pdl),
+            _compile_moe_experts(inter, dim, experts, False, False, quant_block == QUANT_BLOCK, pdl))
 
 
 def moe_experts(x: torch.Tensor, token: torch.Tensor, row_weights: torch.Tensor, offsets: torch.Tensor,
                 w13: torch.Tensor, w2: torch.Tensor, *, swiglu_limit: float, quant_block: int,
-                out: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
-    """out [M, D] bf16 = ``dsv41::moe_experts`` (module docstring).
+                w3: torch.Tensor | None = None, out: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
+    """out [M, D] bf16 = ``dsv41::moe_experts`` (module docstring); w3 given: w13 is w1 [E, I, D], w3 [E, I, D].
 
     Contiguous tensors on one Hopper device; D, I multiples of 32, 1 <= E <= 1024, 1 <= M <= 384, quant_block 0 or
     32; offsets as the op requires (non-decreasing, offsets[E - 1] = M; not checked here: no host sync). ``out``
     optionally supplies the output. ``pdl``: launch both GEMMs as programmatic dependents.
     """
-    reason = supports(x, token, row_weights, offsets, w13, w2, swiglu_limit=swiglu_limit, quant_block=quant_block)
+    reason = supports(x, token, row_weights, offsets, w13, w2, swiglu_limit=swiglu_limit, quant_block=quant_block,
+                      w3=w3)
     if reason is not None:
         raise ValueError(f"moe_experts: {reason}")
     (_, d), m, (e, _, inter) = x.shape, token.shape[0], w2.shape
@@ -321,9 +343,9 @@ def moe_experts(x: torch.Tensor, token: torch.Tensor, row_weights: torch.Tensor,
         reason = shape_reason("out", out, torch.bfloat16, (m, d)) or hopper_reason(x=x, out=out)
         if reason is not None:
             raise ValueError(f"moe_experts: {reason}")
-    gemm1, gemm2 = compile_for(d, inter, e, quant_block, pdl)
+    gemm1, gemm2 = compile_for(d, inter, e, quant_block, pdl, split=w3 is not None)
     a = x.new_empty((m, inter))
     slots = min(m, e)
-    gemm1(x, token, row_weights, offsets, w13, a, slots, swiglu_limit)
-    gemm2(a, token, row_weights, offsets, w2, out, slots, swiglu_limit)
+    gemm1(x, token, row_weights, offsets, w13, w13 if w3 is None else w3, a, slots, swiglu_limit)
+    gemm2(a, token, row_weights, offsets, w2, w2, out, slots, swiglu_limit)
     return out

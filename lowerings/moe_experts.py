@@ -1,6 +1,6 @@
-"""`dsv41::moe_experts`: the routed experts of one MoE layer (spec 2.6) on the expert-sorted rows, GEMM1 (w1||w3),
-the clamped SwiGLU times the routing weight, (the FP8 fake quantisation,) GEMM2 (w2): the model's two
-`torch._grouped_mm` calls and what lies between them."""
+"""`dsv41::moe_experts`: the routed experts of one MoE layer (spec 2.6) on the expert-sorted rows, GEMM1 (w1||w3,
+stacked in one weight or held apart), the clamped SwiGLU times the routing weight, (the FP8 fake quantisation,) GEMM2
+(w2): the model's two `torch._grouped_mm` calls and what lies between them."""
 
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ def _check_gemm_layout(name, w):
                          f"multiple of {GEMM_ALIGN} in the other (torch._grouped_mm's layout), got strides {list(w.stride())}")
 
 
-def _validate(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block, impl):
+def _validate(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block, w3, impl):
     _checks.check_impl(NAME, impl)
-    device = _checks.check_devices(NAME, x=x, token=token, row_weights=row_weights, offsets=offsets, w13=w13, w2=w2)
+    device = _checks.check_devices(NAME, x=x, token=token, row_weights=row_weights, offsets=offsets, w13=w13, w2=w2,
+                                   w3=w3)
     dims = _checks.Dims()
     _checks.check_tensor(NAME, "x", x, torch.bfloat16, "T D", dims)
     _checks.check_tokens(NAME, "x", dims["T"])
@@ -46,13 +47,18 @@ def _validate(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block
     if dims["E"] < 1:
         raise ValueError(f"dsv41::{NAME}: argument 'offsets' must hold at least one expert (E >= 1), got E = 0")
     _checks.check_tensor(NAME, "w2", w2, torch.bfloat16, "E D I", dims)
-    dims.derive("2*I", 2 * dims["I"], "I")
-    _checks.check_tensor(NAME, "w13", w13, torch.bfloat16, "E 2*I D", dims)
+    if w3 is None:
+        dims.derive("2*I", 2 * dims["I"], "I")
+        _checks.check_tensor(NAME, "w13", w13, torch.bfloat16, "E 2*I D", dims)
+    else:
+        _checks.check_tensor(NAME, "w13", w13, torch.bfloat16, "E I D", dims)
+        _checks.check_tensor(NAME, "w3", w3, torch.bfloat16, "E I D", dims)
     for label, name in (("D", "x"), ("I", "w2")):
         _checks.check_scalar(NAME, name, f"{label} = {dims[label]}", dims[label] % GEMM_ALIGN == 0,
                              f"must have {label} a multiple of {GEMM_ALIGN} (torch._grouped_mm's 16-byte rows)")
-    _check_gemm_layout("w13", w13)
-    _check_gemm_layout("w2", w2)
+    for name, w in (("w13", w13), ("w2", w2), ("w3", w3)):
+        if w is not None:
+            _check_gemm_layout(name, w)
     _checks.check_finite(NAME, "swiglu_limit", swiglu_limit, positive=True)
     _checks.check_scalar(NAME, "quant_block", quant_block, quant_block >= 0, "must be >= 0")
     if quant_block > 0:
@@ -69,11 +75,18 @@ def _validate(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block
     return device, dims
 
 
-def reference(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block):
-    """Plain torch, the model's own ops in the model's order (`MoE.forward` of `dsv41.models.model`)."""
-    inter = w2.shape[2]
-    gu = torch._grouped_mm(x[token], w13.transpose(1, 2), offs=offsets)
-    a = functional.swiglu_clamped(gu[:, :inter], gu[:, inter:], swiglu_limit) * row_weights.unsqueeze(-1)
+def reference(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block, w3=None):
+    """Plain torch, the model's own ops in the model's order (`MoE.forward` of `dsv41.models.model`); with w3 given,
+    a `_grouped_mm` each for the gate (w13 = w1) and the up projection (w3)."""
+    rows = x[token]
+    if w3 is None:
+        inter = w2.shape[2]
+        gu = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
+        g, u = gu[:, :inter], gu[:, inter:]
+    else:
+        g = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
+        u = torch._grouped_mm(rows, w3.transpose(1, 2), offs=offsets)
+    a = functional.swiglu_clamped(g, u, swiglu_limit) * row_weights.unsqueeze(-1)
     a = a.to(x.dtype)
     if quant_block > 0:
         a = functional.fp8_fake_quant(a, quant_block)
@@ -103,29 +116,30 @@ def compare_kernel(got: Tensor, want: Tensor) -> str | None:
 
 @torch.library.custom_op("dsv41::moe_experts", mutates_args=())
 def moe_experts(x: Tensor, token: Tensor, row_weights: Tensor, offsets: Tensor, w13: Tensor, w2: Tensor,
-                swiglu_limit: float, quant_block: int, impl: str = "auto") -> Tensor:
+                swiglu_limit: float, quant_block: int, w3: Tensor | None = None, impl: str = "auto") -> Tensor:
     """The routed experts on the M = T * k expert-sorted rows (row m: token token[m] at routing weight row_weights[m]).
 
     x [T, D] bf16, token [M] int64 in [0, T), row_weights [M] fp32, offsets [E] int32 non-decreasing with
-    offsets[E - 1] = M (expert e owns rows [offsets[e - 1], offsets[e]), offsets[-1] = 0), w13 [E, 2I, D] bf16
-    (w1 rows then w3 rows), w2 [E, D, I] bf16 (D and I multiples of GEMM_ALIGN = 8, each weight a matrix of unit
-    stride in one of its last two dims), swiglu_limit finite and > 0, quant_block >= 0 (0: none; else it divides I).
-    For row m of expert e:
-        g, u = bf16(x[token[m]] @ w13[e, :I]^T), bf16(x[token[m]] @ w13[e, I:]^T)       fp32 accumulation   [I]
+    offsets[E - 1] = M (expert e owns rows [offsets[e - 1], offsets[e]), offsets[-1] = 0), w2 [E, D, I] bf16, and
+    either w13 [E, 2I, D] bf16 (w1 rows then w3 rows) with w3 None, or w1 and w3 held apart: w13 = w1 [E, I, D] and
+    w3 [E, I, D] bf16 (D and I multiples of GEMM_ALIGN = 8, each weight a matrix of unit stride in one of its last
+    two dims), swiglu_limit finite and > 0, quant_block >= 0 (0: none; else it divides I).
+    For row m of expert e, with W1 = w13[e, :I], W3 = w13[e, I:] (stacked) or W1 = w13[e], W3 = w3[e] (apart):
+        g, u = bf16(x[token[m]] @ W1^T), bf16(x[token[m]] @ W3^T)                       fp32 accumulation   [I]
         a    = bf16(silu(min(g, limit)) * clamp(u, -limit, limit) * row_weights[m])     in fp32             [I]
         a    = fp8_fake_quant(a, quant_block)                                           (if quant_block > 0)
         out[m] = bf16(a @ w2[e]^T)                                                      fp32 accumulation   [D]
     -> out [M, D] bf16 (the rows `moe_finalize` combines).
     impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
     """
-    device, _ = _validate(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block, impl)
+    device, _ = _validate(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block, w3, impl)
     args = (x, token, row_weights, offsets, w13, w2)
-    kwargs = dict(swiglu_limit=swiglu_limit, quant_block=quant_block)
+    kwargs = dict(swiglu_limit=swiglu_limit, quant_block=quant_block, w3=w3)
     kernel = _kernels.select(NAME, NAME, impl, device, args, kwargs) or reference
     return kernel(*args, **kwargs)
 
 
 @moe_experts.register_fake
-def _(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block, impl="auto"):
-    _, dims = _validate(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block, impl)
+def _(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block, w3=None, impl="auto"):
+    _, dims = _validate(x, token, row_weights, offsets, w13, w2, swiglu_limit, quant_block, w3, impl)
     return x.new_empty((dims["M"], dims["D"]))

@@ -11,7 +11,15 @@ MAX_ROWS (T * k rows) and leaves the `_grouped_mm` path to larger batches; the t
 rows as its `expert_out`), so either can be disabled alone. Formulations: the model's, with and without the fake
 quantisation of the activation (the config's fp8_block), and both without the routing weight, where the model weights
 the rows after w2 (vLLM's order; MaxText's unpermute einsum): the op then takes weights of 1 (`a * 1.0` is `a`, exact);
-limit from the config (another limit is a scalar decline).
+limit from the config (another limit is a scalar decline). Each also with w1 and w3 held apart (`experts_split...`,
+TorchTitan's `GroupedExperts`): g = _grouped_mm(x[token], w1^T, offs) and u = _grouped_mm(x[token], w3^T, offs) in
+place of gu's halves; the op takes w1 as its w13 and w3 as its w3 (each expert's gate and up rows read from the two
+weights in place, no copy), or, where w1 and w3 are the two dim-1 halves of one [E, 2I, D] value, that value stacked.
+A weight stored transposed ([E, D, I] under `_grouped_mm(rows, w1, offs)`) binds through the matcher's inverse view
+chain, read in place. And each from GEMM1's input rows given (`experts..._rows...`): rows [M, D] computed outside the
+region (TorchTitan rounds the gathered rows to FP8 before its grouped GEMMs, as a float8 grouped GEMM quantises its
+operand); the op takes them as its x with token = 0, 1, ..., M - 1 (x[token] = rows, exact). Where the gather is in
+the graph, the formulation on x[token] is tried first (`wider`), so the op gathers the T rows itself.
 
 Gathered formulations (gpt-fast's Mixtral `ConditionalFeedForward`, hand-written decode loops): no sort; each (token
 t, slot j) pair's expert weights are gathered and multiplied in batched products,
@@ -50,6 +58,8 @@ the gather of a cat would add on every call).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.fx as fx
 
@@ -60,13 +70,37 @@ from dsv41.passes.matcher import Pattern, leaves
 
 T, D, I, E, K = 3, 32, 32, 4, 6
 aten, prims = torch.ops.aten, torch.ops.prims
-GATHERED, SPLIT, FLAT = "gathered", "split", "flat"  # the gathered formulations' prefix; w1, w3 apart; pairs flat
+# the gathered formulations' name prefix; w1 and w3 held apart; GEMM1's input rows given (not x[token]);
+# the gathered pairs flattened
+GATHERED, SPLIT, ROWS, FLAT = "gathered", "split", "rows", "flat"
 
 
-def _inputs():
+def _sorted_example(name):
+    """A small example tensor for the sorted formulations' input `name`."""
     bf = torch.bfloat16
-    return [torch.empty(T, D, dtype=bf), torch.empty(T * K, dtype=torch.int64), torch.empty(T * K),
-            torch.empty(E, dtype=torch.int32), torch.empty(E, 2 * I, D, dtype=bf), torch.empty(E, D, I, dtype=bf)]
+    return {"x": lambda: torch.empty(T, D, dtype=bf), "rows": lambda: torch.empty(T * K, D, dtype=bf),
+            "token": lambda: torch.empty(T * K, dtype=torch.int64), "row_weights": lambda: torch.empty(T * K),
+            "offsets": lambda: torch.empty(E, dtype=torch.int32), "w13": lambda: torch.empty(E, 2 * I, D, dtype=bf),
+            "w1": lambda: torch.empty(E, I, D, dtype=bf), "w3": lambda: torch.empty(E, I, D, dtype=bf),
+            "w2": lambda: torch.empty(E, D, I, dtype=bf)}[name]()
+
+
+def _sorted_pattern(name, limit, quant_block, split, rows_given, weighted):
+    """The sorted formulation `name`: `experts` on inputs named x, token (or rows: GEMM1's input rows given, computed
+    outside the region, e.g. FP8-rounded after the gather as a float8 grouped GEMM's input), row_weights (if
+    weighted), offsets, w13 (or w1, w3: held apart), w2."""
+    names = [*(("rows",) if rows_given else ("x", "token")), *(("row_weights",) if weighted else ()), "offsets",
+             *(("w1", "w3") if split else ("w13",)), "w2"]
+
+    def search(*tensors):
+        t = dict(zip(names, tensors, strict=True))
+        x, token = (t["rows"], None) if rows_given else (t["x"], t["token"])
+        return experts(x, token, t.get("row_weights"), t["offsets"], t["w1"] if split else t["w13"], t["w2"], limit,
+                       quant_block, w3=t.get("w3"))
+
+    search.__signature__ = inspect.Signature(
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+    return Pattern(name, search, lambda: [_sorted_example(n) for n in names], anchor=aten._grouped_mm.default)
 
 
 def _gathered_inputs(tokens=T):
@@ -98,12 +132,19 @@ def _activation(g, u, weights, limit, quant_block, dtype):
     return fn.fp8_fake_quant(a, quant_block) if quant_block else a
 
 
-def experts(x, token, row_weights, offsets, w13, w2, limit, quant_block):
-    """The model's routed experts (`MoE.forward`) from the sorted rows to the down projection's output; row_weights
-    None: the rows unweighted (weighted after w2)."""
-    gu = torch._grouped_mm(x[token], w13.transpose(1, 2), offs=offsets)
-    inter = w2.shape[2]
-    a = _activation(gu[:, :inter], gu[:, inter:], row_weights, limit, quant_block, x.dtype)
+def experts(x, token, row_weights, offsets, w13, w2, limit, quant_block, w3=None):
+    """The model's routed experts (`MoE.forward`) from the sorted rows x[token] (token None: x is those rows) to the
+    down projection's output; row_weights None: the rows unweighted (weighted after w2); w3 given: w13 is w1
+    [E, I, D] and w3 [E, I, D] is held apart (TorchTitan's `GroupedExperts`), a grouped GEMM each."""
+    rows = x if token is None else x[token]
+    if w3 is None:
+        gu = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
+        inter = w2.shape[2]
+        g, u = gu[:, :inter], gu[:, inter:]
+    else:
+        g = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
+        u = torch._grouped_mm(rows, w3.transpose(1, 2), offs=offsets)
+    a = _activation(g, u, row_weights, limit, quant_block, x.dtype)
     return torch._grouped_mm(a, w2.transpose(1, 2), offs=offsets)
 
 
@@ -166,17 +207,10 @@ class MoeExpertsPass(FusionPass):
 
     def patterns(self):
         c = self.config
-        anchor = aten._grouped_mm.default
-        pats = []
-        for quant_block, fp8 in ((c.fp8_block, "_fp8"), (0, "")):
-            def sorted_rows(x, token, row_weights, offsets, w13, w2, quant_block=quant_block):
-                return experts(x, token, row_weights, offsets, w13, w2, c.swiglu_limit, quant_block)
-
-            def sorted_unweighted(x, token, offsets, w13, w2, quant_block=quant_block):
-                return experts(x, token, None, offsets, w13, w2, c.swiglu_limit, quant_block)
-
-            pats.append(Pattern(f"experts{fp8}", sorted_rows, _inputs, anchor=anchor))
-            pats.append(Pattern(f"experts{fp8}_unweighted", sorted_unweighted, _without_weights(_inputs), anchor=anchor))
+        pats = [_sorted_pattern(f"experts{split}{rows}{fp8}{unweighted}", c.swiglu_limit, quant_block, bool(split),
+                                bool(rows), not unweighted)
+                for rows in ("", f"_{ROWS}") for split in ("", f"_{SPLIT}")
+                for quant_block, fp8 in ((c.fp8_block, "_fp8"), (0, "")) for unweighted in ("", "_unweighted")]
         for spelling in GATHERED_PRODUCTS:
             for quant_block, fp8 in ((c.fp8_block, "_fp8"), (0, "")):
                 def gathered(x, expert_idx, weights, w13, w2, quant_block=quant_block, spelling=spelling):
@@ -225,39 +259,60 @@ class MoeExpertsPass(FusionPass):
             return f"rows: M = T*k = {rows} > {MAX_ROWS} (small-row kernel); the _grouped_mm path stays"
         return None
 
+    def wider(self, index):
+        """A formulation on given rows is widened by the same one on x[token] (the gather inside the op)."""
+        names = [p.name for p in self._patterns.patterns]
+        wide = names[index].replace(f"_{ROWS}", "", 1)
+        return (names.index(wide),) if f"_{ROWS}" in names[index] else ()
+
     def sample_inputs(self, m, g):
         """As the base class, with the first token's routing weights zero, so its activation rows are all-zero FP8
         blocks, where the amax floor (1e-4) decides the scale (without it 0 / 0 is NaN); for the sorted rows, valid
         offsets: random expert row counts (some zero) that sum to M."""
         values = super().sample_inputs(m, g)
-        weighted = not m.pattern.name.endswith("_unweighted")
-        weights = leaves([m.inputs[2]])[0] if weighted else None
-        if weights in values:
-            values[weights][0] = 0
+        named = dict(zip(m.pattern.input_names(), m.inputs))
+        weights = named.get("row_weights", named.get("weights"))
+        if weights is not None and leaves([weights])[0] in values:
+            values[leaves([weights])[0]][0] = 0
         if m.pattern.name.startswith(GATHERED):
             return values
-        offsets = m.inputs[3 if weighted else 2]
-        rows, experts_n = m.inputs[1].meta["val"].shape[0], offsets.meta["val"].shape[0]
+        offsets = named["offsets"]
+        rows, experts_n = named.get("token", named.get("rows")).meta["val"].shape[0], offsets.meta["val"].shape[0]
         counts = torch.bincount(torch.randint(0, experts_n, (rows,), generator=g), minlength=experts_n)
         values[offsets] = torch.cumsum(counts, 0).to(torch.int32).to(offsets.meta["val"].device)
         return values
 
     def replacement(self, m):
         quant_block = self.config.fp8_block if "_fp8" in m.pattern.name else 0
+        tail, kernel = (self.config.swiglu_limit, quant_block), self.config.kernel
+        if not m.pattern.name.startswith(GATHERED):
+            return _sorted_formulation_replacement(dict(zip(m.pattern.input_names(), m.inputs)), tail, kernel)
         weighted = not m.pattern.name.endswith("_unweighted")
-        tail = (self.config.swiglu_limit, quant_block, self.config.kernel)
-        if m.pattern.name.startswith(GATHERED) and f"_{SPLIT}" in m.pattern.name:
-            x, expert_idx, *rest = m.inputs
-            w13 = _stacked_halves(*rest[-3:-1])
-            if w13 is None:
-                return _per_pair_replacement(m.inputs, weighted, tail)
-            return _sorted_replacement([x, expert_idx, *rest[:-3], w13, rest[-1]], weighted, tail)
-        if m.pattern.name.startswith(GATHERED):
-            return _sorted_replacement(m.inputs, weighted, tail, rows_out=f"_{FLAT}" in m.pattern.name)
         inputs = list(m.inputs)
-        if not weighted:  # rows weighted after w2: weights of 1 ([M] fp32)
-            inputs.insert(2, _ones(inputs[1]))
-        return Replacement(torch.ops.dsv41.moe_experts.default, (*inputs, *tail), (None,))
+        if f"_{SPLIT}" in m.pattern.name:  # the inputs end in w1, w3, w2
+            w13 = _stacked_halves(*inputs[-3:-1])
+            if w13 is None:
+                return _per_pair_replacement(inputs, weighted, tail, kernel)
+            inputs[-3:] = [w13, inputs[-1]]  # the two halves of one stacked value: the sorted form on that value
+        return _sorted_replacement(inputs, weighted, tail, kernel, rows_out=f"_{FLAT}" in m.pattern.name)
+
+
+def _sorted_formulation_replacement(named, tail, kernel):
+    """The op for a sorted formulation whose inputs are `named` (see `_sorted_pattern`): rows given are the op's x,
+    row m its own token (token = 0, 1, ..., M - 1); unweighted, weights of 1; w1 and w3 apart go in as w13 and w3,
+    or as the one stacked value whose two halves they are."""
+    if "token" in named:
+        x, token = named["x"], named["token"]
+    else:
+        x = named["rows"]
+        token = pair_tokens(Derived(aten.select.int, (x, 1, 0)), 1)
+    row_weights = named["row_weights"] if "row_weights" in named else _ones(token)
+    w13, w3 = named.get("w13"), None
+    if w13 is None:
+        w13 = _stacked_halves(named["w1"], named["w3"])
+        w13, w3 = (named["w1"], named["w3"]) if w13 is None else (w13, None)
+    return Replacement(torch.ops.dsv41.moe_experts.default,
+                       (x, token, row_weights, named["offsets"], w13, named["w2"], *tail, w3, kernel), (None,))
 
 
 def _ones(like):
@@ -274,7 +329,7 @@ def pair_tokens(per_pair, k):
     return Derived(aten.div.Tensor_mode, (pair, k), (("rounding_mode", "floor"),))
 
 
-def _sorted_replacement(inputs, weighted, tail, rows_out=False):
+def _sorted_replacement(inputs, weighted, tail, kernel, rows_out=False):
     """The op on the sorted rows of a gathered match (see the module): x, expert_idx [T, k], (weights [T, k],) w13,
     w2 -> the op's [T * k, D] rows, put back in (t, j) order as [T, k, D] (rows_out: as [T * k, D], the flat pairs' form)."""
     x, expert_idx, *rest = inputs
@@ -296,8 +351,8 @@ def _sorted_replacement(inputs, weighted, tail, rows_out=False):
         return Derived(aten.view.default, (Derived(aten.index.Tensor, (out, [inverse])),
                                            [rows, dim] if rows_out else [t, k, dim]))
 
-    return Replacement(torch.ops.dsv41.moe_experts.default, (x, token, row_weights, offsets, w13, w2, *tail),
-                       (in_pair_order,))
+    return Replacement(torch.ops.dsv41.moe_experts.default,
+                       (x, token, row_weights, offsets, w13, w2, *tail, None, kernel), (in_pair_order,))
 
 
 def _stacked_halves(w1, w3):
@@ -312,7 +367,7 @@ def _stacked_halves(w1, w3):
     return root if (start1, min(end1, whole[1]), start3, min(end3, whole[1])) == (0, inter, inter, 2 * inter) else None
 
 
-def _per_pair_replacement(inputs, weighted, tail):
+def _per_pair_replacement(inputs, weighted, tail, kernel):
     """The op with one expert a pair for a gathered match with w1 and w3 apart (see the module): x, expert_idx [T, k],
     (weights [T, k],) w1, w3, w2 -> the op's [T * k, D] rows (in pair order) viewed [T, k, D]."""
     x, expert_idx, *rest = inputs
@@ -326,5 +381,5 @@ def _per_pair_replacement(inputs, weighted, tail):
     token = pair_tokens(flat, k)
     row_weights = Derived(aten.reshape.default, (rest[0], [rows])) if weighted else _ones(flat)
     return Replacement(torch.ops.dsv41.moe_experts.default,
-                       (x, token, row_weights, offsets, w13, pair_weights, *tail),
+                       (x, token, row_weights, offsets, w13, pair_weights, *tail, None, kernel),
                        (lambda out: Derived(aten.view.default, (out, [t, k, dim])),))

@@ -1,8 +1,8 @@
 """The routed-experts kernel (dsv41.kernels.moe_experts).
 
 CPU: both launches compile for sm_90a (Flash sizes with and without the FP8 fake quantisation and programmatic
-dependent launch, the tiny model's sizes, a GEMM2 of 16 chunks a warp); `supports` and the entry explain what they
-reject.
+dependent launch, the tiny model's sizes, a GEMM2 of 16 chunks a warp, GEMM1 with w1 and w3 held apart); `supports`
+and the entry explain what they reject.
 GPU (H200), against the op's reference (`dsv41.lowerings.moe_experts.reference`: the model's torch._grouped_mm path)
 on the same inputs, outputs poisoned with NaN before each call, compared by the op's `compare_kernel` (|diff| <= 2^-6
 |want| + 2^-5 rms(want row), but for at most one row in 16 within 2^-4 relative L2: the GEMMs sum in another order,
@@ -13,7 +13,10 @@ and a limit of 0.75 that clamps often; the Flash sizes D=5120 I=2304 (E=16) at T
 48 rows over 8 experts, 384 rows: about 48 an expert, 6 passes); routings with experts that get no rows and with
 every token on one expert; without the quantisation and PDL (bit-identical to the PDL launches); 500 CUDA-graph
 replays alternating two input sets (different x and routings) bit-identical to direct calls, PDL edges included; the
-op with impl="cute" is the entry; experts whose weights lie past 2^31 elements at Flash sizes (E = 384). Weights are
+op with impl="cute" is the entry; experts whose weights lie past 2^31 elements at Flash sizes (E = 384). With w1
+and w3 held apart (contiguous copies of w13's halves; the small shapes at every T, Flash sizes at T = 1 and 8, past
+2^31 elements, the graph replays, the op): the output is the stacked launch's bit for bit, since only the addresses
+of the gate and up rows differ. Weights are
 drawn on the device: the file's former > 300 s went to CPU draws of Flash-size weights at E = 64 (2.3e9 elements,
 about 9 ns each on one core here: ~20 s a draw, 64+ draws). When CUDA is present these tests fail (never skip) if the
 kernel cannot run.
@@ -67,6 +70,14 @@ def _inputs(t, d, inter, e, seed, one_expert=False, device="cuda", weights=None)
     return [a.to(device) for a in (x, token, row_weights, offsets)] + [w13, w2]
 
 
+def _apart(inputs):
+    """The inputs with w1 and w3 held apart: (inputs with w13 replaced by w1 [E, I, D], w3 [E, I, D]), contiguous
+    copies of w13's halves."""
+    *rows, w13, w2 = inputs
+    inter = w2.shape[2]
+    return [*rows, w13[:, :inter].contiguous(), w2], w13[:, inter:].contiguous()
+
+
 def _run(inputs, limit=LIMIT, quant_block=BLOCK, **kw):
     """The kernel's output into an out poisoned with NaN."""
     m, d = inputs[1].shape[0], inputs[0].shape[1]
@@ -74,24 +85,27 @@ def _run(inputs, limit=LIMIT, quant_block=BLOCK, **kw):
     return K.moe_experts(*inputs, swiglu_limit=limit, quant_block=quant_block, out=out, **kw)
 
 
-def _assert_matches(got, inputs, limit=LIMIT, quant_block=BLOCK):
+def _assert_matches(got, inputs, limit=LIMIT, quant_block=BLOCK, w3=None):
     """Every row written, and within the op's compare_kernel of its reference."""
     assert not got.isnan().any(), "rows left unwritten"
-    want = op_module.reference(*inputs, limit, quant_block)
+    want = op_module.reference(*inputs, limit, quant_block, w3=w3)
     mismatch = op_module.compare_kernel(got, want)
     assert mismatch is None, mismatch
 
 
-@pytest.mark.parametrize("config", [(5120, 2304, 384, 32, True), (5120, 2304, 384, 0, False), (128, 64, 16, 32, True),
-                                    (256, 4096, 16, 32, True)],
-                         ids=lambda c: "D{}-I{}-E{}-q{}-pdl{}".format(*c))
+@pytest.mark.parametrize("config", [(5120, 2304, 384, 32, True, False), (5120, 2304, 384, 0, False, False),
+                                    (128, 64, 16, 32, True, False), (256, 4096, 16, 32, True, False),
+                                    (5120, 2304, 384, 32, True, True), (128, 64, 16, 0, False, True)],
+                         ids=lambda c: "D{}-I{}-E{}-q{}-pdl{}-split{}".format(*c))
 def test_compiles_for_sm90a(config, monkeypatch, tmp_path):
+    """Both launches compile (split: GEMM1 with w1 and w3 apart) and land in a fresh cache under their keys."""
     monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path))  # a fresh cache: really run cute.compile
     K._compile_moe_experts.cache_clear()
-    d, inter, e, quant_block, pdl = config
-    assert all(callable(f) for f in K.compile_for(d, inter, e, quant_block, pdl))
-    assert K._compile_moe_experts.object_path(d, inter, e, True, False, pdl).exists()
-    assert K._compile_moe_experts.object_path(inter, d, e, False, quant_block == 32, pdl).exists()
+    d, inter, e, quant_block, pdl, split = config
+    assert all(callable(f) for f in K.compile_for(d, inter, e, quant_block, pdl, split=split))
+    assert K._compile_moe_experts.object_path(d, inter, e, True, split, False, pdl).exists()
+    assert K._compile_moe_experts.object_path(inter, d, e, False, False, quant_block == 32, pdl).exists()
+    assert len(list(tmp_path.rglob("*.o"))) == 2
     K._compile_moe_experts.cache_clear()
 
 
@@ -111,6 +125,11 @@ def test_supports_explains():
     big = torch.zeros(385, dtype=torch.int64)
     assert "M = 385 rows, the kernel takes 1 to 384" in K.supports(x, big, torch.zeros(385), offsets, w13, w2, **kw)
     assert "must be 2-D, 1-D and 3-D" in K.supports(x[0], token, w, offsets, w13, w2, **kw)
+    w1, w3 = w13[:, :64], w13[:, 64:]
+    assert K.supports(x, token, w, offsets, w1, w2, **kw, w3=w3) == "x is not a CUDA tensor"
+    assert "w13 must have shape [16, 64, 128]" in K.supports(x, token, w, offsets, w13, w2, **kw, w3=w3)
+    assert "w3 must have shape [16, 64, 128]" in K.supports(x, token, w, offsets, w1, w2, **kw, w3=w13)
+    assert "w3 must be torch.bfloat16" in K.supports(x, token, w, offsets, w1, w2, **kw, w3=w3.half())
     with pytest.raises(ValueError, match="moe_experts: row_weights must have shape"):
         K.moe_experts(x, token, w[:-1], offsets, w13, w2, **kw)
 
@@ -152,12 +171,29 @@ def test_without_quantisation_and_pdl(t, shape):
 
 
 @pytest.mark.gpu
-def test_experts_past_2_pow_31_elements():
+@pytest.mark.parametrize("shape, t", [(s, t) for s in SMALL for t in TOKENS] + [(FLASH, 1), (FLASH, 8)],
+                         ids=lambda v: f"T{v}" if isinstance(v, int) else "D{}-I{}-E{}".format(*v))
+def test_w1_w3_apart(shape, t):
+    """w1 and w3 held apart (GEMM1 reads its gate and up rows from two tensors): within the tolerance of the
+    reference's form with w3, and bit-identical to the stacked w13 launch (the same math in the same order, only
+    the addresses differ), every row written (out poisoned with NaN)."""
+    for seed in range(2):
+        stacked = _inputs(t, *shape, 20 + seed)
+        apart, w3 = _apart(stacked)
+        got = _run(apart, w3=w3)
+        _assert_matches(got, apart, w3=w3)
+        assert torch.equal(got, _run(stacked)), "w1 / w3 apart differ from the stacked w13"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("apart", [False, True], ids=["stacked", "apart"])
+def test_experts_past_2_pow_31_elements(apart):
     """At Flash sizes (E = 384) w13 has 9.1e9 elements: the experts whose weights lie past 2^31 elements (e >= 92)
-    are read from the right place (the kernel offsets each expert's slice in 64 bits)."""
+    are read from the right place (the kernel offsets each expert's slice in 64 bits). Apart, w1 and w3 have 4.5e9
+    elements each (past 2^31 from e = 183): bit-identical to the stacked launch."""
     d, inter, e, t = 5120, 2304, 384, 4
     g = torch.Generator(device="cuda").manual_seed(13)
-    experts = torch.tensor([[383, 300, 200, 91, 92, 0]] * t)  # both sides of 2^31 / (2I * D) = 91.02
+    experts = torch.tensor([[383, 183, 182, 92, 91, 0]] * t)  # both sides of 2^31 / (2I * D) = 91.02 and of 182.04
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)
     token = (order // TOPK).cuda()
@@ -167,26 +203,36 @@ def test_experts_past_2_pow_31_elements():
     w13 = torch.empty(e, 2 * inter, d, dtype=torch.bfloat16, device="cuda").normal_(0, d**-0.5, generator=g)
     w2 = torch.empty(e, d, inter, dtype=torch.bfloat16, device="cuda").normal_(0, inter**-0.5, generator=g)
     inputs = [x, token, row_weights, offsets, w13, w2]
-    _assert_matches(_run(inputs), inputs)
+    got = _run(inputs)
+    _assert_matches(got, inputs)
+    if apart:
+        split, w3 = _apart(inputs)
+        assert torch.equal(_run(split, w3=w3), got), "w1 / w3 apart differ from the stacked w13"
+        del split, w3
     del w13, w2, inputs
     torch.cuda.empty_cache()
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("apart", [False, True], ids=["stacked", "apart"])
 @pytest.mark.parametrize("shape, t", [(SMALL[1], 16), (FLASH, 5)], ids=["D512-I1536-T16", "flash-T5"])
-def test_cuda_graph_replay(shape, t):
-    """500 replays alternating two input sets (different x and routings; the weights shared) are bit-identical to
-    direct calls; both GEMMs are PDL launches, so the graph holds a programmatic edge."""
-    weights = _weights(*shape, 9, "cuda")
+def test_cuda_graph_replay(shape, t, apart):
+    """500 replays alternating two input sets (different x and routings; the weights shared, w13 or w1 and w3
+    apart) are bit-identical to direct calls; both GEMMs are PDL launches, so the graph holds a programmatic edge."""
+    weights, w3 = _weights(*shape, 9, "cuda"), None
     sets = [_inputs(t, *shape, seed, weights=weights) for seed in (10, 11)]
-    direct = [_run(s) for s in sets]
+    if apart:
+        split, w3 = _apart(sets[0])
+        weights = split[4:]
+        sets = [[*s[:4], *weights] for s in sets]
+    direct = [_run(s, w3=w3) for s in sets]
     for out, s in zip(direct, sets, strict=True):
-        assert torch.equal(out, _run(s)), "direct calls are not deterministic"
-        _assert_matches(out, s)
+        assert torch.equal(out, _run(s, w3=w3)), "direct calls are not deterministic"
+        _assert_matches(out, s, w3=w3)
     assert not torch.equal(sets[0][3], sets[1][3]), "the two input sets should route differently"
     static = [x.clone() for x in sets[0][:4]] + list(weights)
     out = torch.empty_like(direct[0])
-    assert_replays_bit_identical(lambda: K.moe_experts(*static, swiglu_limit=LIMIT, quant_block=BLOCK, out=out),
+    assert_replays_bit_identical(lambda: K.moe_experts(*static, swiglu_limit=LIMIT, quant_block=BLOCK, w3=w3, out=out),
                                  [*static[:4], None, None], sets, out, direct)  # the weights are shared, not copied
 
 
@@ -196,6 +242,8 @@ def test_op_runs_the_kernel():
     import dsv41.lowerings  # noqa: F401  (registers the ops)
 
     inputs = _inputs(4, *FLASH, 12)
+    apart, w3 = _apart(inputs)
     want = K.moe_experts(*inputs, swiglu_limit=LIMIT, quant_block=BLOCK)
     for impl in ("cute", "auto"):
-        assert torch.equal(torch.ops.dsv41.moe_experts(*inputs, LIMIT, BLOCK, impl), want), impl
+        assert torch.equal(torch.ops.dsv41.moe_experts(*inputs, LIMIT, BLOCK, impl=impl), want), impl
+        assert torch.equal(torch.ops.dsv41.moe_experts(*apart, LIMIT, BLOCK, w3, impl=impl), want), f"{impl}, apart"

@@ -79,13 +79,19 @@ def moe_finalize(g, t=3, d=32, topk=6, shared=True):
                 shared=_rand(g, t, d) if shared else None, num_tokens=t)
 
 
-def moe_experts(g, t=3, d=64, inter=64, experts=8, topk=6, quant_block=32):
-    """Rows sorted by expert (tokens permuted); every other expert gets no rows."""
+def moe_experts(g, t=3, d=64, inter=64, experts=8, topk=6, quant_block=32, apart=False):
+    """Rows sorted by expert (tokens permuted); every other expert gets no rows. apart: w1 and w3 held apart (w13 is
+    w1 [E, I, D], w3 [E, I, D]: w13's halves of the stacked draw)."""
     m = t * topk
     counts = torch.bincount(torch.randint(0, experts // 2, (m,), generator=g) * 2, minlength=experts)
-    return dict(x=_rand(g, t, d), token=torch.randperm(m, generator=g) // topk, row_weights=torch.rand(m, generator=g),
-                offsets=torch.cumsum(counts, 0).to(torch.int32), w13=_rand(g, experts, 2 * inter, d, scale=d**-0.5),
-                w2=_rand(g, experts, d, inter, scale=inter**-0.5), swiglu_limit=10.0, quant_block=quant_block)
+    kwargs = dict(x=_rand(g, t, d), token=torch.randperm(m, generator=g) // topk,
+                  row_weights=torch.rand(m, generator=g), offsets=torch.cumsum(counts, 0).to(torch.int32),
+                  w13=_rand(g, experts, 2 * inter, d, scale=d**-0.5), w2=_rand(g, experts, d, inter, scale=inter**-0.5),
+                  swiglu_limit=10.0, quant_block=quant_block)
+    if apart:
+        w13 = kwargs["w13"]
+        kwargs.update(w13=w13[:, :inter].contiguous(), w3=w13[:, inter:].contiguous())
+    return kwargs
 
 
 def moe_metadata(g, t=3, topk=6, experts=8):

@@ -47,6 +47,20 @@ def test_reference_matches_the_spec_rows(samples, seed, quant_block):
         assert compare_kernel(got, spec_rows(**{**kw, **wrong})) is not None, f"the tolerance misses {list(wrong)}"
 
 
+@pytest.mark.parametrize("quant_block", [32, 0])
+def test_w1_w3_apart_are_the_stacked_halves(samples, quant_block):
+    """With w3 given (w13 = w1), the reference is the stacked form's on w13 = cat(w1, w3) bit for bit (the same
+    products per output column, on the CPU), and within the tolerance of the spec rows; w1 and w3 swapped is not."""
+    kw = samples("moe_experts", seed=3, quant_block=quant_block, apart=True)
+    w1, w3 = kw["w13"], kw.pop("w3")
+    got = op(**kw, w3=w3, impl="reference")
+    stacked = {**kw, "w13": torch.cat([w1, w3], 1)}
+    assert torch.equal(got, op(**stacked, impl="reference"))
+    assert compare_kernel(got, spec_rows(**stacked)) is None
+    swapped = {**kw, "w13": torch.cat([w3, w1], 1)}
+    assert compare_kernel(got, spec_rows(**swapped)) is not None, "the tolerance misses w1 / w3 swapped"
+
+
 def test_one_expert_for_all_rows(samples):
     kw = samples("moe_experts", seed=5)
     offsets = torch.full_like(kw["offsets"], kw["token"].shape[0])
@@ -98,6 +112,14 @@ BAD = {
     "w13 not 2I": (lambda kw: dict(w13=kw["w13"][:, :-1]), ValueError,
                    r"'w13' must have shape \[E, 2\*I, D\] = \[8, 128, 64\], got \[8, 127, 64\]"),
     "w13 dtype": (lambda kw: dict(w13=kw["w13"].half()), TypeError, r"'w13' must be torch.bfloat16"),
+    "w13 stacked beside w3": (lambda kw: dict(w3=kw["w13"][:, :64]), ValueError,
+                              r"'w13' must have shape \[E, I, D\] = \[8, 64, 64\], got \[8, 128, 64\]"),
+    "w3 I": (lambda kw: dict(w13=kw["w13"][:, :64], w3=kw["w13"][:, 64:-1]), ValueError,
+             r"'w3' must have shape \[E, I, D\] = \[8, 64, 64\], got \[8, 63, 64\]"),
+    "w3 dtype": (lambda kw: dict(w13=kw["w13"][:, :64], w3=kw["w13"][:, 64:].half()), TypeError,
+                 r"'w3' must be torch.bfloat16, got torch.float16"),
+    "w3 layout": (lambda kw: dict(w13=kw["w13"][:, :64], w3=torch.cat([kw["w13"][:, 64:]] * 2, 2)[:, :, ::2]),
+                  ValueError, r"'w3' must have unit stride in one of its last two dims"),
     "limit": (lambda kw: dict(swiglu_limit=0.0), ValueError, r"'swiglu_limit' must be a finite number > 0, got 0.0"),
     "limit inf": (lambda kw: dict(swiglu_limit=float("inf")), ValueError, r"'swiglu_limit' must be a finite number > 0"),
     "quant_block": (lambda kw: dict(quant_block=-1), ValueError, r"'quant_block' must be >= 0, got -1"),
@@ -119,7 +141,9 @@ VALUE_BAD = {  # value checks: on host tensors only (not on the fake)
 def test_bad_inputs(samples, rejects, change):
     kw = samples("moe_experts")
     changes, exc, match = change
-    rejects(op, kw, exc, match, fake=not match.startswith(r"'token' is on meta"), **changes(kw))
+    # not through the fake where `.to("meta")` undoes the change: the device, a strided view (copied dense)
+    fake = not match.startswith(r"'token' is on meta") and "unit stride" not in match
+    rejects(op, kw, exc, match, fake=fake, **changes(kw))
 
 
 @pytest.mark.parametrize("change", VALUE_BAD.values(), ids=VALUE_BAD.keys())

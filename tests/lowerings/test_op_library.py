@@ -25,6 +25,7 @@ OPS = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if 
 VARIANTS = {
     "allreduce_mhc": [dict(moe=True), dict()],
     "indexer_topk": [dict(candidates=True, cand_topk_blocks=2), dict(), dict(n_cap=4, topk=6)],
+    "moe_experts": [dict(apart=True), dict()],
     "moe_finalize": [dict(), dict(shared=False)],
     "qkv_norm": [dict(), dict(rope=False), dict(quant_block=0), dict(rope=False, quant_block=0)],
 }

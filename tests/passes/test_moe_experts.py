@@ -45,6 +45,45 @@ FORMULATIONS = {
 }
 
 
+def split_inputs(seed, t=3):
+    """`inputs` with w1 [E, I, D] and w3 [E, I, D] held apart (w13's halves, two graph inputs) before w2."""
+    x, token, w, offs, w13, w2 = inputs(seed, t)
+    return [x, token, w, offs, w13[:, :I].contiguous(), w13[:, I:].contiguous(), w2]
+
+
+def _split(block, weighted):
+    def f(x, token, w, offs, w1, w3, w2):
+        return experts(x, token, w if weighted else None, offs, w1, w2, LIMIT, block, w3=w3)
+    return f
+
+
+# w1 and w3 held apart (TorchTitan's GroupedExperts): the op takes both in place
+SPLIT_FORMULATIONS = {f"experts_split{fp8}{suffix}": _split(block, weighted)
+                      for block, fp8 in ((BLOCK, "_fp8"), (0, "")) for weighted, suffix in ((True, ""), (False, "_unweighted"))}
+
+
+def _on_rows(f):
+    """f with GEMM1's input rows given (a graph input [M, D]) in place of x and token."""
+    def on_rows(rows, *rest):
+        return f(rows, None, *rest)
+    return on_rows
+
+
+def rows_inputs(split):
+    """inputs(seed) (or split_inputs) with the rows x[token] as one graph input in place of x and token."""
+    def make(seed, t=3):
+        x, token, *rest = (split_inputs if split else inputs)(seed, t)
+        return [x[token], *rest]
+    return make
+
+
+# GEMM1's input rows given (computed outside the region): name -> (fn, inputs(seed, t))
+ROWS_FORMULATIONS = {
+    **{name.replace("experts", "experts_rows", 1): (_on_rows(f), rows_inputs(False)) for name, f in FORMULATIONS.items()},
+    **{name.replace("experts_split", "experts_split_rows", 1): (_on_rows(f), rows_inputs(True))
+       for name, f in SPLIT_FORMULATIONS.items()}}
+
+
 def gathered_inputs(seed, t=3, k=K):
     """x [T, D], expert_idx [T, k] (every token picks expert 2 in its first slot, the others among the even experts,
     so several tokens share experts and the odd ones get none), weights [T, k], w1 [E, I, D], w3 [E, I, D], w2 [E, D,
@@ -98,7 +137,7 @@ GATHERED_TOL = dict(zip(("atol", "rtol"), MoeExpertsPass.tolerance[BF16]))
 
 
 def test_every_formulation_has_a_test():
-    assert pattern_names(FUSION) == set(FORMULATIONS) | set(GATHERED)
+    assert pattern_names(FUSION) == set(FORMULATIONS) | set(SPLIT_FORMULATIONS) | set(ROWS_FORMULATIONS) | set(GATHERED)
 
 
 @pytest.mark.parametrize("name", sorted(FORMULATIONS))
@@ -106,10 +145,58 @@ def test_formulation_is_fused(name):
     f = FORMULATIONS[name]
     gm, report, node = run_fused_once(f, inputs(0), FUSION, ("aten._grouped_mm", "aten.index.Tensor", "aten.exp"))
     assert report.passes[1].replaced[0]["pattern"] == name
-    assert node.args[6:] == (LIMIT, BLOCK if name.startswith("experts_fp8") else 0, "auto")
+    assert node.args[6:] == (LIMIT, BLOCK if name.startswith("experts_fp8") else 0, None, "auto")
     for seed in (1, 2):  # fresh random inputs, other routings
         x = inputs(seed)
         assert_close(gm(*x), f(*x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("t", [3, 1])
+@pytest.mark.parametrize("name", sorted(SPLIT_FORMULATIONS))
+def test_split_formulation_is_fused(name, t):
+    """w1 and w3 apart, a grouped GEMM each: one op taking the graph's w1 as its w13 and w3 as its w3 (no cat, no
+    copy of the weights), bit-exact with eager on fresh inputs (the reference runs the same grouped GEMMs)."""
+    f = SPLIT_FORMULATIONS[name]
+    gm, report, node = run_fused_once(f, split_inputs(0, t), FUSION, ("aten._grouped_mm", "aten.cat", "aten.exp"))
+    assert report.passes[1].replaced[0]["pattern"] == name
+    assert [a.name for a in node.args[4:6]] == ["arg4_1", "arg6_1"] and node.args[8].name == "arg5_1"
+    assert node.args[6:8] == (LIMIT, BLOCK if "_fp8" in name else 0) and node.args[9] == "auto"
+    assert all(op in ("dsv41.moe_experts", "aten.ones_like", "prims.convert_element_type") for op in op_counts(gm))
+    for seed in (1, 2):
+        x = split_inputs(seed, t)
+        got = gm(*x)
+        assert not got.isnan().any()
+        assert_close(got, f(*x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(ROWS_FORMULATIONS))
+def test_rows_formulation_is_fused(name):
+    """GEMM1's input rows given: one op whose x is those rows and whose token is 0, 1, ..., M - 1 (weights of 1 where
+    unweighted; w1 and w3 apart as w13 and w3), bit-exact with eager on fresh inputs."""
+    f, inputs_of = ROWS_FORMULATIONS[name]
+    gm, report, node = run_fused_once(f, inputs_of(0), FUSION, ("aten._grouped_mm", "aten.exp"))
+    assert report.passes[1].replaced[0]["pattern"] == name
+    assert node.args[0].name == "arg0_1" and (node.args[8] is None) == ("_split" not in name)
+    for seed in (1, 2):
+        x = inputs_of(seed)
+        got = gm(*x)
+        assert not got.isnan().any()
+        assert_close(got, f(*x), atol=0, rtol=0)
+
+
+def test_split_halves_of_one_w13_sorted_run_stacked():
+    """w1 and w3 as the two halves of one stacked w13 (`w13.chunk(2, 1)`): the split formulation matches, and the op
+    takes that w13 stacked (w3 None: contiguous expert slices the kernel reads), bit-exact with eager."""
+    f = SPLIT_FORMULATIONS["experts_split_fp8"]
+
+    def halves(x, token, w, offs, w13, w2):
+        return f(x, token, w, offs, *w13.chunk(2, 1), w2)
+
+    gm, report, node = run_fused_once(halves, inputs(0), FUSION, ("aten._grouped_mm",))
+    assert report.passes[1].replaced[0]["pattern"] == "experts_split_fp8"
+    assert node.args[4].name == "arg4_1" and node.args[8] is None
+    x = inputs(1)
+    assert_close(gm(*x), halves(*x), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("t", [3, 1])
@@ -122,7 +209,7 @@ def test_gathered_formulation_is_fused(name, t):
     gm, report, node = run_fused_once(f, inputs_of(0, t), FUSION, ("aten.bmm", "aten.exp"))
     (replaced,) = report.passes[1].replaced
     assert replaced["pattern"] == name and replaced["verified"] is None  # op for op: no semantic check
-    assert node.args[6:] == (LIMIT, BLOCK if "_fp8" in name else 0, "auto")
+    assert node.args[6:] == (LIMIT, BLOCK if "_fp8" in name else 0, None, "auto")
     assert op_counts(gm)["aten.argsort.stable"] == (0 if "_split" in name else 2)  # the order and its inverse
     for seed in (1, 2):
         x = inputs_of(seed, t)
@@ -200,7 +287,7 @@ def test_golden():
 %arg3_1: i32[8] = input
 %arg4_1: bf16[8, 128, 64] = input
 %arg5_1: bf16[8, 64, 64] = input
-%moe_experts_default: bf16[12, 64] = dsv41.moe_experts(%arg0_1, %arg1_1, %arg2_1, %arg3_1, %arg4_1, %arg5_1, 10.0, 32, 'auto')
+%moe_experts_default: bf16[12, 64] = dsv41.moe_experts(%arg0_1, %arg1_1, %arg2_1, %arg3_1, %arg4_1, %arg5_1, 10.0, 32, None, 'auto')
 return %moe_experts_default
 """)
 

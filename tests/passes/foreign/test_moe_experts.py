@@ -142,3 +142,59 @@ def test_gathered_w1_w3_catted_is_fused_one_expert_a_pair():
     assert [r["pattern"] for p in report.passes for r in p.replaced] == ["gathered_einsum_split_cat_fp8"]
     gm, _ = run_passes(w1_w3_gathers_catted, model_test.gathered_inputs(0), FUSION)
     assert op_counts(gm)["aten.bmm"] == 0 and op_counts(gm)["aten.argsort.stable"] == 0, gm.code
+
+
+# ---- w1 and w3 held apart on the sorted rows (TorchTitan's GroupedExperts) -----------------------------------------
+def titan_grouped_experts(x, token, w, offs, w1, w3, w2):
+    """TorchTitan's `MoE` + `GroupedExperts` as the titan-style block writes them: the routed rows by
+    `torch.gather` of x, FP8-rounded (blocks of 32) before the grouped GEMMs, w1 / w3 / w2 [E, out, in] under
+    `_grouped_mm(rows, w.transpose(-2, -1))`, the SwiGLU in fp32 by `F.silu`, the routed output weighted after w2."""
+    rows = fn.fp8_fake_quant(torch.gather(x, 0, token.reshape(-1, 1).expand(-1, x.shape[1])), model_test.BLOCK)
+    gate = torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offs)
+    up = torch._grouped_mm(rows, w3.transpose(-2, -1), offs=offs)
+    h = F.silu(gate.float().clamp(max=model_test.LIMIT)) * up.float().clamp(-model_test.LIMIT, model_test.LIMIT)
+    h = fn.fp8_fake_quant(h.to(x.dtype), model_test.BLOCK)
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs).type_as(x).float() * w[:, None]
+
+
+def transposed_w1_w3(x, token, w, offs, w1_t, w3_t, w2_t):
+    """TorchTitan's earlier layout: w1, w3 stored [E, D, I] and w2 [E, I, D] (weights stored transposed), taken by
+    `_grouped_mm(rows, w)` as they are; the rows weighted before w2, no FP8 step."""
+    rows = x[token]
+    g = torch._grouped_mm(rows, w1_t, offs=offs)
+    u = torch._grouped_mm(rows, w3_t, offs=offs)
+    a = (fn.swiglu_clamped(g, u, model_test.LIMIT) * w.unsqueeze(-1)).to(x.dtype)
+    return torch._grouped_mm(a, w2_t, offs=offs)
+
+
+def transposed_inputs(seed):
+    """The split inputs with w1, w3 [E, D, I] and w2 [E, I, D] stored transposed (contiguous in that layout)."""
+    x, token, w, offs, w1, w3, w2 = model_test.split_inputs(seed)
+    return [x, token, w, offs, *(t.transpose(1, 2).contiguous() for t in (w1, w3, w2))]
+
+
+def test_titan_grouped_experts_fused_on_w1_w3_in_place():
+    """Found once as the split formulation on given rows (the gather and the rows' FP8 step stay outside: the op's
+    x is those rows, its token 0..M-1), weighted after w2 (the op takes weights of 1); the op reads w1 and w3
+    themselves (graph inputs, no cat); equal to eager bit for bit on fresh inputs."""
+    gm, report = run_passes(titan_grouped_experts, model_test.split_inputs(0), FUSION)
+    assert [r["pattern"] for p in report.passes for r in p.replaced] == ["experts_split_rows_fp8_unweighted"]
+    (node,) = gm.graph.find_nodes(op="call_function", target=torch.ops.dsv41.moe_experts.default)
+    assert [node.args[i].name for i in (4, 8, 5)] == ["arg4_1", "arg5_1", "arg6_1"], gm.code
+    assert op_counts(gm)["aten._grouped_mm"] == 0 and op_counts(gm)["aten.cat"] == 0
+    assert_found_once(titan_grouped_experts, model_test.split_inputs, FUSION)
+
+
+def test_weights_stored_transposed_are_read_in_place():
+    """w1, w3 [E, D, I] and w2 [E, I, D] under `_grouped_mm(rows, w)`: bound through the matcher's inverse view chain,
+    the op takes each weight as a transposed view of the graph input (no copy: no clone or contiguous); found once,
+    equal to eager bit for bit."""
+    gm, report = run_passes(transposed_w1_w3, transposed_inputs(0), FUSION)
+    assert [r["pattern"] for p in report.passes for r in p.replaced] == ["experts_split"]
+    (node,) = gm.graph.find_nodes(op="call_function", target=torch.ops.dsv41.moe_experts.default)
+    for index, name in ((4, "arg4_1"), (8, "arg5_1"), (5, "arg6_1")):
+        view = node.args[index]
+        assert view.target in (torch.ops.aten.permute.default, torch.ops.aten.transpose.int) and \
+            view.args[0].name == name, gm.code
+    assert not {"aten.clone", "aten.contiguous", "aten._grouped_mm"} & set(op_counts(gm)), gm.code
+    assert_found_once(transposed_w1_w3, transposed_inputs, FUSION)

@@ -1,14 +1,15 @@
 """The TorchTitan-style block (titan_style.py) through the real backend (fx mode), at B = 3 and at one request:
 exactly its fused sites (each once, with the formulation that fused), outputs equal to eager (h and x_new bf16
 within one bf16 ulp of an fp32 reordering: atol=rtol=1.6e-2 on at least 99% of elements, since the FP8 round trip may
-move a bucket; the indexer's indices exactly), no NaN; and the unfused moe_experts with its records."""
+move a bucket; the indexer's indices exactly), no NaN; and moe_experts on GroupedExperts' w1 and w3 parameters in
+place."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ..harness import gen, rand
+from ..harness import gen, rand, run_passes
 from .blocks import assert_outputs_agree, compile_and_run, fused_sites
 from .titan_style import SITES, TitanStyleBlock
 
@@ -38,17 +39,25 @@ def test_sites_fused_exactly_once(compiled):
     # histc's counts read as the model's int32 scatter_add counts; the combine accumulated into the shared output
     assert patterns["moe_metadata"] == ["model"], patterns
     assert patterns["moe_finalize"] == ["scatter_add_weighted_into_shared"], patterns
+    # w1 and w3 apart, the routed rows FP8-rounded after the gather (given rows), weighted after w2
+    assert patterns["moe_experts"] == ["experts_split_rows_fp8_unweighted"], patterns
 
 
-def test_grouped_experts_with_w1_w3_apart_stay_unfused(compiled):
-    """GroupedExperts' separate w1 / w3 parameters: no moe_experts formulation binds them (the op's stacked w13
-    would be a cat copying every expert's weights per call), so each of the three grouped GEMMs is a near miss
-    where the pattern slices GEMM1's output into its w1 / w3 halves."""
-    _, report = fused_sites(compiled[0])
-    assert report.matches["moe_experts"] == 0 and not report.declined.get("moe_experts")
-    misses = report.near_misses["moe_experts"]
-    assert len(misses) == 3 and all(
-        "expected aten::slice.Tensor, found %_grouped_mm" in m and "(moe.experts)" in m for m in misses), misses
+def test_grouped_experts_take_w1_and_w3_in_place():
+    """The experts' op reads GroupedExperts' w1 and w3 parameters themselves (its w13 and w3 arguments are the
+    parameters' nodes: no cat, no copy of the experts' weights) and w2 likewise; no grouped GEMM is left."""
+    block = TitanStyleBlock()
+    with torch.no_grad():
+        gm, report = run_passes(block, inputs(0, block, 3))
+    assert report.matches["moe_experts"] == 1
+    (op,) = gm.graph.find_nodes(op="call_function", target=torch.ops.dsv41.moe_experts.default)
+    w1, w2, w3 = op.args[4], op.args[5], op.args[8]
+    experts = block.moe.experts
+    assert all(w.op == "get_attr" for w in (w1, w2, w3)), gm.code
+    assert [getattr(gm, w.target).data_ptr() for w in (w1, w2, w3)] == [
+        experts.w1.data_ptr(), experts.w2.data_ptr(), experts.w3.data_ptr()]
+    assert [tuple(w.meta["val"].shape) for w in (w1, w3, w2)] == [(8, 32, 64), (8, 32, 64), (8, 64, 32)]
+    assert not gm.graph.find_nodes(op="call_function", target=torch.ops.aten._grouped_mm.default), gm.code
 
 
 def test_agrees_with_eager(compiled):

@@ -42,8 +42,12 @@ mhc_post_pre x2, qkv_norm with its FP8 step, indexer_topk, moe_route). The misse
   (`normalize._histc_of_indices`, `_cumsum_of_exact_cast`); histc traces under Dynamo as `aten.histc`.
 - moe_finalize (near miss at the scatter_add): the combine accumulated into the shared expert's output is now a
   formulation (`*_into_shared`: the shared row added first rather than last, fp32 reordering).
-Still unfused: moe_experts (near miss): GroupedExperts' w1 and w3 are two parameters; the op takes them stacked
-[E, 2I, D], which the graph would have to copy (all experts' weights) on every call, so no formulation binds them.
+- moe_experts (near miss at the slice of GEMM1's output): GroupedExperts' w1 and w3 are two parameters, which the
+  op took only stacked [E, 2I, D] (a cat copying all experts' weights on every call). The op now takes them apart
+  (its `w3` argument; the kernel reads each expert's gate and up rows from the two weights), and a sorted
+  formulation may start at GEMM1's input rows (`experts_split_rows_fp8_unweighted`: the routed rows here are
+  FP8-rounded after the gather, so the op's x is those rows and its token 0..M-1).
+All 11 sites fuse now.
 """
 
 from __future__ import annotations
@@ -57,9 +61,9 @@ from torch import nn
 from .params import param_factory
 
 FP8_MAX, AMAX_FLOOR = torch.finfo(torch.float8_e4m3fn).max, 1e-4
-# the sites that fuse: all but moe_experts
+# the sites that fuse: all of them
 SITES = {"mhc_coeffs": 2, "qkv_norm": 1, "indexer_topk": 1, "wo_a": 1, "mhc_post_pre": 2, "moe_route": 1,
-         "moe_metadata": 1, "moe_finalize": 1}
+         "moe_metadata": 1, "moe_experts": 1, "moe_finalize": 1}
 
 
 @dataclass
