@@ -16,6 +16,8 @@
   others already broadcast to the output's shape is a 0-d `scalar_tensor`;
 - split dims: `select(x.view(..., n, k, ...), d, i)` is a slice of x: the stride-k slice `x[..., i::k]` on the k
   factor (interleaved elements), the run `x[..., i*k:(i+1)*k]` on the n factor (`view(-1, 2, I).unbind(1)` halves);
+  where the view also adds or drops size-1 dims (`[S, 1, 2I] -> [S, 2, I]`, a bmm's column-vector output split), the
+  slice is of x viewed to the split dim merged (`x.view(S, 2I)`), the view the traced form reads;
   a cast moves below a strided slice, and a widening cast that only slices read below them
   (`torch.chunk(y.float(), 2, -1)` is the casts of y's halves);
 - routing maps: the column sums of a map scattered from top-k ids, `zeros(T, E).scatter(1, ids, 1).sum(0)`
@@ -1494,26 +1496,44 @@ def _select_as_strided_slice(graph: fx.Graph, node: fx.Node) -> bool:
             and len(node.args) == 3 and isinstance(node.args[2], int)):
         return False
     x, v = _val(src.args[0]), _val(src)
-    if not (_static(x) and _static(v)) or v.dim() != x.dim() + 1:
+    if not (_static(x) and _static(v)):
         return False
     xs, vs, dim, i = list(x.shape), list(v.shape), node.args[1], node.args[2]
-    d = next((j for j in range(x.dim()) if xs[:j] == vs[:j] and xs[j + 1:] == vs[j + 2:] and vs[j] * vs[j + 1] == xs[j]),
-             None)
-    if d is None or dim not in (d, d + 1) or not 0 <= i < vs[dim]:
+    d = next((j for j in range(x.dim()) if v.dim() == x.dim() + 1 and xs[:j] == vs[:j] and xs[j + 1:] == vs[j + 2:]
+              and vs[j] * vs[j + 1] == xs[j]), None)
+    base = src.args[0]
+    if d is None:
+        d = _split_pair_beyond_units(xs, vs, dim)
+        if d is None:
+            return False
+        base = _view_once(graph, node, base, vs[:d] + [vs[d] * vs[d + 1]] + vs[d + 2:])
+    if dim not in (d, d + 1) or not 0 <= i < vs[dim]:
         return False
     n, k = vs[d], vs[d + 1]
     if dim == d + 1:  # the inner factor: every k-th element
         if k < 2:
             return False
-        args = (src.args[0], d, i, _END, k)
+        args = (base, d, i, _END, k)
     else:             # the outer factor: one run of k
         if n < 2:
             return False
-        args = (src.args[0], d, i * k, _END if i == n - 1 else (i + 1) * k)
+        args = (base, d, i * k, _END if i == n - 1 else (i + 1) * k)
     piece = _insert(graph, node, aten.slice.Tensor, args, source=node)
     node.replace_all_uses_with(piece)
     graph.erase_node(node)
     return True
+
+
+def _split_pair_beyond_units(xs: list[int], vs: list[int], dim: int) -> int | None:
+    """The d of the one pair of adjacent dims (d, d + 1) of a view's shape vs, one of them `dim`, both above 1, whose
+    merge m = vs[:d] + [vs[d] * vs[d + 1]] + vs[d + 2:] is the view's input shape xs up to size-1 dims (a view that
+    splits one dim and adds or drops unit dims: [S, 1, 2I] -> [S, 2, I], a bmm's column-vector output split in
+    halves); None where no pair or both pairs are. A view is a row-major reshape, so x.view(vs) = x.view(m).view(vs)
+    for any such m: the select is then the split-dim select of x.view(m), whose view into vs only splits d."""
+    nonunit = [s for s in xs if s != 1]
+    pairs = [d for d in (dim - 1, dim) if 0 <= d and d + 1 < len(vs) and vs[d] > 1 and vs[d + 1] > 1
+             and [s for s in vs[:d] + [vs[d] * vs[d + 1]] + vs[d + 2:] if s != 1] == nonunit]
+    return pairs[0] if len(pairs) == 1 else None
 
 
 def _widening(cast: fx.Node) -> bool:

@@ -439,6 +439,26 @@ def test_select_of_a_split_dims_outer_factor_is_a_run():
         assert torch.equal(got, want)
 
 
+def test_select_of_a_split_dim_beyond_unit_dims_is_a_run():
+    """A bmm's column-vector output [S, 2I, 1] (squeezed: one view [S, 1, 2I] -> [S, 2, I] of the normalised bmm,
+    unit dim and split in one view) split in halves by `view(S, 2, I).unbind(1)` is gu[:, :I], gu[:, I:] of
+    gu = view(S, 2I): one graph with the slicing form (the flat pairs' gathered experts under the rewrite test's
+    "slice as split-dim select"), bit for bit."""
+    def sliced(w, v):
+        gu = torch.bmm(w, v.unsqueeze(-1)).squeeze(-1)
+        return gu[:, :4] * gu[:, 4:]
+
+    def unbound(w, v):
+        g, u = torch.bmm(w, v.unsqueeze(-1)).squeeze(-1).view(6, 2, 4).unbind(1)
+        return g * u
+
+    g = gen(0)
+    x = (torch.randn(6, 8, 5, generator=g), torch.randn(6, 5, generator=g))
+    a, b = normalized(sliced, *x), normalized(unbound, *x)
+    assert _ops(a) == _ops(b) and op_counts(b)["aten.select.int"] == 0, (a.code, b.code)
+    assert torch.equal(b(*x), unbound(*x)) and torch.equal(a(*x), sliced(*x))
+
+
 def test_a_matrix_times_a_vector_is_the_vector_times_the_matrix():
     """einsum('tjd,tj->td', x, pre) (a bmm of [T, D, hc] by [T, hc, 1]) becomes the [T, 1, hc] by [T, hc, D] bmm
     that einsum('tj,tjd->td', pre, x) traces to: one graph, equal values."""
