@@ -16,8 +16,9 @@
   others already broadcast to the output's shape is a 0-d `scalar_tensor`;
 - split dims: `select(x.view(..., n, k, ...), d, i)` is a slice of x: the stride-k slice `x[..., i::k]` on the k
   factor (interleaved elements), the run `x[..., i*k:(i+1)*k]` on the n factor (`view(-1, 2, I).unbind(1)` halves);
-  where the view also adds or drops size-1 dims (`[S, 1, 2I] -> [S, 2, I]`, a bmm's column-vector output split), the
-  slice is of x viewed to the split dim merged (`x.view(S, 2I)`), the view the traced form reads;
+  where the view also drops size-1 dims (`[S, 1, 2I] -> [S, 2, I]`, a bmm's column-vector output split), the slice
+  is of x viewed to the split dim merged (`x.view(S, 2I)`), the view the traced form reads (a view that adds unit
+  dims is left to the unit-dim sinking);
   a cast moves below a strided slice, and a widening cast that only slices read below them
   (`torch.chunk(y.float(), 2, -1)` is the casts of y's halves);
 - routing maps: the column sums of a map scattered from top-k ids, `zeros(T, E).scatter(1, ids, 1).sum(0)`
@@ -1528,8 +1529,13 @@ def _split_pair_beyond_units(xs: list[int], vs: list[int], dim: int) -> int | No
     """The d of the one pair of adjacent dims (d, d + 1) of a view's shape vs, one of them `dim`, both above 1, whose
     merge m = vs[:d] + [vs[d] * vs[d + 1]] + vs[d + 2:] is the view's input shape xs up to size-1 dims (a view that
     splits one dim and adds or drops unit dims: [S, 1, 2I] -> [S, 2, I], a bmm's column-vector output split in
-    halves); None where no pair or both pairs are. A view is a row-major reshape, so x.view(vs) = x.view(m).view(vs)
-    for any such m: the select is then the split-dim select of x.view(m), whose view into vs only splits d."""
+    halves); None where no pair or both pairs are, and where the view drops no size-1 dim of xs (vs holds as many as
+    xs or more): a view that adds unit dims is `_sink_units`' form, the unit dims sink and the split stays a plain one
+    (RoPE pairs at one request: [1, H, rd] -> [1, 1, H, rd/2, 2]). A view is a row-major reshape, so x.view(vs) =
+    x.view(m).view(vs) for any such m: the select is then the split-dim select of x.view(m), whose view into vs only
+    splits d."""
+    if vs.count(1) >= xs.count(1):
+        return None
     nonunit = [s for s in xs if s != 1]
     pairs = [d for d in (dim - 1, dim) if 0 <= d and d + 1 < len(vs) and vs[d] > 1 and vs[d + 1] > 1
              and [s for s in vs[:d] + [vs[d] * vs[d + 1]] + vs[d + 2:] if s != 1] == nonunit]

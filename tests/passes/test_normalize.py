@@ -459,6 +459,16 @@ def test_select_of_a_split_dim_beyond_unit_dims_is_a_run():
     assert torch.equal(b(*x), unbound(*x)) and torch.equal(a(*x), sliced(*x))
 
 
+def test_a_split_beyond_unit_dims_only_where_the_view_drops_them():
+    """The split-dim pair past unit dims is found where the view drops a size-1 dim ([S, 1, 2I] -> [S, 2, I], either
+    half), not where it adds one (RoPE pairs at one request, [1, H, rd] -> [1, 1, H, rd/2, 2]: the unit-dim sinking's
+    form, whose qkv_norm fuses with its RoPE), nor where no pair merges to x's shape."""
+    from dsv41.passes.normalize import _split_pair_beyond_units as pair
+    assert pair([6, 1, 8], [6, 2, 4], 1) == 1 and pair([6, 1, 8], [6, 2, 4], 2) == 1
+    assert pair([1, 4, 16], [1, 1, 4, 8, 2], 4) is None and pair([1, 4, 16], [1, 4, 8, 2], 3) is None
+    assert pair([6, 1, 8], [6, 4, 4], 1) is None  # no pair merges to x's shape: not a split of x
+
+
 def test_a_matrix_times_a_vector_is_the_vector_times_the_matrix():
     """einsum('tjd,tj->td', x, pre) (a bmm of [T, D, hc] by [T, hc, 1]) becomes the [T, 1, hc] by [T, hc, D] bmm
     that einsum('tj,tjd->td', pre, x) traces to: one graph, equal values."""
