@@ -24,7 +24,9 @@
   (Megatron's `tokens_per_expert`), are the counts of the flat ids, `zeros(E).scatter_add(0, ids.view(-1), ones)`;
   a 1-D `gather(x, 0, i)` is the lookup `x[i]`; `histc(float(ids), bins=n, min=0, max=n)` of indices known to lie in
   [0, n) (TorchTitan's `num_tokens_per_expert`) is the float of their counts by an int32 scatter_add, and a cumsum
-  with an integer dtype of such a float cast of exact integer counts is the cumsum of the counts; a lookup
+  with an integer dtype of such a float cast of exact integer counts is the cumsum of the counts;
+  `searchsorted(sort(ids).values, arange(n), right=True)` of such ids (a library user's expert offsets; or
+  `bucketize` with the operands swapped) is the cumsum of their counts (int32 where every user casts it to int32); a lookup
   `x[token_idx]` by HF's pair tokens `arange(T).unsqueeze(1).expand(T, k).reshape(T * k)` is x's rows repeated k
   times (`x.repeat_interleave(k, 0)`'s form), where something other than a lookup reads it;
 - an add of a where of two constants is the where of two adds (`s + where(c, 0, -inf)`, an additive mask, is
@@ -32,7 +34,7 @@
 - `where(~m, a, b)` (or `logical_not`) is `where(m, b, a)`, and on integers `where(a >= b, x, y)` is
   `where(a < b, y, x)` (`>` as `<=`, `!=` as `==`); a negation of a view is the view of the negation;
 - fused arithmetic: fp32 `addcmul(a, b, c)` / `addcdiv(a, b, c)` are `a + b * c` / `a + b / c` (addcmul up to the
-  FMA contraction eager's CPU kernel makes), `baddbmm(a, b, c)`
+  FMA contraction eager's CPU kernel makes; with `value=-1`, `a - b * c` / `a - b / c`), `baddbmm(a, b, c)`
   / `addmm(a, b, c)` are `bmm(b, c) + a` / `mm(b, c) + a`, and `scatter_reduce(..., "sum")` is `scatter_add`;
 - overloads: add/sub/mul/div `.Scalar` (`F.rms_norm`'s decomposition adds its eps so) are the `.Tensor` ones;
 - one-element slices: a broadcasting op's operand `x[i:i+1]` of a 1-D x is `x[i]` where the operands share a dtype
@@ -821,18 +823,21 @@ _FUSED_ARITH = {aten.addcmul.default: aten.mul.Tensor, aten.addcdiv.default: ate
 
 
 def _fused_arith(graph: fx.Graph, node: fx.Node) -> bool:
-    """addcmul(a, b, c) is a + b * c and addcdiv(a, b, c) is a + b / c (value 1) where every operand is fp32.
+    """addcmul(a, b, c) is a + b * c and addcdiv(a, b, c) is a + b / c (value 1) where every operand is fp32; with
+    value -1 they are a - b * c and a - b / c (torch computes a + value * (b op c), and a negation is exact, so
+    a + (-1)(b c) and a - b c round alike: `torch.addcmul(a * cos, b, sin, value=-1)`, a RoPE's first output).
     addcdiv: the same two roundings, bit for bit. addcmul: CPU eager contracts it into one fused multiply-add (one
     rounding, at most one fp32 ulp of the sum from the two-rounding form) and Inductor chooses either, so its value
     is the backend's choice as a + b * c's is: the one form takes the op's rounding. (bf16/fp16 compute in fp32
-    and round once: left as they are.)"""
-    inner = _FUSED_ARITH.get(node.target)
-    if inner is None or len(node.args) != 3 or node.kwargs.get("value", 1) != 1:
+    and round once: left as they are; another value multiplies by a rounding factor: left.)"""
+    inner, value = _FUSED_ARITH.get(node.target), node.kwargs.get("value", 1)
+    if inner is None or len(node.args) != 3 or set(node.kwargs) - {"value"} or value not in (1, -1):
         return False
     if not all(isinstance(_val(a), torch.Tensor) and _val(a).dtype == torch.float32 for a in (*node.args, node)):
         return False
     a, b, c = node.args
-    node.target, node.args, node.kwargs = aten.add.Tensor, (a, _insert(graph, node, inner, (b, c), source=node)), {}
+    joined = aten.add.Tensor if value == 1 else aten.sub.Tensor
+    node.target, node.args, node.kwargs = joined, (a, _insert(graph, node, inner, (b, c), source=node)), {}
     return True
 
 
@@ -2377,6 +2382,53 @@ def _histc_of_indices(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+# sorted-sequence searches: searchsorted(sorted_sequence, values), bucketize(values, boundaries)
+_SEARCHES = (aten.searchsorted.Tensor, aten.bucketize.Tensor)
+
+
+def _searchsorted_as_counts(graph: fx.Graph, node: fx.Node) -> bool:
+    """searchsorted(sort(x).values, arange(n), right=True) of 1-D integer x whose values all lie in [0, U), U <= n
+    (`_index_bound`: top-k ids; a library user's expert offsets `torch.searchsorted(sorted_ids, torch.arange(E),
+    right=True)`), is the cumsum of x's counts, `cumsum(zeros(n).scatter_add(0, x, ones), 0)`: entry v is the number
+    of sorted values <= v, which for values in [0, n) is the sum of the counts of 0..v. Exact (integer sums); in the
+    result's dtype (int64, or int32 with out_int32), and where every user casts it to int32, which holds every
+    entry (at most x.numel() < 2^31), the counts and their cumsum are int32 and replace those casts (the model's
+    `cumsum(counts, 0, dtype=torch.int32)`). `bucketize(arange(n), sort(x).values, right=True)` is the same search
+    (boundaries[i - 1] <= v < boundaries[i]: i = the number of boundaries <= v)."""
+    if not (node.target in _SEARCHES and len(node.args) == 2
+            and set(node.kwargs) <= {"out_int32", "right", "side", "sorter"} and node.kwargs.get("sorter") is None
+            and (node.kwargs.get("side") == "right" or node.kwargs.get("side") is None and node.kwargs.get("right"))):
+        return False
+    values, needles = node.args if node.target is aten.searchsorted.Tensor else node.args[::-1]
+    sort = values.args[0] if isinstance(values, fx.Node) and values.target is operator.getitem \
+        and values.args[1] == 0 else None
+    x = sort.args[0] if _sort_dim_descending(sort) is not None and not _sort_dim_descending(sort)[1] else None
+    vx, vn = _val(x), _val(needles)
+    if not (isinstance(vx, torch.Tensor) and vx.dim() == 1 and not vx.dtype.is_floating_point
+            and vx.dtype is not torch.bool and vx.numel() < 2**31 and isinstance(needles, fx.Node)
+            and needles.target is prims.iota.default and _index_bound(needles) == vn.numel()):
+        return False
+    n, bound = vn.numel(), _index_bound(x)
+    if bound is None or bound > n:
+        return False
+    casts = list(node.users)
+    int32 = node.kwargs.get("out_int32", False) or all(
+        c.target is prims.convert_element_type.default and c.args[1] is torch.int32 for c in casts)
+    dtype = torch.int32 if int32 else torch.int64
+    kw = {"dtype": dtype, "layout": torch.strided, "device": vx.device, "pin_memory": False}
+    zeros = _insert(graph, node, aten.full.default, ([n], 0), kw, source=node)
+    ones = _insert(graph, node, aten.full.default, ([vx.numel()], 1), kw, source=node)
+    counts = _insert(graph, node, aten.scatter_add.default, (zeros, 0, x, ones), source=node)
+    offsets = _insert(graph, node, aten.cumsum.default, (counts, 0), {"dtype": dtype}, source=node)
+    for c in casts if int32 and _val(node).dtype is not torch.int32 else ():
+        c.replace_all_uses_with(offsets)
+        graph.erase_node(c)
+    node.replace_all_uses_with(offsets)
+    graph.erase_node(node)
+    _erase_unused(graph, [values, needles])
+    return True
+
+
 def _counts_of_permuted(graph: fx.Graph, node: fx.Node) -> bool:
     """The counts of x[p], `zeros.scatter_add(0, x[p], ones)` with p a permutation of x's M positions (a sort's
     indices, `sort_permutation`) and x 1-D, are the counts of x: a count is a sum of ones over the positions holding
@@ -2460,6 +2512,7 @@ def _canonical_forms(graph: fx.Graph) -> int:
             continue
         elif (node.target is aten.histc.default and _histc_of_indices(graph, node)
               or node.target is aten.cumsum.default and _cumsum_of_exact_cast(graph, node)
+              or node.target in _SEARCHES and _searchsorted_as_counts(graph, node)
               or node.target is aten.scatter_add.default and _counts_of_permuted(graph, node)
               or node.target is aten.index.Tensor and (_lookup_of_lookup(graph, node)
                                                        or _lookup_of_pair_tokens(graph, node)

@@ -390,6 +390,28 @@ def test_fp32_addcmul_and_addcdiv_are_the_add_of_a_product_and_a_quotient():
     assert ((got[0] - want[0]).abs() <= 2.0**-23 * (a.abs() + (b * c).abs())).all()  # one rounding of the sum
 
 
+def test_fp32_addcmul_and_addcdiv_with_value_minus_one_are_the_difference():
+    """addcmul(a, b, c, value=-1) is a - b * c (within one fp32 ulp: eager's FMA) and addcdiv(a, b, c, value=-1) is
+    a - b / c (bit for bit: the negation is exact); value -2 and 2 (just past +-1, a rounding factor) and a bf16
+    addcmul with value -1 stay."""
+    def f(a, b, c):
+        return (torch.addcmul(a, b, c, value=-1), torch.addcdiv(a, b, c, value=-1), torch.addcmul(a, b, c, value=-2),
+                torch.addcdiv(a, b, c, value=2), torch.addcmul(a.bfloat16(), b.bfloat16(), c.bfloat16(), value=-1))
+
+    g = gen(0)
+    x = [torch.randn(4, 8, generator=g) for _ in range(3)]
+    gm = normalized(f, *x)
+    ops = op_counts(gm)
+    assert ops["aten.addcmul"] == 2 and ops["aten.addcdiv"] == 1 and ops["aten.sub.Tensor"] == 2, ops
+    for seed in (1, 2):
+        x = [torch.randn(4, 8, generator=gen(seed)) for _ in range(3)]
+        got, want = gm(*x), f(*x)
+        assert all(torch.equal(got[i], want[i]) for i in (1, 2, 3, 4))
+        a, b, c = x
+        assert ((got[0] - want[0]).abs() <= 2.0**-23 * (a.abs() + (b * c).abs())).all()  # one rounding of the sum
+        assert torch.equal(got[0], a - b * c)  # the rewritten form computes the difference itself
+
+
 def test_a_gemm_adding_its_input_is_the_gemm_plus_the_input():
     """baddbmm(a, b, c) is bmm(b, c) + a and addmm(a, b, c) is mm(b, c) + a (beta = alpha = 1); another beta stays.
     Values within one fp32 rounding of the sum (the library may add a before its last K block)."""
@@ -1035,6 +1057,58 @@ def test_routing_map_column_sums_are_the_expert_counts(cast):
         s = torch.randn(5, 8, generator=gen(seed))
         for got, want in zip(gm(s), _map_counts(s, cast), strict=True):
             assert torch.equal(got, want)
+
+
+def _search_offsets(scores, search, k=3, right=True, n=None):
+    """Expert offsets of top-k ids as a library user writes them: the flat ids sorted, then searched for each expert
+    0..n-1 (`torch.searchsorted(sorted_ids, arange(n), right=right)` or `torch.bucketize` with the operands swapped),
+    as int32."""
+    ids = torch.topk(scores, k, dim=-1).indices.flatten()
+    sorted_ids = torch.sort(ids, stable=True).values
+    experts = torch.arange(scores.shape[1] if n is None else n)
+    found = torch.searchsorted(sorted_ids, experts, right=right) if search == "searchsorted" else \
+        torch.bucketize(experts, sorted_ids, right=right)
+    return found.to(torch.int32)
+
+
+@pytest.mark.parametrize("search", ["searchsorted", "bucketize"])
+def test_searched_offsets_of_sorted_ids_are_the_cumsum_of_their_counts(search):
+    """searchsorted(sort(ids).values, arange(n), right=True) (or bucketize(arange(n), ..., right=True)) of top-k ids
+    in [0, n) is cumsum(zeros(n).scatter_add(0, ids, ones)): int32 counts and cumsum where the one user casts to
+    int32 (the cast gone), bit for bit on fresh scores, including ties and unused experts; also at n one past the
+    ids' range (the last expert's offset is all the ids)."""
+    for n in (None, 9):
+        scores = torch.randn(5, 8, generator=gen(0))
+        gm = normalized(lambda s: _search_offsets(s, search, n=n), scores)
+        ops = op_counts(gm)
+        assert ops[f"aten.{search}.Tensor"] == 0 and ops["aten.scatter_add"] == 1 and ops["aten.cumsum"] == 1, ops
+        assert ops["prims.convert_element_type"] == 0, gm.code
+        (cumsum,) = [u for u in gm.graph.nodes if u.target is aten.cumsum.default]
+        assert cumsum.kwargs["dtype"] is torch.int32 and cumsum.meta["val"].dtype is torch.int32
+        for seed in (1, 2, 3):
+            s = torch.randn(5, 8, generator=gen(seed)).round()  # ties among the scores
+            assert torch.equal(gm(s), _search_offsets(s, search, n=n))
+
+
+def test_searches_that_are_not_counts_stay():
+    """The counts rule needs the right side, a sort's ascending values, needles arange(n) with n at least the ids'
+    range: side left (the first position, the cumsum of counts below), a descending sort, and n one below the ids'
+    range (an id n would be searched and uncounted) stay; where a user reads the int64 result the cumsum is int64."""
+    def f(scores):
+        ids = torch.topk(scores, 3, dim=-1).indices.flatten()
+        up, down = torch.sort(ids).values, torch.sort(ids, descending=True).values
+        return (torch.searchsorted(up, torch.arange(8)), torch.searchsorted(down, torch.arange(8), right=True),
+                torch.searchsorted(up, torch.arange(7), right=True), torch.searchsorted(up, torch.arange(8), right=True))
+
+    scores = torch.randn(5, 8, generator=gen(0))
+    gm = normalized(f, scores)
+    ops = op_counts(gm)
+    assert ops["aten.searchsorted.Tensor"] == 3 and ops["aten.cumsum"] == 1, ops
+    (cumsum,) = [u for u in gm.graph.nodes if u.target is aten.cumsum.default]
+    assert cumsum.kwargs["dtype"] is torch.int64
+    s = torch.randn(5, 8, generator=gen(1))
+    for got, want in zip(gm(s), f(s), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_column_sums_of_a_map_without_distinct_rows_stay():

@@ -35,6 +35,10 @@ NORM_EPS, HC_EPS, SINKHORN_ITERS = 1e-20, 1e-6, 20
 ROUTE_SCALE, SWIGLU_LIMIT = 1.5, 10.0
 FP8_MAX, FP4_MAX = 448.0, 6.0
 
+# The decode sites of the block, each fused once (tests/passes/foreign/test_libfn_style.py).
+SITES = {"mhc_coeffs": 2, "qkv_norm": 1, "indexer_topk": 1, "wo_a": 1, "mhc_post_pre": 2, "moe_route": 1,
+         "moe_metadata": 1, "moe_experts": 1, "moe_finalize": 1}
+
 
 def pow2_at_least(x):
     """2^ceil(log2(x)) for positive normal fp32 x, exactly: frexp gives x = m * 2^e with m in [0.5, 1), so the
