@@ -26,7 +26,9 @@
   [0, n) (TorchTitan's `num_tokens_per_expert`) is the float of their counts by an int32 scatter_add, and a cumsum
   with an integer dtype of such a float cast of exact integer counts is the cumsum of the counts;
   `searchsorted(sort(ids).values, arange(n), right=True)` of such ids (a library user's expert offsets; or
-  `bucketize` with the operands swapped) is the cumsum of their counts (int32 where every user casts it to int32); a lookup
+  `bucketize` with the operands swapped) is the cumsum of their counts (int32 where every user casts it to int32);
+  counts accumulated (scatter_add, or index_add_ as an accumulating index_put) in another integer dtype than the
+  cumsum of them sums in are the counts accumulated in that dtype; a lookup
   `x[token_idx]` by HF's pair tokens `arange(T).unsqueeze(1).expand(T, k).reshape(T * k)` is x's rows repeated k
   times (`x.repeat_interleave(k, 0)`'s form), where something other than a lookup reads it;
 - an add of a where of two constants is the where of two adds (`s + where(c, 0, -inf)`, an additive mask, is
@@ -2471,6 +2473,48 @@ def _cumsum_of_exact_cast(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+def _counts_parts(c) -> tuple[fx.Node, int] | None:
+    """(the ids, their number M) when c counts them by accumulating ones into zeros: `zeros.scatter_add(0, ids,
+    ones)` (`_count_bound`) or `zeros.index_put([ids], ones, accumulate=True)` (`zeros.index_add_(0, ids, ones)` of
+    1-D ids as it decomposes); else None."""
+    bound = _count_bound(c)
+    if bound is not None:
+        return c.args[2], bound
+    if not (isinstance(c, fx.Node) and c.op == "call_function" and c.target is aten.index_put.default
+            and len(c.args) == 4 and c.args[3] is True and _zeros(c.args[0]) and len(c.args[1]) == 1
+            and isinstance(c.args[2], fx.Node) and c.args[2].target is aten.full.default and c.args[2].args[1] == 1
+            and _static(_val(c.args[1][0])) and _val(c.args[1][0]).dim() == 1 and _val(c.args[0]).dim() == 1):
+        return None
+    return c.args[1][0], _val(c.args[1][0]).numel()
+
+
+def _counts_in_cumsum_dtype(graph: fx.Graph, node: fx.Node) -> bool:
+    """cumsum(c, d, dtype=D) of integer counts c (`_counts_parts`: M ids counted by accumulating ones into zeros) in
+    another integer dtype is the cumsum of the counts accumulated in D, and so is cumsum(c, d) with D = int64 (torch
+    sums an integer input in int64): cumsum casts its input to D first, and a count, at most M, is exact in both
+    dtypes, so the cast of the counts is the counts computed in D (`torch.zeros(E, dtype=torch.long).index_add_(0,
+    ids, ones)` under `torch.cumsum(..., dtype=torch.int32)` is the model's int32 counts). Where c has other users it
+    stays."""
+    c = node.args[0]
+    parts = _counts_parts(c)
+    vc = _val(c)
+    if parts is None or len(node.args) != 2 or set(node.kwargs) - {"dtype"} or len(c.users) != 1:
+        return False
+    ids, m = parts
+    dtype = node.kwargs.get("dtype") or torch.int64
+    integer = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+    if not (vc.dtype in integer and dtype in integer and vc.dtype is not dtype
+            and m <= min(torch.iinfo(vc.dtype).max, torch.iinfo(dtype).max)):
+        return False
+    kw = {"dtype": dtype, "layout": torch.strided, "device": vc.device, "pin_memory": False}
+    zeros = _insert(graph, c, aten.full.default, (list(vc.shape), 0), kw, source=c)
+    ones = _insert(graph, c, aten.full.default, ([m], 1), kw, source=c)
+    args = (zeros, 0, ids, ones) if c.target is aten.scatter_add.default else (zeros, [ids], ones, True)
+    node.args = (_insert(graph, c, c.target, args, source=c), node.args[1])
+    _erase_unused(graph, [c])
+    return True
+
+
 def _canonical_forms(graph: fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
@@ -2511,7 +2555,8 @@ def _canonical_forms(graph: fx.Graph) -> int:
             changed += 1
             continue
         elif (node.target is aten.histc.default and _histc_of_indices(graph, node)
-              or node.target is aten.cumsum.default and _cumsum_of_exact_cast(graph, node)
+              or node.target is aten.cumsum.default and (_cumsum_of_exact_cast(graph, node)
+                                                         or _counts_in_cumsum_dtype(graph, node))
               or node.target in _SEARCHES and _searchsorted_as_counts(graph, node)
               or node.target is aten.scatter_add.default and _counts_of_permuted(graph, node)
               or node.target is aten.index.Tensor and (_lookup_of_lookup(graph, node)

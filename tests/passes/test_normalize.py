@@ -1111,6 +1111,32 @@ def test_searches_that_are_not_counts_stay():
         assert torch.equal(got, want)
 
 
+def test_counts_are_accumulated_in_the_dtype_their_cumsum_sums_in():
+    """Counts by an int64 `index_add_` under `cumsum(dtype=int32)` are int32 counts, and int32 `scatter_add_`
+    counts under a plain cumsum (which sums integers in int64) are int64 counts: the cumsum then reads counts of
+    its own dtype, bit for bit. The edge of the rule: 127 ids under `cumsum(dtype=int8)` (every count fits int8)
+    are counted in int8; 128 (just past it) and counts that another op also reads stay."""
+    def f(ids, many):
+        by_index = torch.zeros(8, dtype=torch.int64).index_add_(0, ids, torch.ones_like(ids))
+        by_scatter = torch.zeros(8, dtype=torch.int32).scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        shared = torch.zeros(8, dtype=torch.int64).index_add_(0, ids, torch.ones_like(ids))
+        small = torch.zeros(8, dtype=torch.int64).index_add_(0, many[:127], torch.ones_like(many[:127]))
+        large = torch.zeros(8, dtype=torch.int64).index_add_(0, many, torch.ones_like(many))
+        return (torch.cumsum(by_index, 0, dtype=torch.int32), by_scatter.cumsum(0),
+                torch.cumsum(shared, 0, dtype=torch.int32), shared, torch.cumsum(small, 0, dtype=torch.int8),
+                torch.cumsum(large, 0, dtype=torch.int8))
+
+    x = (torch.randint(0, 8, (12,), generator=gen(0)), torch.randint(0, 8, (128,), generator=gen(1)))
+    gm = normalized(f, *x)
+    cumsums = [n for n in gm.graph.nodes if n.target is aten.cumsum.default]
+    counted_in = [n.args[0].meta["val"].dtype for n in cumsums]
+    assert counted_in == [torch.int32, torch.int64, torch.int64, torch.int8, torch.int64], gm.code
+    for seed in (2, 3):
+        x = (torch.randint(0, 8, (12,), generator=gen(seed)), torch.randint(0, 2, (128,), generator=gen(seed)))
+        for got, want in zip(gm(*x), f(*x), strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 def test_column_sums_of_a_map_without_distinct_rows_stay():
     """The counts rule needs k distinct ids per row (a top-k's indices): a map scattered from any ids (duplicates
     set one entry once), a float map, or a row sum stay as written."""
