@@ -71,6 +71,10 @@
 - contractions: a batched matrix times a vector, `bmm(a, v)` with v [B, K, 1], is the vector times the matrix
   transposed, `bmm(v^T, a^T)^T`; a bmm of batch 1 against a 2-D value viewed with a unit batch dim
   (`einsum('bld,dq->blq', h, w)` with a Flax-style [in, out] kernel) is an mm;
+- tensor literals: a 0-d `torch.tensor(v)` in the program (`lift_fresh_copy` of a held constant) is
+  `scalar_tensor(v)`, its negation `scalar_tensor(-v)`, its cast that holds v the literal in that dtype, and a clamp
+  by such bounds, exact in x's dtype, is the
+  clamp by the numbers (`torch.clamp(u, -limit, limit)` of a `limit = torch.tensor(10.0)`);
 - JAX-port spellings: `ldexp(x, e)` is `x * pow(2, e)` (`ldexp(1, e)` the power alone); maximum / minimum with a
   nonzero constant are clamp_min / clamp_max (and a clamp with one bound is clamp_min / clamp_max); an int64 sum of a lossless integer cast (`one_hot.to(int32).sum(0)`)
   is the sum of the int64 cast; a slice_scatter of a value computed from that slice (`x.at[..., -r:].set(...)`)
@@ -108,7 +112,7 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -328,6 +332,77 @@ def _one_sided_clamp(node: fx.Node) -> bool:
         return False
     node.target, node.args = (aten.clamp_min.default, (x, lo)) if hi is None else (aten.clamp_max.default, (x, hi))
     node.kwargs = {}
+    return True
+
+
+def _tensor_literal(graph: fx.Graph, node: fx.Node) -> bool:
+    """A 0-d tensor literal, `lift_fresh_copy` of a constant the graph module holds (what `torch.tensor(10.0)`
+    written in the program traces to), is `scalar_tensor(v)` of its dtype and device: the same value, a fresh copy
+    either way; the negation of a `scalar_tensor(v)` is `scalar_tensor(-v)` (exact), and its cast to a dtype that
+    holds v exactly is `scalar_tensor(v)` of that dtype. (The pass cache keys such constants by value,
+    `dsv41.pass_cache.graph_key`.)"""
+    if node.target is aten.neg.default and len(node.args) == 1 and _is_scalar_tensor(node.args[0]):
+        c = node.args[0]
+        value = -c.args[0]
+    elif node.target is prims.convert_element_type.default and _is_scalar_tensor(node.args[0]) \
+            and _exact_in(node.args[0].args[0], node.args[1]):
+        c = node.args[0]
+        value = c.args[0]
+    elif node.target is aten.lift_fresh_copy.default and len(node.args) == 1 and node.args[0].op == "get_attr":
+        c = node.args[0]
+        held = getattr(graph.owning_module, c.target, None) if graph.owning_module is not None else None
+        if not (isinstance(held, torch.Tensor) and not isinstance(held, FakeTensor) and held.dim() == 0
+                and held.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)):
+            return False
+        with unset_fake_temporarily():  # the passes may run under the graph's fake mode
+            value = held.item()
+    else:
+        return False
+    out = _val(node)
+    kw = {"dtype": out.dtype, "layout": torch.strided, "device": out.device, "pin_memory": False}
+    node.replace_all_uses_with(_insert(graph, node, aten.scalar_tensor.default, (value,), kw, source=node))
+    graph.erase_node(node)
+    if not c.users:
+        graph.erase_node(c)
+    return True
+
+
+def _is_scalar_tensor(n) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.scalar_tensor.default \
+        and len(n.args) == 1 and isinstance(n.args[0], (int, float)) and not isinstance(n.args[0], bool)
+
+
+def _exact_in(value, dtype: torch.dtype) -> bool:
+    """Whether the number converts to `dtype` without rounding."""
+    with unset_fake_temporarily():
+        return float(torch.tensor(value, dtype=dtype)) == value
+
+
+# clamps with tensor bounds -> the same clamps with number bounds
+_TENSOR_CLAMPS = {aten.clamp_min.Tensor: aten.clamp_min.default, aten.clamp_max.Tensor: aten.clamp_max.default,
+                  aten.clamp.Tensor: aten.clamp.default}
+
+
+def _clamp_by_constants(graph: fx.Graph, node: fx.Node) -> bool:
+    """clamp(x, lo, hi) / clamp_min / clamp_max with 0-d constant tensor bounds (`scalar_tensor(v)`, a tensor
+    literal's form: `torch.clamp(u, -limit, limit)` with `limit = torch.tensor(10.0)`) is the clamp with the numbers,
+    where the result has x's float dtype and each number is exact in it: torch compares in the result dtype, to
+    which a number bound converts to the same value then. Bounds of another kind, or that x's dtype would round,
+    stay."""
+    scalar = _TENSOR_CLAMPS.get(node.target)
+    if scalar is None or node.kwargs:
+        return False
+    x, *bounds = node.args
+    vx, out = _val(x), _val(node)
+    if not (isinstance(vx, torch.Tensor) and vx.dtype.is_floating_point and out.dtype == vx.dtype
+            and list(out.shape) == list(vx.shape)):
+        return False
+    if not all(b is None or _is_scalar_tensor(b) and _exact_in(b.args[0], vx.dtype) for b in bounds):
+        return False
+    node.target, node.args = scalar, (x, *(None if b is None else float(b.args[0]) for b in bounds))
+    for b in dict.fromkeys(b for b in bounds if b is not None):
+        if not b.users:
+            graph.erase_node(b)
     return True
 
 
@@ -1198,6 +1273,10 @@ def _local_forms(graph: fx.Graph) -> int:
             continue
         changed += _scalar_overload(node) + _fused_arith(graph, node) + _gemm_plus_input(graph, node)
         changed += _scatter_reduce_sum(node) + _gather_1d(node) + _ldexp(graph, node)
+        if _tensor_literal(graph, node):
+            changed += 1
+            continue
+        changed += _clamp_by_constants(graph, node)
         changed += _extremum_with_constant(graph, node) + _one_sided_clamp(node)
         changed += _sum_of_widening_cast(graph, node) + _gather_of_broadcast_rows(graph, node)
         if _remainder_in_range(node) or _clone_of_contiguous(node):

@@ -412,6 +412,31 @@ def test_fp32_addcmul_and_addcdiv_with_value_minus_one_are_the_difference():
         assert torch.equal(got[0], a - b * c)  # the rewritten form computes the difference itself
 
 
+def test_clamps_by_tensor_literals_are_clamps_by_numbers():
+    """`torch.clamp(u, -limit, limit)` with `limit = torch.tensor(10.0)` (a 0-d literal and its negation; the clamp
+    traces as clamp_min and clamp_max) is the clamp by -10.0 and 10.0, and so is a 0-d float64 literal 10.0 on an
+    fp32 x (exact in fp32), bit for bit; a float64 literal 10.1 (which the fp32 comparison would round), a
+    1-element literal that is not 0-d, and a bound read from a graph input stay."""
+    def f(x, bound):
+        limit = torch.tensor(10.0)
+        return (torch.clamp(x, -limit, limit), torch.clamp(x, max=torch.tensor(10.0, dtype=torch.float64)),
+                torch.clamp(x, max=torch.tensor(10.1, dtype=torch.float64)), torch.clamp(x, max=torch.tensor([10.0])),
+                torch.clamp(x, max=bound))
+
+    x = (torch.randn(4, 8, generator=gen(0)) * 20, torch.tensor(3.0))
+    gm = normalized(f, *x)
+    ops = op_counts(gm)
+    assert ops["aten.clamp_min"] == 1 and ops["aten.clamp_max"] == 2 and ops["aten.clamp_max.Tensor"] == 3, ops
+    assert ops["aten.lift_fresh_copy"] == 1 and ops["aten.neg"] == 0, ops  # the 1-element literal's
+    assert ops["aten.scalar_tensor"] == 1 and ops["prims.convert_element_type"] == 1, ops  # 10.1's, cast to fp32
+    bounds = [n.args[1] for n in gm.graph.nodes if n.target in (aten.clamp_min.default, aten.clamp_max.default)]
+    assert bounds == [-10.0, 10.0, 10.0], gm.code
+    for seed in (1, 2):
+        x = (torch.randn(4, 8, generator=gen(seed)) * 20, torch.tensor(3.0))
+        for got, want in zip(gm(*x), f(*x), strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 def test_a_gemm_adding_its_input_is_the_gemm_plus_the_input():
     """baddbmm(a, b, c) is bmm(b, c) + a and addmm(a, b, c) is mm(b, c) + a (beta = alpha = 1); another beta stays.
     Values within one fp32 rounding of the sum (the library may add a before its last K block)."""

@@ -117,9 +117,10 @@ def hc_reduce_norm(x, pre, weight):
 
 
 def clamped_swiglu(gate_up):
-    """silu(min(g, 10)) * clamp(u, -10, 10) in fp32 of the [..., 2 I] GEMM1 output's halves."""
+    """silu(min(g, 10)) * clamp(u, -10, 10) in fp32 of the [..., 2 I] GEMM1 output's halves, the limit a 0-d tensor."""
+    limit = torch.tensor(SWIGLU_LIMIT)
     g, u = torch.chunk(gate_up.float(), 2, dim=-1)
-    return F.silu(torch.clamp(g, max=SWIGLU_LIMIT)) * torch.clamp(u, -SWIGLU_LIMIT, SWIGLU_LIMIT)
+    return F.silu(torch.clamp(g, max=limit)) * torch.clamp(u, -limit, limit)
 
 
 class LibFnBlock(nn.Module):

@@ -5,7 +5,9 @@ trip may move a bucket; the indexer's indices exactly), no NaN.
 
 Before its normalisations (passes/normalize.py) 10 of its 11 sites fused at B = 3 and 9 at B = 1: qkv_norm only
 as its norms (`q_kv_norm_none`: the KV RoPE's `addcmul(a * cos, b, sin, value=-1)` was no subtraction), wo_a a near
-miss at B = 1 (the same inverse-RoPE addcmul), and moe_metadata a near miss at its `torch.searchsorted` offsets."""
+miss at B = 1 (the same inverse-RoPE addcmul), and moe_metadata a near miss at its `torch.searchsorted` offsets. The
+SwiGLU's 0-d tensor limit, written into the block after that measurement, left moe_experts a near miss (a
+`clamp_max.Tensor` bound) before the tensor-literal rule."""
 
 from __future__ import annotations
 
