@@ -5,7 +5,8 @@ find that key (on the H200 a 40-layer warm start spent most of its 203 s there, 
 
 key   = sha256 of the pass manager's fingerprint (`PassManager.fingerprint`: dsv41's sources, the config, torch's
         version) and the ATen graph the AOT step hands the passes: its Python code and every placeholder's and
-        get_attr's value metadata (shape, stride, dtype, device).
+        get_attr's value metadata (shape, stride, dtype, device), and the value of a 0-d tensor constant (a literal
+        the normalisation writes into the graph as its number).
 entry = the rewritten graph as plain data, one record per node (op, name, target by qualified name, args and kwargs
         with nodes by name, the side-stream annotation), and the report's matches, declined, near misses, unrelated anchors, narrowed sites and notes.
 
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from dsv41.passes.streams import STREAM
 
@@ -58,7 +60,19 @@ def graph_key(gm: fx.GraphModule, fingerprint: str) -> str:
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr"):
             h.update(f"{n.op} {n.name} {_value_meta(n)}".encode())
+        if n.op == "get_attr":
+            h.update(_literal_value(gm, n).encode())
     return h.hexdigest()[:32]
+
+
+def _literal_value(gm: fx.GraphModule, n: fx.Node) -> str:
+    """The value of a 0-d tensor constant that get_attr `n` reads (a `torch.tensor(v)` literal of the program, which
+    the normalisation writes into the graph as the number, `normalize._tensor_literal`), else ''."""
+    held = getattr(gm, n.target, None) if isinstance(n.target, str) else None
+    if not (isinstance(held, torch.Tensor) and held.dim() == 0 and not isinstance(held, FakeTensor)):
+        return ""
+    with unset_fake_temporarily():
+        return f" = {held.item()!r}"
 
 
 def _value_meta(n: fx.Node) -> str:

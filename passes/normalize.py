@@ -25,7 +25,11 @@
   (Megatron's `tokens_per_expert`), are the counts of the flat ids, `zeros(E).scatter_add(0, ids.view(-1), ones)`;
   a 1-D `gather(x, 0, i)` is the lookup `x[i]`; `histc(float(ids), bins=n, min=0, max=n)` of indices known to lie in
   [0, n) (TorchTitan's `num_tokens_per_expert`) is the float of their counts by an int32 scatter_add, and a cumsum
-  with an integer dtype of such a float cast of exact integer counts is the cumsum of the counts; a lookup
+  with an integer dtype of such a float cast of exact integer counts is the cumsum of the counts;
+  `searchsorted(sort(ids).values, arange(n), right=True)` of such ids (a library user's expert offsets; or
+  `bucketize` with the operands swapped) is the cumsum of their counts (int32 where every user casts it to int32);
+  counts accumulated (scatter_add, or index_add_ as an accumulating index_put) in another integer dtype than the
+  cumsum of them sums in are the counts accumulated in that dtype; a lookup
   `x[token_idx]` by HF's pair tokens `arange(T).unsqueeze(1).expand(T, k).reshape(T * k)` is x's rows repeated k
   times (`x.repeat_interleave(k, 0)`'s form), where something other than a lookup reads it;
 - an add of a where of two constants is the where of two adds (`s + where(c, 0, -inf)`, an additive mask, is
@@ -33,7 +37,7 @@
 - `where(~m, a, b)` (or `logical_not`) is `where(m, b, a)`, and on integers `where(a >= b, x, y)` is
   `where(a < b, y, x)` (`>` as `<=`, `!=` as `==`); a negation of a view is the view of the negation;
 - fused arithmetic: fp32 `addcmul(a, b, c)` / `addcdiv(a, b, c)` are `a + b * c` / `a + b / c` (addcmul up to the
-  FMA contraction eager's CPU kernel makes), `baddbmm(a, b, c)`
+  FMA contraction eager's CPU kernel makes; with `value=-1`, `a - b * c` / `a - b / c`), `baddbmm(a, b, c)`
   / `addmm(a, b, c)` are `bmm(b, c) + a` / `mm(b, c) + a`, and `scatter_reduce(..., "sum")` is `scatter_add`;
 - overloads: add/sub/mul/div `.Scalar` (`F.rms_norm`'s decomposition adds its eps so) are the `.Tensor` ones;
 - one-element slices: a broadcasting op's operand `x[i:i+1]` of a 1-D x is `x[i]` where the operands share a dtype
@@ -68,6 +72,10 @@
 - contractions: a batched matrix times a vector, `bmm(a, v)` with v [B, K, 1], is the vector times the matrix
   transposed, `bmm(v^T, a^T)^T`; a bmm of batch 1 against a 2-D value viewed with a unit batch dim
   (`einsum('bld,dq->blq', h, w)` with a Flax-style [in, out] kernel) is an mm;
+- tensor literals: a 0-d `torch.tensor(v)` in the program (`lift_fresh_copy` of a held constant) is
+  `scalar_tensor(v)`, its negation `scalar_tensor(-v)`, its cast that holds v the literal in that dtype, and a clamp
+  by such bounds, exact in x's dtype, is the
+  clamp by the numbers (`torch.clamp(u, -limit, limit)` of a `limit = torch.tensor(10.0)`);
 - JAX-port spellings: `ldexp(x, e)` is `x * pow(2, e)` (`ldexp(1, e)` the power alone); maximum / minimum with a
   nonzero constant are clamp_min / clamp_max (and a clamp with one bound is clamp_min / clamp_max); an int64 sum of a lossless integer cast (`one_hot.to(int32).sum(0)`)
   is the sum of the int64 cast; a slice_scatter of a value computed from that slice (`x.at[..., -r:].set(...)`)
@@ -105,7 +113,7 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -325,6 +333,77 @@ def _one_sided_clamp(node: fx.Node) -> bool:
         return False
     node.target, node.args = (aten.clamp_min.default, (x, lo)) if hi is None else (aten.clamp_max.default, (x, hi))
     node.kwargs = {}
+    return True
+
+
+def _tensor_literal(graph: fx.Graph, node: fx.Node) -> bool:
+    """A 0-d tensor literal, `lift_fresh_copy` of a constant the graph module holds (what `torch.tensor(10.0)`
+    written in the program traces to), is `scalar_tensor(v)` of its dtype and device: the same value, a fresh copy
+    either way; the negation of a `scalar_tensor(v)` is `scalar_tensor(-v)` (exact), and its cast to a dtype that
+    holds v exactly is `scalar_tensor(v)` of that dtype. (The pass cache keys such constants by value,
+    `dsv41.pass_cache.graph_key`.)"""
+    if node.target is aten.neg.default and len(node.args) == 1 and _is_scalar_tensor(node.args[0]):
+        c = node.args[0]
+        value = -c.args[0]
+    elif node.target is prims.convert_element_type.default and _is_scalar_tensor(node.args[0]) \
+            and _exact_in(node.args[0].args[0], node.args[1]):
+        c = node.args[0]
+        value = c.args[0]
+    elif node.target is aten.lift_fresh_copy.default and len(node.args) == 1 and node.args[0].op == "get_attr":
+        c = node.args[0]
+        held = getattr(graph.owning_module, c.target, None) if graph.owning_module is not None else None
+        if not (isinstance(held, torch.Tensor) and not isinstance(held, FakeTensor) and held.dim() == 0
+                and held.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)):
+            return False
+        with unset_fake_temporarily():  # the passes may run under the graph's fake mode
+            value = held.item()
+    else:
+        return False
+    out = _val(node)
+    kw = {"dtype": out.dtype, "layout": torch.strided, "device": out.device, "pin_memory": False}
+    node.replace_all_uses_with(_insert(graph, node, aten.scalar_tensor.default, (value,), kw, source=node))
+    graph.erase_node(node)
+    if not c.users:
+        graph.erase_node(c)
+    return True
+
+
+def _is_scalar_tensor(n) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.scalar_tensor.default \
+        and len(n.args) == 1 and isinstance(n.args[0], (int, float)) and not isinstance(n.args[0], bool)
+
+
+def _exact_in(value, dtype: torch.dtype) -> bool:
+    """Whether the number converts to `dtype` without rounding."""
+    with unset_fake_temporarily():
+        return float(torch.tensor(value, dtype=dtype)) == value
+
+
+# clamps with tensor bounds -> the same clamps with number bounds
+_TENSOR_CLAMPS = {aten.clamp_min.Tensor: aten.clamp_min.default, aten.clamp_max.Tensor: aten.clamp_max.default,
+                  aten.clamp.Tensor: aten.clamp.default}
+
+
+def _clamp_by_constants(graph: fx.Graph, node: fx.Node) -> bool:
+    """clamp(x, lo, hi) / clamp_min / clamp_max with 0-d constant tensor bounds (`scalar_tensor(v)`, a tensor
+    literal's form: `torch.clamp(u, -limit, limit)` with `limit = torch.tensor(10.0)`) is the clamp with the numbers,
+    where the result has x's float dtype and each number is exact in it: torch compares in the result dtype, to
+    which a number bound converts to the same value then. Bounds of another kind, or that x's dtype would round,
+    stay."""
+    scalar = _TENSOR_CLAMPS.get(node.target)
+    if scalar is None or node.kwargs:
+        return False
+    x, *bounds = node.args
+    vx, out = _val(x), _val(node)
+    if not (isinstance(vx, torch.Tensor) and vx.dtype.is_floating_point and out.dtype == vx.dtype
+            and list(out.shape) == list(vx.shape)):
+        return False
+    if not all(b is None or _is_scalar_tensor(b) and _exact_in(b.args[0], vx.dtype) for b in bounds):
+        return False
+    node.target, node.args = scalar, (x, *(None if b is None else float(b.args[0]) for b in bounds))
+    for b in dict.fromkeys(b for b in bounds if b is not None):
+        if not b.users:
+            graph.erase_node(b)
     return True
 
 
@@ -822,18 +901,21 @@ _FUSED_ARITH = {aten.addcmul.default: aten.mul.Tensor, aten.addcdiv.default: ate
 
 
 def _fused_arith(graph: fx.Graph, node: fx.Node) -> bool:
-    """addcmul(a, b, c) is a + b * c and addcdiv(a, b, c) is a + b / c (value 1) where every operand is fp32.
+    """addcmul(a, b, c) is a + b * c and addcdiv(a, b, c) is a + b / c (value 1) where every operand is fp32; with
+    value -1 they are a - b * c and a - b / c (torch computes a + value * (b op c), and a negation is exact, so
+    a + (-1)(b c) and a - b c round alike: `torch.addcmul(a * cos, b, sin, value=-1)`, a RoPE's first output).
     addcdiv: the same two roundings, bit for bit. addcmul: CPU eager contracts it into one fused multiply-add (one
     rounding, at most one fp32 ulp of the sum from the two-rounding form) and Inductor chooses either, so its value
     is the backend's choice as a + b * c's is: the one form takes the op's rounding. (bf16/fp16 compute in fp32
-    and round once: left as they are.)"""
-    inner = _FUSED_ARITH.get(node.target)
-    if inner is None or len(node.args) != 3 or node.kwargs.get("value", 1) != 1:
+    and round once: left as they are; another value multiplies by a rounding factor: left.)"""
+    inner, value = _FUSED_ARITH.get(node.target), node.kwargs.get("value", 1)
+    if inner is None or len(node.args) != 3 or set(node.kwargs) - {"value"} or value not in (1, -1):
         return False
     if not all(isinstance(_val(a), torch.Tensor) and _val(a).dtype == torch.float32 for a in (*node.args, node)):
         return False
     a, b, c = node.args
-    node.target, node.args, node.kwargs = aten.add.Tensor, (a, _insert(graph, node, inner, (b, c), source=node)), {}
+    joined = aten.add.Tensor if value == 1 else aten.sub.Tensor
+    node.target, node.args, node.kwargs = joined, (a, _insert(graph, node, inner, (b, c), source=node)), {}
     return True
 
 
@@ -1192,6 +1274,10 @@ def _local_forms(graph: fx.Graph) -> int:
             continue
         changed += _scalar_overload(node) + _fused_arith(graph, node) + _gemm_plus_input(graph, node)
         changed += _scatter_reduce_sum(node) + _gather_1d(node) + _ldexp(graph, node)
+        if _tensor_literal(graph, node):
+            changed += 1
+            continue
+        changed += _clamp_by_constants(graph, node)
         changed += _extremum_with_constant(graph, node) + _one_sided_clamp(node)
         changed += _sum_of_widening_cast(graph, node) + _gather_of_broadcast_rows(graph, node)
         if _remainder_in_range(node) or _clone_of_contiguous(node):
@@ -2383,6 +2469,53 @@ def _histc_of_indices(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+# sorted-sequence searches: searchsorted(sorted_sequence, values), bucketize(values, boundaries)
+_SEARCHES = (aten.searchsorted.Tensor, aten.bucketize.Tensor)
+
+
+def _searchsorted_as_counts(graph: fx.Graph, node: fx.Node) -> bool:
+    """searchsorted(sort(x).values, arange(n), right=True) of 1-D integer x whose values all lie in [0, U), U <= n
+    (`_index_bound`: top-k ids; a library user's expert offsets `torch.searchsorted(sorted_ids, torch.arange(E),
+    right=True)`), is the cumsum of x's counts, `cumsum(zeros(n).scatter_add(0, x, ones), 0)`: entry v is the number
+    of sorted values <= v, which for values in [0, n) is the sum of the counts of 0..v. Exact (integer sums); in the
+    result's dtype (int64, or int32 with out_int32), and where every user casts it to int32, which holds every
+    entry (at most x.numel() < 2^31), the counts and their cumsum are int32 and replace those casts (the model's
+    `cumsum(counts, 0, dtype=torch.int32)`). `bucketize(arange(n), sort(x).values, right=True)` is the same search
+    (boundaries[i - 1] <= v < boundaries[i]: i = the number of boundaries <= v)."""
+    if not (node.target in _SEARCHES and len(node.args) == 2
+            and set(node.kwargs) <= {"out_int32", "right", "side", "sorter"} and node.kwargs.get("sorter") is None
+            and (node.kwargs.get("side") == "right" or node.kwargs.get("side") is None and node.kwargs.get("right"))):
+        return False
+    values, needles = node.args if node.target is aten.searchsorted.Tensor else node.args[::-1]
+    sort = values.args[0] if isinstance(values, fx.Node) and values.target is operator.getitem \
+        and values.args[1] == 0 else None
+    x = sort.args[0] if _sort_dim_descending(sort) is not None and not _sort_dim_descending(sort)[1] else None
+    vx, vn = _val(x), _val(needles)
+    if not (isinstance(vx, torch.Tensor) and vx.dim() == 1 and not vx.dtype.is_floating_point
+            and vx.dtype is not torch.bool and vx.numel() < 2**31 and isinstance(needles, fx.Node)
+            and needles.target is prims.iota.default and _index_bound(needles) == vn.numel()):
+        return False
+    n, bound = vn.numel(), _index_bound(x)
+    if bound is None or bound > n:
+        return False
+    casts = list(node.users)
+    int32 = node.kwargs.get("out_int32", False) or all(
+        c.target is prims.convert_element_type.default and c.args[1] is torch.int32 for c in casts)
+    dtype = torch.int32 if int32 else torch.int64
+    kw = {"dtype": dtype, "layout": torch.strided, "device": vx.device, "pin_memory": False}
+    zeros = _insert(graph, node, aten.full.default, ([n], 0), kw, source=node)
+    ones = _insert(graph, node, aten.full.default, ([vx.numel()], 1), kw, source=node)
+    counts = _insert(graph, node, aten.scatter_add.default, (zeros, 0, x, ones), source=node)
+    offsets = _insert(graph, node, aten.cumsum.default, (counts, 0), {"dtype": dtype}, source=node)
+    for c in casts if int32 and _val(node).dtype is not torch.int32 else ():
+        c.replace_all_uses_with(offsets)
+        graph.erase_node(c)
+    node.replace_all_uses_with(offsets)
+    graph.erase_node(node)
+    _erase_unused(graph, [values, needles])
+    return True
+
+
 def _counts_of_permuted(graph: fx.Graph, node: fx.Node) -> bool:
     """The counts of x[p], `zeros.scatter_add(0, x[p], ones)` with p a permutation of x's M positions (a sort's
     indices, `sort_permutation`) and x 1-D, are the counts of x: a count is a sum of ones over the positions holding
@@ -2422,6 +2555,48 @@ def _cumsum_of_exact_cast(graph: fx.Graph, node: fx.Node) -> bool:
         return False
     node.args = (c, node.args[1])
     _erase_unused(graph, [x])
+    return True
+
+
+def _counts_parts(c) -> tuple[fx.Node, int] | None:
+    """(the ids, their number M) when c counts them by accumulating ones into zeros: `zeros.scatter_add(0, ids,
+    ones)` (`_count_bound`) or `zeros.index_put([ids], ones, accumulate=True)` (`zeros.index_add_(0, ids, ones)` of
+    1-D ids as it decomposes); else None."""
+    bound = _count_bound(c)
+    if bound is not None:
+        return c.args[2], bound
+    if not (isinstance(c, fx.Node) and c.op == "call_function" and c.target is aten.index_put.default
+            and len(c.args) == 4 and c.args[3] is True and _zeros(c.args[0]) and len(c.args[1]) == 1
+            and isinstance(c.args[2], fx.Node) and c.args[2].target is aten.full.default and c.args[2].args[1] == 1
+            and _static(_val(c.args[1][0])) and _val(c.args[1][0]).dim() == 1 and _val(c.args[0]).dim() == 1):
+        return None
+    return c.args[1][0], _val(c.args[1][0]).numel()
+
+
+def _counts_in_cumsum_dtype(graph: fx.Graph, node: fx.Node) -> bool:
+    """cumsum(c, d, dtype=D) of integer counts c (`_counts_parts`: M ids counted by accumulating ones into zeros) in
+    another integer dtype is the cumsum of the counts accumulated in D, and so is cumsum(c, d) with D = int64 (torch
+    sums an integer input in int64): cumsum casts its input to D first, and a count, at most M, is exact in both
+    dtypes, so the cast of the counts is the counts computed in D (`torch.zeros(E, dtype=torch.long).index_add_(0,
+    ids, ones)` under `torch.cumsum(..., dtype=torch.int32)` is the model's int32 counts). Where c has other users it
+    stays."""
+    c = node.args[0]
+    parts = _counts_parts(c)
+    vc = _val(c)
+    if parts is None or len(node.args) != 2 or set(node.kwargs) - {"dtype"} or len(c.users) != 1:
+        return False
+    ids, m = parts
+    dtype = node.kwargs.get("dtype") or torch.int64
+    integer = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+    if not (vc.dtype in integer and dtype in integer and vc.dtype is not dtype
+            and m <= min(torch.iinfo(vc.dtype).max, torch.iinfo(dtype).max)):
+        return False
+    kw = {"dtype": dtype, "layout": torch.strided, "device": vc.device, "pin_memory": False}
+    zeros = _insert(graph, c, aten.full.default, (list(vc.shape), 0), kw, source=c)
+    ones = _insert(graph, c, aten.full.default, ([m], 1), kw, source=c)
+    args = (zeros, 0, ids, ones) if c.target is aten.scatter_add.default else (zeros, [ids], ones, True)
+    node.args = (_insert(graph, c, c.target, args, source=c), node.args[1])
+    _erase_unused(graph, [c])
     return True
 
 
@@ -2465,7 +2640,9 @@ def _canonical_forms(graph: fx.Graph) -> int:
             changed += 1
             continue
         elif (node.target is aten.histc.default and _histc_of_indices(graph, node)
-              or node.target is aten.cumsum.default and _cumsum_of_exact_cast(graph, node)
+              or node.target is aten.cumsum.default and (_cumsum_of_exact_cast(graph, node)
+                                                         or _counts_in_cumsum_dtype(graph, node))
+              or node.target in _SEARCHES and _searchsorted_as_counts(graph, node)
               or node.target is aten.scatter_add.default and _counts_of_permuted(graph, node)
               or node.target is aten.index.Tensor and (_lookup_of_lookup(graph, node)
                                                        or _lookup_of_pair_tokens(graph, node)

@@ -117,6 +117,26 @@ def test_key_follows_graph_and_fingerprint():
     assert pass_cache.graph_key(gm_a, "f") == pass_cache.graph_key(_graph_module(lambda x: x * 2, torch.ones(4)), "f")
 
 
+def test_key_follows_a_tensor_literal_value():
+    """A `torch.tensor(v)` literal traces to a get_attr constant that the code names alike for every v, and the
+    normalisation writes v into the rewritten graph (`normalize._tensor_literal`): its value is in the key."""
+    def clamped(limit):
+        return lambda x: torch.clamp(x, max=torch.tensor(limit))
+
+    gm_10, gm_7 = (make_fx_real(clamped(v), torch.ones(4)) for v in (10.0, 7.0))
+    assert [n.op for n in gm_10.graph.nodes].count("get_attr") == 1
+    assert gm_10.code == gm_7.code
+    assert pass_cache.graph_key(gm_10, "f") != pass_cache.graph_key(gm_7, "f")
+    assert pass_cache.graph_key(gm_10, "f") == pass_cache.graph_key(make_fx_real(clamped(10.0), torch.ones(4)), "f")
+
+
+def make_fx_real(fn, *args) -> fx.GraphModule:
+    """fn traced with real tensors (its constants are held as real tensors, as in the graphs the backend gets)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn)(*args)
+
+
 def test_fingerprint_follows_config():
     prints = {PassManager(c).fingerprint() for c in (Dsv41Config(), Dsv41Config(max_tokens=8),
                                                       Dsv41Config(fusions=Dsv41Config().fusions - {"wo_a"}))}

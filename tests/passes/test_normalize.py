@@ -390,6 +390,53 @@ def test_fp32_addcmul_and_addcdiv_are_the_add_of_a_product_and_a_quotient():
     assert ((got[0] - want[0]).abs() <= 2.0**-23 * (a.abs() + (b * c).abs())).all()  # one rounding of the sum
 
 
+def test_fp32_addcmul_and_addcdiv_with_value_minus_one_are_the_difference():
+    """addcmul(a, b, c, value=-1) is a - b * c (within one fp32 ulp: eager's FMA) and addcdiv(a, b, c, value=-1) is
+    a - b / c (bit for bit: the negation is exact); value -2 and 2 (just past +-1, a rounding factor) and a bf16
+    addcmul with value -1 stay."""
+    def f(a, b, c):
+        return (torch.addcmul(a, b, c, value=-1), torch.addcdiv(a, b, c, value=-1), torch.addcmul(a, b, c, value=-2),
+                torch.addcdiv(a, b, c, value=2), torch.addcmul(a.bfloat16(), b.bfloat16(), c.bfloat16(), value=-1))
+
+    g = gen(0)
+    x = [torch.randn(4, 8, generator=g) for _ in range(3)]
+    gm = normalized(f, *x)
+    ops = op_counts(gm)
+    assert ops["aten.addcmul"] == 2 and ops["aten.addcdiv"] == 1 and ops["aten.sub.Tensor"] == 2, ops
+    for seed in (1, 2):
+        x = [torch.randn(4, 8, generator=gen(seed)) for _ in range(3)]
+        got, want = gm(*x), f(*x)
+        assert all(torch.equal(got[i], want[i]) for i in (1, 2, 3, 4))
+        a, b, c = x
+        assert ((got[0] - want[0]).abs() <= 2.0**-23 * (a.abs() + (b * c).abs())).all()  # one rounding of the sum
+        assert torch.equal(got[0], a - b * c)  # the rewritten form computes the difference itself
+
+
+def test_clamps_by_tensor_literals_are_clamps_by_numbers():
+    """`torch.clamp(u, -limit, limit)` with `limit = torch.tensor(10.0)` (a 0-d literal and its negation; the clamp
+    traces as clamp_min and clamp_max) is the clamp by -10.0 and 10.0, and so is a 0-d float64 literal 10.0 on an
+    fp32 x (exact in fp32), bit for bit; a float64 literal 10.1 (which the fp32 comparison would round), a
+    1-element literal that is not 0-d, and a bound read from a graph input stay."""
+    def f(x, bound):
+        limit = torch.tensor(10.0)
+        return (torch.clamp(x, -limit, limit), torch.clamp(x, max=torch.tensor(10.0, dtype=torch.float64)),
+                torch.clamp(x, max=torch.tensor(10.1, dtype=torch.float64)), torch.clamp(x, max=torch.tensor([10.0])),
+                torch.clamp(x, max=bound))
+
+    x = (torch.randn(4, 8, generator=gen(0)) * 20, torch.tensor(3.0))
+    gm = normalized(f, *x)
+    ops = op_counts(gm)
+    assert ops["aten.clamp_min"] == 1 and ops["aten.clamp_max"] == 2 and ops["aten.clamp_max.Tensor"] == 3, ops
+    assert ops["aten.lift_fresh_copy"] == 1 and ops["aten.neg"] == 0, ops  # the 1-element literal's
+    assert ops["aten.scalar_tensor"] == 1 and ops["prims.convert_element_type"] == 1, ops  # 10.1's, cast to fp32
+    bounds = [n.args[1] for n in gm.graph.nodes if n.target in (aten.clamp_min.default, aten.clamp_max.default)]
+    assert bounds == [-10.0, 10.0, 10.0], gm.code
+    for seed in (1, 2):
+        x = (torch.randn(4, 8, generator=gen(seed)) * 20, torch.tensor(3.0))
+        for got, want in zip(gm(*x), f(*x), strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 def test_a_gemm_adding_its_input_is_the_gemm_plus_the_input():
     """baddbmm(a, b, c) is bmm(b, c) + a and addmm(a, b, c) is mm(b, c) + a (beta = alpha = 1); another beta stays.
     Values within one fp32 rounding of the sum (the library may add a before its last K block)."""
@@ -1045,6 +1092,84 @@ def test_routing_map_column_sums_are_the_expert_counts(cast):
         s = torch.randn(5, 8, generator=gen(seed))
         for got, want in zip(gm(s), _map_counts(s, cast), strict=True):
             assert torch.equal(got, want)
+
+
+def _search_offsets(scores, search, k=3, right=True, n=None):
+    """Expert offsets of top-k ids as a library user writes them: the flat ids sorted, then searched for each expert
+    0..n-1 (`torch.searchsorted(sorted_ids, arange(n), right=right)` or `torch.bucketize` with the operands swapped),
+    as int32."""
+    ids = torch.topk(scores, k, dim=-1).indices.flatten()
+    sorted_ids = torch.sort(ids, stable=True).values
+    experts = torch.arange(scores.shape[1] if n is None else n)
+    found = torch.searchsorted(sorted_ids, experts, right=right) if search == "searchsorted" else \
+        torch.bucketize(experts, sorted_ids, right=right)
+    return found.to(torch.int32)
+
+
+@pytest.mark.parametrize("search", ["searchsorted", "bucketize"])
+def test_searched_offsets_of_sorted_ids_are_the_cumsum_of_their_counts(search):
+    """searchsorted(sort(ids).values, arange(n), right=True) (or bucketize(arange(n), ..., right=True)) of top-k ids
+    in [0, n) is cumsum(zeros(n).scatter_add(0, ids, ones)): int32 counts and cumsum where the one user casts to
+    int32 (the cast gone), bit for bit on fresh scores, including ties and unused experts; also at n one past the
+    ids' range (the last expert's offset is all the ids)."""
+    for n in (None, 9):
+        scores = torch.randn(5, 8, generator=gen(0))
+        gm = normalized(lambda s: _search_offsets(s, search, n=n), scores)
+        ops = op_counts(gm)
+        assert ops[f"aten.{search}.Tensor"] == 0 and ops["aten.scatter_add"] == 1 and ops["aten.cumsum"] == 1, ops
+        assert ops["prims.convert_element_type"] == 0, gm.code
+        (cumsum,) = [u for u in gm.graph.nodes if u.target is aten.cumsum.default]
+        assert cumsum.kwargs["dtype"] is torch.int32 and cumsum.meta["val"].dtype is torch.int32
+        for seed in (1, 2, 3):
+            s = torch.randn(5, 8, generator=gen(seed)).round()  # ties among the scores
+            assert torch.equal(gm(s), _search_offsets(s, search, n=n))
+
+
+def test_searches_that_are_not_counts_stay():
+    """The counts rule needs the right side, a sort's ascending values, needles arange(n) with n at least the ids'
+    range: side left (the first position, the cumsum of counts below), a descending sort, and n one below the ids'
+    range (an id n would be searched and uncounted) stay; where a user reads the int64 result the cumsum is int64."""
+    def f(scores):
+        ids = torch.topk(scores, 3, dim=-1).indices.flatten()
+        up, down = torch.sort(ids).values, torch.sort(ids, descending=True).values
+        return (torch.searchsorted(up, torch.arange(8)), torch.searchsorted(down, torch.arange(8), right=True),
+                torch.searchsorted(up, torch.arange(7), right=True), torch.searchsorted(up, torch.arange(8), right=True))
+
+    scores = torch.randn(5, 8, generator=gen(0))
+    gm = normalized(f, scores)
+    ops = op_counts(gm)
+    assert ops["aten.searchsorted.Tensor"] == 3 and ops["aten.cumsum"] == 1, ops
+    (cumsum,) = [u for u in gm.graph.nodes if u.target is aten.cumsum.default]
+    assert cumsum.kwargs["dtype"] is torch.int64
+    s = torch.randn(5, 8, generator=gen(1))
+    for got, want in zip(gm(s), f(s), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_counts_are_accumulated_in_the_dtype_their_cumsum_sums_in():
+    """Counts by an int64 `index_add_` under `cumsum(dtype=int32)` are int32 counts, and int32 `scatter_add_`
+    counts under a plain cumsum (which sums integers in int64) are int64 counts: the cumsum then reads counts of
+    its own dtype, bit for bit. The edge of the rule: 127 ids under `cumsum(dtype=int8)` (every count fits int8)
+    are counted in int8; 128 (just past it) and counts that another op also reads stay."""
+    def f(ids, many):
+        by_index = torch.zeros(8, dtype=torch.int64).index_add_(0, ids, torch.ones_like(ids))
+        by_scatter = torch.zeros(8, dtype=torch.int32).scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        shared = torch.zeros(8, dtype=torch.int64).index_add_(0, ids, torch.ones_like(ids))
+        small = torch.zeros(8, dtype=torch.int64).index_add_(0, many[:127], torch.ones_like(many[:127]))
+        large = torch.zeros(8, dtype=torch.int64).index_add_(0, many, torch.ones_like(many))
+        return (torch.cumsum(by_index, 0, dtype=torch.int32), by_scatter.cumsum(0),
+                torch.cumsum(shared, 0, dtype=torch.int32), shared, torch.cumsum(small, 0, dtype=torch.int8),
+                torch.cumsum(large, 0, dtype=torch.int8))
+
+    x = (torch.randint(0, 8, (12,), generator=gen(0)), torch.randint(0, 8, (128,), generator=gen(1)))
+    gm = normalized(f, *x)
+    cumsums = [n for n in gm.graph.nodes if n.target is aten.cumsum.default]
+    counted_in = [n.args[0].meta["val"].dtype for n in cumsums]
+    assert counted_in == [torch.int32, torch.int64, torch.int64, torch.int8, torch.int64], gm.code
+    for seed in (2, 3):
+        x = (torch.randint(0, 8, (12,), generator=gen(seed)), torch.randint(0, 2, (128,), generator=gen(seed)))
+        for got, want in zip(gm(*x), f(*x), strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
 
 
 def test_column_sums_of_a_map_without_distinct_rows_stay():

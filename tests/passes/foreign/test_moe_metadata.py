@@ -69,8 +69,15 @@ def one_hot_int32(flat_e, flat_w):
     return order // K, torch.cumsum(counts, dim=0).to(torch.int32), flat_w[order]
 
 
+def index_add_int64_cumsum_int32(flat_e, flat_w):
+    """counts by an int64 `index_add_` (`torch.zeros(E, dtype=torch.long)`), summed by `torch.cumsum(dtype=int32)`."""
+    order = torch.argsort(flat_e, stable=True)
+    counts = torch.zeros(E, dtype=torch.long).index_add_(0, flat_e, torch.ones_like(flat_e))
+    return order // K, torch.cumsum(counts, 0, dtype=torch.int32), flat_w[order]
+
+
 CASES = {f.__name__: f for f in (sort_indices_floor_divide, sort_tuple_take, arange_comparison, out_of_place_scatter,
-                                 index_add_int32, weights_first, one_hot_int32)}
+                                 index_add_int32, weights_first, one_hot_int32, index_add_int64_cumsum_int32)}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -107,6 +114,32 @@ def test_routing_map_counts_found_once_and_equal_to_eager():
     for seed in (1, 2):
         x = scores_inputs(seed)
         assert_close(gm(*x), routing_map(*x), atol=0, rtol=0)
+
+
+def searched_offsets(search):
+    """A library user's metadata (libfn_style.py): the top-k ids sorted by `torch.sort(stable=True)`, whose indices
+    are the order, and the offsets found by `torch.searchsorted(sorted_ids, torch.arange(E), right=True)` (or
+    `torch.bucketize(torch.arange(E), sorted_ids, right=True)`) cast to int32, the row weights by `index_select`."""
+    def metadata(scores, flat_w):
+        sorted_ids, order = torch.sort(torch.topk(scores, K, dim=1).indices.flatten(), stable=True)
+        experts = torch.arange(E)
+        found = torch.searchsorted(sorted_ids, experts, right=True) if search == "searchsorted" else \
+            torch.bucketize(experts, sorted_ids, right=True)
+        return order // K, found.to(torch.int32), flat_w.index_select(0, order)
+    return metadata
+
+
+@pytest.mark.parametrize("search", ["searchsorted", "bucketize"])
+def test_searched_offsets_found_once_and_equal_to_eager(search):
+    """The searched offsets of ids known to lie in [0, E) are the cumsum of their counts: fused once, no search
+    left, equal to eager exactly (also on scores of two experts ahead and the rest tied)."""
+    f = searched_offsets(search)
+    gm, report = run_passes(f, scores_inputs(0), FUSION)
+    assert report.matches == {FUSION: 1} and op_counts(gm)[OP] == 1, report.declined
+    assert op_counts(gm)[f"aten.{search}.Tensor"] == 0
+    tied = torch.full((T, E), -1.0).index_fill_(1, torch.tensor([E - 1, 0]), 1.0)
+    for x in (scores_inputs(1), scores_inputs(2), [tied, torch.rand(T * K)]):
+        assert_close(gm(*x), f(*x), atol=0, rtol=0)
 
 
 def histc_counts(scores, flat_w):
