@@ -40,7 +40,11 @@ gathered match with parts written another way passes the semantic check within t
 
 The pairs may also be flattened first (HF's `batched_mm` experts, `flat_pair_experts`): ids = expert_idx.reshape(T *
 k), rows x[p // k], bmm over the gathered [S, 2I, D] and [S, D, I] weights, the [S, D] rows returned; replaced alike,
-the op's rows put back in pair order as [S, D].
+the op's rows put back in pair order as [S, D]. Or each of M rows x[token[m]] runs on its own expert's gathered
+weights (`per_row_experts`, `gathered_per_row...`: an export-style decode that sorts the pairs but, with no
+`_grouped_mm` to export, gathers each sorted row's w13 and w2): the op takes every row as its own expert, its w13
+and w2 the rows' gathered weights (the gathers the graph computes), offsets 1, 2, ..., M, the graph's token and row
+weights (or ones), its rows in the graph's row order. Exact as above.
 
 With w1 and w3 held apart (gpt-fast), the op's stacked w13 of all E experts would be a cat copying every expert's
 weights on every call; instead each pair is its own expert: the op takes w13 = cat(w1[flat], w3[flat], 1) [T * k, 2I,
@@ -71,8 +75,8 @@ from dsv41.passes.matcher import Pattern, leaves
 T, D, I, E, K = 3, 32, 32, 4, 6
 aten, prims = torch.ops.aten, torch.ops.prims
 # the gathered formulations' name prefix; w1 and w3 held apart; GEMM1's input rows given (not x[token]);
-# the gathered pairs flattened
-GATHERED, SPLIT, ROWS, FLAT = "gathered", "split", "rows", "flat"
+# the gathered pairs flattened; each row x[token[m]] on its own gathered expert weights
+GATHERED, SPLIT, ROWS, FLAT, PER_ROW = "gathered", "split", "rows", "flat", "per_row"
 
 
 def _sorted_example(name):
@@ -112,6 +116,21 @@ def _gathered_inputs(tokens=T):
 def _split_inputs(tokens=T):
     x, expert_idx, weights, w13, w2 = _gathered_inputs(tokens)
     return [x, expert_idx, weights, w13[:, :I].clone(), w13[:, I:].clone(), w2]
+
+
+def _per_row_inputs(tokens=T):
+    """x [T, D], token [M], expert_idx [M], row_weights [M], w13, w2 (M = T * K rows)."""
+    x, _, _, w13, w2 = _gathered_inputs(tokens)
+    rows = tokens * K
+    return [x, torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.int64), torch.empty(rows), w13, w2]
+
+
+def _without_row_weights(inputs):
+    """The example inputs of the unweighted per-row form: the row weights (the fourth input) dropped."""
+    def unweighted(*shape):
+        x, token, expert_idx, _, *rest = inputs(*shape)
+        return [x, token, expert_idx, *rest]
+    return unweighted
 
 
 def _without_weights(inputs):
@@ -190,11 +209,24 @@ def flat_pair_experts(x, expert_idx, weights, w13, w2, limit, quant_block):
         gu[p] = w13[ids[p]] @ x[p // k]   (bmm over [S, 2I, D] and [S, D, 1]),  ids = expert_idx.reshape(S)
         out[p] = w2[ids[p]] @ a[p],  a as `_activation` of gu's halves with weights.reshape(S)."""
     t, k = expert_idx.shape
-    ids = expert_idx.reshape(t * k)
-    inter = w2.shape[2]
-    gu = torch.bmm(w13[ids], x.repeat_interleave(k, 0).unsqueeze(-1)).squeeze(-1)
     flat_weights = None if weights is None else weights.reshape(t * k)
-    a = _activation(gu[:, :inter], gu[:, inter:], flat_weights, limit, quant_block, x.dtype)
+    return _row_products(x.repeat_interleave(k, 0), expert_idx.reshape(t * k), flat_weights, w13, w2, limit,
+                         quant_block)
+
+
+def per_row_experts(x, token, expert_idx, row_weights, w13, w2, limit, quant_block):
+    """Each of M rows on its own expert's gathered weights, rows x[token] (an export-style decode that sorts the
+    pairs but, without `_grouped_mm`, gathers each sorted row's expert weights): x [T, D] bf16, token [M], expert_idx
+    [M] (row m's expert), row_weights [M] fp32 (None: unweighted), w13 [E, 2I, D], w2 [E, D, I] -> [M, D] bf16."""
+    return _row_products(x[token], expert_idx, row_weights, w13, w2, limit, quant_block)
+
+
+def _row_products(rows, ids, row_weights, w13, w2, limit, quant_block):
+    """out[m] = w2[ids[m]] @ a[m], a = `_activation` of the halves of gu[m] = w13[ids[m]] @ rows[m] (bmm over the
+    gathered [M, 2I, D] and [M, D, I] weights): rows [M, D] -> [M, D]."""
+    inter = w2.shape[2]
+    gu = torch.bmm(w13[ids], rows.unsqueeze(-1)).squeeze(-1)
+    a = _activation(gu[:, :inter], gu[:, inter:], row_weights, limit, quant_block, rows.dtype)
     return torch.bmm(w2[ids], a.unsqueeze(-1)).squeeze(-1)
 
 
@@ -247,6 +279,17 @@ class MoeExpertsPass(FusionPass):
                     weighted_forms.append((f"{GATHERED}_{FLAT}{fp8}", flat, _gathered_inputs))
                     unweighted_forms.append((f"{GATHERED}_{FLAT}{fp8}_unweighted", flat_unweighted,
                                              _without_weights(_gathered_inputs)))
+
+                    def per_row(x, token, expert_idx, row_weights, w13, w2, quant_block=quant_block):
+                        return per_row_experts(x, token, expert_idx, row_weights, w13, w2, c.swiglu_limit,
+                                               quant_block)
+
+                    def per_row_unweighted(x, token, expert_idx, w13, w2, quant_block=quant_block):
+                        return per_row_experts(x, token, expert_idx, None, w13, w2, c.swiglu_limit, quant_block)
+
+                    weighted_forms.append((f"{GATHERED}_{PER_ROW}{fp8}", per_row, _per_row_inputs))
+                    unweighted_forms.append((f"{GATHERED}_{PER_ROW}{fp8}_unweighted", per_row_unweighted,
+                                             _without_row_weights(_per_row_inputs)))
                 for name, search, inputs in weighted_forms + unweighted_forms:
                     # at one token the batched product's broadcast x needs no contiguous copy: another form
                     pats.append(Pattern(name, search, inputs, variants=(lambda inputs=inputs: inputs(1),),
@@ -289,6 +332,8 @@ class MoeExpertsPass(FusionPass):
             return _sorted_formulation_replacement(dict(zip(m.pattern.input_names(), m.inputs)), tail, kernel)
         weighted = not m.pattern.name.endswith("_unweighted")
         inputs = list(m.inputs)
+        if f"_{PER_ROW}" in m.pattern.name:
+            return _per_row_replacement(inputs, weighted, tail, kernel)
         if f"_{SPLIT}" in m.pattern.name:  # the inputs end in w1, w3, w2
             w13 = _stacked_halves(*inputs[-3:-1])
             if w13 is None:
@@ -365,6 +410,20 @@ def _stacked_halves(w1, w3):
     if root is not root3 or len(whole) != 3 or whole[1] != 2 * inter or {dim1, dim3} != {1} or step1 + step3 not in ([], [1], [1, 1]):
         return None
     return root if (start1, min(end1, whole[1]), start3, min(end3, whole[1])) == (0, inter, inter, 2 * inter) else None
+
+
+def _per_row_replacement(inputs, weighted, tail, kernel):
+    """The op with one expert a row for a per-row match: x, token [M], expert_idx [M], (row_weights [M],) w13, w2 ->
+    the op's [M, D] rows in the graph's row order; its w13 and w2 are the rows' gathered weights (the gathers the
+    graph computes), offsets 1, 2, ..., M."""
+    x, token, expert_idx, *rest = inputs
+    w13, w2 = rest[-2:]
+    offsets = Derived(aten.cumsum.default, (Derived(aten.ones_like.default, (expert_idx,)), 0),
+                      (("dtype", torch.int32),))
+    row_weights = rest[0] if weighted else _ones(expert_idx)
+    return Replacement(torch.ops.dsv41.moe_experts.default,
+                       (x, token, row_weights, offsets, Derived(aten.index.Tensor, (w13, [expert_idx])),
+                        Derived(aten.index.Tensor, (w2, [expert_idx])), *tail, None, kernel), (None,))
 
 
 def _per_pair_replacement(inputs, weighted, tail, kernel):

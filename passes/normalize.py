@@ -12,8 +12,12 @@
   `topk(x, k, -1, True, True)`);
 - layout chains: a chain of views, unsqueezes, squeezes and permutes is at most one permute and one view of its
   root (one-step and two-step reshapes, `x[:, None]` and `x.unsqueeze(1)` are one form);
-- broadcasting: an operand viewed only to add leading size-1 dims is the operand itself, and a `full` operand the
-  others already broadcast to the output's shape is a 0-d `scalar_tensor`;
+- broadcasting: an operand viewed only to add leading size-1 dims is the operand itself, an operand `expand`ed to
+  what the op's broadcasting gives anyway is its input (export-style `w[None].expand(T, N)`; a cast of an expand is
+  the expand of the cast), and a `full` operand the others already broadcast to the output's shape is a 0-d
+  `scalar_tensor`;
+- a lookup along one dim by `arange(start, stop, step)` in range (`index_select(x, -1, arange(0, rd, 2))`) is the
+  strided slice of the same elements (`x[..., 0::2]`);
 - split dims: `select(x.view(..., n, k, ...), d, i)` is a slice of x: the stride-k slice `x[..., i::k]` on the k
   factor (interleaved elements), the run `x[..., i*k:(i+1)*k]` on the n factor (`view(-1, 2, I).unbind(1)` halves);
   where the view also drops size-1 dims (`[S, 1, 2I] -> [S, 2, I]`, a bmm's column-vector output split), the slice
@@ -540,6 +544,31 @@ def _lookup_index(n) -> fx.Node | None:
     i = _val(n.args[1][0])
     return n.args[1][0] if isinstance(i, torch.Tensor) and not i.dtype.is_floating_point and i.dtype is not torch.bool \
         else None
+
+
+def _lookup_by_iota_as_slice(graph: fx.Graph, node: fx.Node) -> bool:
+    """x indexed along dim d alone by `iota(n, start, step)` (`index_select(x, d, arange(start, stop, step))`, as
+    `x[..., arange(...)]` traces) with 0 <= start and start + (n - 1) * step < x.size(d), step >= 1, is the strided
+    slice `x[..., start:end:step]` of the same n elements in the same order (exact): end is "to the end" where
+    that slice holds exactly n elements (`x[..., 1::2]`'s form), else one past the last index."""
+    if not (len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) and node.args[1]
+            and all(i is None for i in node.args[1][:-1])):
+        return False
+    iota, x, d = node.args[1][-1], _val(node.args[0]), len(node.args[1]) - 1
+    if not (isinstance(iota, fx.Node) and iota.op == "call_function" and iota.target is prims.iota.default
+            and _static(x) and isinstance(iota.args[0], int)):
+        return False
+    n, start, step = iota.args[0], iota.kwargs.get("start", 0), iota.kwargs.get("step", 1)
+    if not (isinstance(start, int) and isinstance(step, int) and n >= 1 and start >= 0 and step >= 1
+            and start + (n - 1) * step < x.shape[d]):
+        return False
+    end = _END if -(-(x.shape[d] - start) // step) == n else start + (n - 1) * step + 1
+    sliced = _insert(graph, node, aten.slice.Tensor, (node.args[0], d, start, end, step), source=node)
+    node.replace_all_uses_with(sliced)
+    graph.erase_node(node)
+    if not iota.users:
+        graph.erase_node(iota)
+    return True
 
 
 def _lookup_of_lookup(graph: fx.Graph, node: fx.Node) -> bool:
@@ -1540,6 +1569,57 @@ def _drop_broadcast_views(node: fx.Node) -> bool:
     return changed
 
 
+def _swap_operand(graph: fx.Graph, node: fx.Node, i: int, new: fx.Node) -> bool:
+    """node's operand i replaced by `new` where node's op on the new operands (fake values) gives a tensor of its
+    own dtype and shape; the old operand erased if nothing else reads it. False (nothing changed) otherwise."""
+    args = list(node.args)
+    old, args[i] = args[i], new
+    try:
+        same = _fake_call(node.target, *args, **node.kwargs)
+    except Exception:
+        return False
+    out = _val(node)
+    if not (isinstance(same, torch.Tensor) and same.dtype == out.dtype and list(same.shape) == list(out.shape)):
+        return False
+    node.args = tuple(args)
+    if not old.users:
+        graph.erase_node(old)
+    return True
+
+
+def _drop_broadcast_expands(graph: fx.Graph, node: fx.Node) -> bool:
+    """An operand `expand(a, shape)` of a broadcasting op is `a` where the op's broadcasting of `a` with the other
+    operands gives the same output: expand is broadcasting made explicit, so each output element reads the same
+    element of `a` either way (exact). Checked: the output's shape (which other operands must give) and dtype stay
+    (an expanded 0-d tensor counts as dimensioned in type promotion, a 0-d one not)."""
+    out = _val(node)
+    if not _static(out):
+        return False
+    changed = False
+    for i, a in enumerate(node.args):
+        if (isinstance(a, fx.Node) and a.op == "call_function" and a.target is aten.expand.default
+                and isinstance(a.args[0], fx.Node) and _static(_val(a.args[0]))):
+            changed |= _swap_operand(graph, node, i, a.args[0])
+    return changed
+
+
+def _cast_above_expand(graph: fx.Graph, node: fx.Node) -> bool:
+    """`convert_element_type(expand(a, shape), d)` is `expand(convert_element_type(a, d), shape)`: a cast is
+    elementwise and expand repeats elements, so the two commute (exact); the cast then reads the unexpanded value,
+    whose expand a broadcasting user may drop (`_drop_broadcast_expands`)."""
+    ex = node.args[0]
+    if not (isinstance(ex, fx.Node) and ex.op == "call_function" and ex.target is aten.expand.default
+            and isinstance(ex.args[0], fx.Node) and _static(_val(ex.args[0])) and _static(_val(node))):
+        return False
+    cast = _insert(graph, node, node.target, (ex.args[0], *node.args[1:]), node.kwargs, source=node)
+    expanded = _insert(graph, node, aten.expand.default, (cast, list(_val(node).shape)), source=node)
+    node.replace_all_uses_with(expanded)
+    graph.erase_node(node)
+    if not ex.users:
+        graph.erase_node(ex)
+    return True
+
+
 def _full_as_scalar(graph: fx.Graph, node: fx.Node) -> bool:
     """An operand `full(shape, v)` of a broadcasting op that the other operands already broadcast to the output's
     shape, in the output's dtype, is the 0-d `scalar_tensor(v)` (`where(m, i, full_like(i, n))` and
@@ -1557,18 +1637,10 @@ def _full_as_scalar(graph: fx.Graph, node: fx.Node) -> bool:
             continue
         kwargs = {"dtype": out.dtype, "layout": torch.strided, "device": a.kwargs.get("device", out.device)}
         scalar = _insert(graph, node, aten.scalar_tensor.default, (a.args[1],), kwargs)
-        args = list(node.args)
-        args[i] = scalar
-        try:
-            same = _fake_call(node.target, *args, **node.kwargs)
-        except Exception:
-            same = None
-        if not isinstance(same, torch.Tensor) or same.dtype != out.dtype or same.shape != out.shape:
+        if _swap_operand(graph, node, i, scalar):
+            changed = True
+        else:
             graph.erase_node(scalar)
-            continue
-        node.args, changed = tuple(args), True
-        if not a.users:
-            graph.erase_node(a)
     return changed
 
 
@@ -2612,7 +2684,8 @@ def _canonical_forms(graph: fx.Graph) -> int:
                 continue
         elif node.target is aten.neg.default and _neg_before_view(graph, node):
             changed += 1
-        elif node.target is prims.convert_element_type.default and _cast_of_merge_with_units(graph, node):
+        elif node.target is prims.convert_element_type.default and (_cast_of_merge_with_units(graph, node)
+                                                                     or _cast_above_expand(graph, node)):
             changed += 1
             continue
         elif _view_below_pointwise(graph, node):
@@ -2644,13 +2717,15 @@ def _canonical_forms(graph: fx.Graph) -> int:
                                                          or _counts_in_cumsum_dtype(graph, node))
               or node.target in _SEARCHES and _searchsorted_as_counts(graph, node)
               or node.target is aten.scatter_add.default and _counts_of_permuted(graph, node)
-              or node.target is aten.index.Tensor and (_lookup_of_lookup(graph, node)
+              or node.target is aten.index.Tensor and (_lookup_by_iota_as_slice(graph, node)
+                                                       or _lookup_of_lookup(graph, node)
                                                        or _lookup_of_pair_tokens(graph, node)
                                                        or _lookup_by_pair_tokens(graph, node))):
             changed += 1
             continue
         elif node.target in _BROADCASTING:
             changed += _drop_broadcast_views(node) + _full_as_scalar(graph, node) + _unit_slice_as_select(graph, node)
+            changed += _drop_broadcast_expands(graph, node)
             if node.target is aten.where.self:
                 changed += _where_not(graph, node)
     for node in reversed(list(graph.nodes)):  # layout ops and negations left without users

@@ -16,7 +16,7 @@ from dsv41.lowerings.moe_experts import MAX_ROWS
 from dsv41.models import TINY, DSV41Model
 from dsv41.models import functional as fn
 from dsv41.passes.moe_experts import JOINED_SPELLINGS, MoeExpertsPass, experts, flat_pair_experts, gathered_experts, \
-    gathered_split_experts
+    gathered_split_experts, per_row_experts
 
 from .harness import BF16, assert_close, compile_fx, config, make_backend, gen, graph_text, op_counts, pattern_names, rand, \
     run_declined, run_fused_once, run_passes
@@ -136,8 +136,28 @@ for _block, _fp8 in ((BLOCK, "_fp8"), (0, "")):
 GATHERED_TOL = dict(zip(("atol", "rtol"), MoeExpertsPass.tolerance[BF16]))
 
 
+def per_row_inputs(seed, t=3):
+    """x [T, D], token [M], expert_idx [M] (the pairs of `gathered_inputs` sorted by expert, stably), row weights
+    [M], w13 [E, 2I, D], w2 [E, D, I]."""
+    x, expert_idx, w, w13, w2 = stacked(gathered_inputs(seed, t))
+    sorted_ids, order = torch.sort(expert_idx.reshape(-1), stable=True)
+    return [x, order // K, sorted_ids, w.reshape(-1)[order], w13, w2]
+
+
+def _per_row(block, weighted):
+    def f(x, token, expert_idx, row_weights, w13, w2):
+        return per_row_experts(x, token, expert_idx, row_weights if weighted else None, w13, w2, LIMIT, block)
+    return f
+
+
+# name -> fn on per_row_inputs; the unweighted ones leave the row weights unused
+PER_ROW = {f"gathered_per_row{_fp8}{_suffix}": _per_row(_block, _weighted)
+           for _block, _fp8 in ((BLOCK, "_fp8"), (0, "")) for _weighted, _suffix in ((True, ""), (False, "_unweighted"))}
+
+
 def test_every_formulation_has_a_test():
-    assert pattern_names(FUSION) == set(FORMULATIONS) | set(SPLIT_FORMULATIONS) | set(ROWS_FORMULATIONS) | set(GATHERED)
+    assert pattern_names(FUSION) == set(FORMULATIONS) | set(SPLIT_FORMULATIONS) | set(ROWS_FORMULATIONS) | set(GATHERED) \
+        | set(PER_ROW)
 
 
 @pytest.mark.parametrize("name", sorted(FORMULATIONS))
@@ -215,6 +235,25 @@ def test_gathered_formulation_is_fused(name, t):
         x = inputs_of(seed, t)
         got, want = gm(*x), f(*x)
         assert got.shape == ((t * K, D) if "_flat" in name else (t, K, D)) and not got.isnan().any()
+        assert_close(got, want, **GATHERED_TOL)
+
+
+@pytest.mark.parametrize("t", [3, 1])
+@pytest.mark.parametrize("name", sorted(PER_ROW))
+def test_per_row_formulation_is_fused(name, t):
+    """Each sorted row on its own gathered expert weights: one op, every row its own expert (offsets 1..M, the
+    rows' gathered w13 and w2), no batched product and no sort of its own; the graph's row order; equal to eager on
+    fresh inputs within the pass's tolerance, NaN-free."""
+    f = PER_ROW[name]
+    gm, report, node = run_fused_once(f, per_row_inputs(0, t), FUSION, ("aten.bmm", "aten.exp", "aten.argsort.stable"))
+    (replaced,) = report.passes[1].replaced
+    assert replaced["pattern"] == name and replaced["verified"] is None
+    assert node.args[6:] == (LIMIT, BLOCK if "_fp8" in name else 0, None, "auto")
+    assert [tuple(a.meta["val"].shape) for a in node.args[4:6]] == [(t * K, 2 * I, D), (t * K, D, I)]
+    for seed in (1, 2):
+        x = per_row_inputs(seed, t)
+        got, want = gm(*x), f(*x)
+        assert got.shape == (t * K, D) and not got.isnan().any()
         assert_close(got, want, **GATHERED_TOL)
 
 

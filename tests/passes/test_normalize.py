@@ -1462,3 +1462,62 @@ def test_pair_tokens_looked_up_by_a_sort_are_its_indices_floor_k(in_range):
     assert (ops["aten.index.Tensor"], ops["aten.div.Tensor_mode"]) == ((0, 1) if in_range else (1, 0)), gm.code
     if in_range:
         assert torch.equal(gm(ids), f(ids))
+
+
+def test_an_expand_operand_of_a_broadcasting_op_is_the_operand():
+    """`s * w.unsqueeze(0).expand(T, N)` and `where(iota.expand(T, N) < n[:, None].expand(T, N), s, -inf)` are the
+    ops on the unexpanded operands (the broadcast expands them alike); an expand that widens the output (b [T, 1]
+    against a [T, 1] expanded to [T, N]) or changes the result's dtype (a 0-d int64 value expanded beside an int32
+    tensor counts as dimensioned in type promotion: int64 with it, int32 without) stays; bit for bit."""
+    def f(s, w, n, b, c, x):
+        visible = torch.arange(s.shape[1]).unsqueeze(0).expand(s.shape) < n.unsqueeze(1).expand(s.shape)
+        return (s * w.unsqueeze(0).expand(s.shape), torch.where(visible, s, torch.full_like(s, -torch.inf)),
+                n.unsqueeze(1).to(torch.float32).expand(s.shape) + b, x * c.expand(x.shape))
+
+    g = gen(0)
+    args = (torch.randn(3, 8, generator=g), torch.randn(8, generator=g), torch.randint(0, 9, (3,), generator=g),
+            torch.randn(3, 1, generator=g), torch.tensor(3), torch.randint(-9, 9, (4,), generator=g, dtype=torch.int32))
+    gm = normalized(f, *args)
+    expands = [n for n in gm.graph.nodes if n.target is aten.expand.default]
+    assert len(expands) == 2, gm.code
+    assert sorted(tuple(n.meta["val"].shape) for n in expands) == [(3, 8), (4,)], gm.code
+    got, want = gm(*args), f(*args)
+    assert [t.dtype for t in got] == [t.dtype for t in want] == [torch.float32] * 3 + [torch.int64]
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_cast_of_an_expand_is_the_expand_of_the_cast():
+    """`pre.unsqueeze(-1).expand(x.shape).to(f32) * x.to(f32)` casts pre [T, hc] before the expand, which the
+    multiply then drops (a cast is elementwise, expand repeats elements); bit for bit."""
+    def f(pre, x):
+        return (pre.unsqueeze(-1).expand(x.shape).to(torch.float32) * x.to(torch.float32)).sum(1)
+
+    g = gen(0)
+    args = (torch.rand(3, 4, generator=g).to(torch.bfloat16), torch.randn(3, 4, 8, generator=g).to(torch.bfloat16))
+    gm = normalized(f, *args)
+    assert op_counts(gm)["aten.expand"] == 0, gm.code
+    (cast,) = [n for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default
+               and tuple(n.meta["val"].shape) == (3, 4)]
+    assert cast.args[0].op == "placeholder"
+    assert torch.equal(gm(*args), f(*args))
+
+
+def test_a_lookup_by_a_strided_arange_is_a_slice():
+    """index_select(x, d, arange(start, stop, step)) in range is the strided slice of the same elements: to the
+    end where that slice holds them all (x[..., 0::2], x[..., 1::2]), else ending one past the last (1, 3, 5 of 8);
+    a lookup by another index tensor, or whose last index lies past the end, stays; bit for bit."""
+    def f(x, i):
+        return (torch.index_select(x, -1, torch.arange(0, 8, 2)), torch.index_select(x, 1, torch.arange(1, 8, 2)),
+                torch.index_select(x, 1, torch.arange(1, 6, 2)), torch.index_select(x, 1, i))
+
+    g = gen(0)
+    args = (torch.randn(3, 8, generator=g), torch.randint(0, 8, (4,), generator=g))
+    gm = normalized(f, *args)
+    slices = [n.args[1:] for n in gm.graph.nodes if n.target is aten.slice.Tensor]
+    assert slices == [(1, 0, 2**63 - 1, 2), (1, 1, 2**63 - 1, 2), (1, 1, 6, 2)], gm.code
+    assert op_counts(gm)["aten.index.Tensor"] == 1
+    for a, b in zip(gm(*args), f(*args), strict=True):
+        assert torch.equal(a, b)
+    past_end = normalized(lambda x: torch.index_select(x, 1, torch.arange(2, 10, 2)), torch.randn(3, 8))
+    assert op_counts(past_end)["aten.index.Tensor"] == 1 and op_counts(past_end)["aten.slice.Tensor"] == 0
