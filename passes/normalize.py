@@ -1504,7 +1504,7 @@ def _select_as_strided_slice(graph: fx.Graph, node: fx.Node) -> bool:
               and vs[j] * vs[j + 1] == xs[j]), None)
     base = src.args[0]
     if d is None:
-        d = _split_pair_beyond_units(xs, vs, dim)
+        d = _split_pair_of_an_input_dim(xs, vs, dim)
         if d is None:
             return False
         base = _view_once(graph, node, base, vs[:d] + [vs[d] * vs[d + 1]] + vs[d + 2:])
@@ -1525,7 +1525,7 @@ def _select_as_strided_slice(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
-def _split_pair_beyond_units(xs: list[int], vs: list[int], dim: int) -> int | None:
+def _split_pair_of_an_input_dim(xs: list[int], vs: list[int], dim: int) -> int | None:
     """The d of the one pair of adjacent dims (d, d + 1) of a view's shape vs, one of them `dim`, both above 1, whose
     merge m = vs[:d] + [vs[d] * vs[d + 1]] + vs[d + 2:] is a split of one dim of the view's input shape xs: m is xs up
     to size-1 dims (a view that splits one dim and adds or drops unit dims: [S, 1, 2I] -> [S, 2, I], a bmm's
