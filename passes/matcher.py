@@ -1075,7 +1075,8 @@ class PatternSet:
                     continue
                 if not st.islands:
                     return structural, st, first, cand
-                if best is None or structural.cost(st) < structural.cost(best[1]):
+                # (each match costed by its own trace's matcher: another trace's counts none of its pattern ops)
+                if best is None or structural.cost(st) < best[0].cost(best[1]):
                     best = (structural, st, first, cand)
         if best is not None:
             return best

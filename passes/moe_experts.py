@@ -53,8 +53,8 @@ D] and w2[flat] [T * k, D, I] (the pairs' weights, which the graph's own gathers
 Exact as above (the same rows, each with its own expert's products). The kernel then reads each pair's weights,
 also where two tokens chose one expert, which the sorted form reads once. Where w1 and w3 are the two dim-1 halves of
 one [E, 2I, D] graph value (`w13[:, :I]`, `w13[:, I:]`), that value is w13 and the sorted form runs. Their gathers
-may also be joined by a cat along I before one einsum (`cat([w1[idx], w3[idx]], 2)`, split after it; not under
-matmul, `JOINED_SPELLINGS`): since cat(w1[e], w3[e]) = w13[e], that is the same formulation (`..._split_cat`),
+may also be joined by a cat along I before one product (`cat([w1[idx], w3[idx]], 2)`, split after it; einsum or
+matmul): since cat(w1[e], w3[e]) = w13[e], that is the same formulation (`..._split_cat`),
 replaced alike; the op's per-pair w13 is
 then the very cat the graph computes (no cat of all experts' weights, which a rule turning the cat of gathers into
 the gather of a cat would add on every call).
@@ -173,11 +173,6 @@ GATHERED_PRODUCTS = {
     "einsum": (lambda x, w: torch.einsum("td,tkod->tko", x, w), lambda a, w: torch.einsum("tki,tkdi->tkd", a, w)),
     "matmul": (lambda x, w: (w @ x[:, None, :, None]).squeeze(-1), lambda a, w: (w @ a[..., None]).squeeze(-1)),
 }
-# The spellings whose w1 / w3 gathers joined by a cat are a formulation. Not matmul: its joined form fuses as written
-# but not after exact rewrites of the graph (tests/passes/test_rewrite_invariance.py, 4 of 4 forms at 8 seeds: the
-# island phase pairs the g and u branches the wrong way round once the split of gu is written another way, and the
-# semantic check declines), a matcher gap; so it stays a near miss.
-JOINED_SPELLINGS = ("einsum",)
 
 
 def gathered_experts(x, expert_idx, weights, w13, w2, limit, quant_block, spelling):
@@ -254,8 +249,7 @@ class MoeExpertsPass(FusionPass):
                 weighted_forms = [(f"{GATHERED}_{spelling}{fp8}", gathered, _gathered_inputs)]
                 unweighted_forms = [(f"{GATHERED}_{spelling}{fp8}_unweighted", gathered_unweighted,
                                      _without_weights(_gathered_inputs))]
-                joins = ((False, ""), (True, "_cat")) if spelling in JOINED_SPELLINGS else ((False, ""),)
-                for joined, cat in joins:
+                for joined, cat in ((False, ""), (True, "_cat")):
                     def split(x, expert_idx, weights, w1, w3, w2, quant_block=quant_block, spelling=spelling,
                               joined=joined):
                         return gathered_split_experts(x, expert_idx, weights, w1, w3, w2, c.swiglu_limit, quant_block,

@@ -7,11 +7,21 @@ expert GEMMs and the combine take.
 
 The pattern starts at the flat ids after any TP masking (the `where` that sends other ranks' pairs to local expert
 0 stays outside, a plain input); k and E are read from the graph. Formulations: the model's (counts by an int32
-scatter_add_, cumsum in int32), the same by index_add_, and counts in int64 by scatter_add_, index_add_ or
-one_hot(...).sum(0) with the cumsum in int64 cast to int32; torch.sort(..., stable=True).indices is the same graph as the stable argsort.
+scatter_add_, cumsum in int32: the ops of the op's reference, `dsv41.lowerings.moe_metadata.reference`), the same by
+index_add_, and counts in int64 by scatter_add_, index_add_ or one_hot(...).sum(0) with the cumsum in int64 cast to
+int32; torch.sort(..., stable=True).indices is the same graph as the stable argsort.
 `bincount(minlength=E)` has no formulation: its output shape depends on the values, so it does not trace (Dynamo
 breaks the graph there). An unstable argsort orders equal expert ids arbitrarily, so its rows differ from the
 stable order's: declined with that reason.
+
+The sort's permutation `order` may also be read outside the region (HF's grouped_mm experts: `inv_perm =
+argsort(perm, stable=True)` puts the expert outputs back in pair order). Each formulation returns it as an optional
+output (`Pattern.optional_outputs`), so such a reader is no extra user: the replacement serves it by the same stable
+argsort of the flat ids, left in the graph beside the op. Exact: a stable sort's permutation is a function of its
+keys alone (equal keys in index order), so it is the permutation the op sorts by. It is recomputed rather than
+returned because none of the op's outputs determines it (token = order // k drops the slot, and the slots of one
+token's pairs need not have distinct experts: under TP other ranks' pairs all go to local expert 0); the op's kernel
+holds each pair's row and could write it out instead, saving that sort.
 """
 
 from __future__ import annotations
@@ -19,8 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsv41.lowerings.moe_metadata import reference
-from dsv41.passes.fusion import FusionPass, Replacement
+from dsv41.passes.fusion import Derived, FusionPass, Replacement
 from dsv41.passes.matcher import Pattern
 
 M, E = 18, 8
@@ -34,14 +43,15 @@ def _inputs():
 
 def _formulation(count, int32_counts):
     """The metadata with the counts of `count(flat_experts, E, dtype)`: int32 counts summed by cumsum(dtype=int32),
-    as the model does, or int64 counts whose int64 cumsum is cast to int32."""
+    as the model does, or int64 counts whose int64 cumsum is cast to int32; then the sort's permutation (the
+    optional output)."""
     def metadata(flat_experts, flat_weights, topk, num_experts):
         order = torch.sort(flat_experts, stable=True).indices
         if int32_counts:
             offsets = torch.cumsum(count(flat_experts, num_experts, torch.int32), 0, dtype=torch.int32)
         else:
             offsets = count(flat_experts, num_experts, torch.int64).cumsum(0).to(torch.int32)
-        return order // topk, offsets, flat_weights[order]
+        return order // topk, offsets, flat_weights[order], order
     return metadata
 
 
@@ -64,7 +74,7 @@ def unstable_argsort(flat_experts, flat_weights, topk, num_experts):
     """The model's metadata with an unstable argsort (declined: equal ids in any order)."""
     order = torch.argsort(flat_experts)
     counts = _scatter_add(flat_experts, num_experts, torch.int64)
-    return order // topk, counts.cumsum(0).to(torch.int32), flat_weights[order]
+    return order // topk, counts.cumsum(0).to(torch.int32), flat_weights[order], order
 
 
 class MoeMetadataPass(FusionPass):
@@ -77,12 +87,14 @@ class MoeMetadataPass(FusionPass):
         by_iota = {"topk": topk, "num_experts": (prims.iota.default, 0, 0)}
         defaults = {"topk": 6, "num_experts": E}
         stable = aten.sort.stable
-        return [Pattern("model", reference, _inputs, by_full, defaults, anchor=stable),
-                Pattern("index_add", _formulation(_index_add, True), _inputs, by_full, defaults, anchor=stable),
-                Pattern("scatter_add_int64", _formulation(_scatter_add, False), _inputs, by_full, defaults, anchor=stable),
-                Pattern("index_add_int64", _formulation(_index_add, False), _inputs, by_full, defaults, anchor=stable),
-                Pattern("one_hot", _formulation(_one_hot, False), _inputs, by_iota, defaults, anchor=stable),
-                Pattern(UNSTABLE, unstable_argsort, _inputs, by_full, defaults, anchor=aten.sort.default)]
+        forms = [("model", _formulation(_scatter_add, True), by_full, stable),
+                 ("index_add", _formulation(_index_add, True), by_full, stable),
+                 ("scatter_add_int64", _formulation(_scatter_add, False), by_full, stable),
+                 ("index_add_int64", _formulation(_index_add, False), by_full, stable),
+                 ("one_hot", _formulation(_one_hot, False), by_iota, stable),
+                 (UNSTABLE, unstable_argsort, by_full, aten.sort.default)]
+        return [Pattern(name, search, _inputs, free, defaults, anchor=anchor, optional_outputs=1)
+                for name, search, free, anchor in forms]
 
     def tokens(self, m):
         return m.inputs[0].meta["val"].shape[0] // m.free["topk"]
@@ -96,4 +108,6 @@ class MoeMetadataPass(FusionPass):
     def replacement(self, m):
         flat_experts, flat_weights = m.inputs
         args = (flat_experts, flat_weights, m.free["topk"], m.free["num_experts"], self.config.kernel)
-        return Replacement(torch.ops.dsv41.moe_metadata.default, args, (0, 1, 2))
+        order = Derived(aten.argsort.stable, (flat_experts,), (("stable", True),))
+        outputs = (0, 1, 2, lambda _: order) if any(m.exposed) else (0, 1, 2)  # the permutation read outside
+        return Replacement(torch.ops.dsv41.moe_metadata.default, args, outputs)

@@ -20,8 +20,9 @@
   strided slice of the same elements (`x[..., 0::2]`);
 - split dims: `select(x.view(..., n, k, ...), d, i)` is a slice of x: the stride-k slice `x[..., i::k]` on the k
   factor (interleaved elements), the run `x[..., i*k:(i+1)*k]` on the n factor (`view(-1, 2, I).unbind(1)` halves);
-  where the view also drops size-1 dims (`[S, 1, 2I] -> [S, 2, I]`, a bmm's column-vector output split), the slice
-  is of x viewed to the split dim merged (`x.view(S, 2I)`), the view the traced form reads (a view that adds unit
+  where the view also drops size-1 dims (`[S, 1, 2I] -> [S, 2, I]`, a bmm's column-vector output split) or
+  reshapes the dims on one side of the split one (`[T k, 1, 2I] -> [T, k, 2, I]`), the slice is of x viewed to the
+  split dim merged (`x.view(S, 2I)`, `x.view(T, k, 2I)`), the view the traced form reads (a view that adds unit
   dims is left to the unit-dim sinking);
   a cast moves below a strided slice, and a widening cast that only slices read below them
   (`torch.chunk(y.float(), 2, -1)` is the casts of y's halves);
@@ -1662,7 +1663,7 @@ def _select_as_strided_slice(graph: fx.Graph, node: fx.Node) -> bool:
               and vs[j] * vs[j + 1] == xs[j]), None)
     base = src.args[0]
     if d is None:
-        d = _split_pair_beyond_units(xs, vs, dim)
+        d = _split_pair_of_an_input_dim(xs, vs, dim)
         if d is None:
             return False
         base = _view_once(graph, node, base, vs[:d] + [vs[d] * vs[d + 1]] + vs[d + 2:])
@@ -1683,20 +1684,30 @@ def _select_as_strided_slice(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
-def _split_pair_beyond_units(xs: list[int], vs: list[int], dim: int) -> int | None:
+def _split_pair_of_an_input_dim(xs: list[int], vs: list[int], dim: int) -> int | None:
     """The d of the one pair of adjacent dims (d, d + 1) of a view's shape vs, one of them `dim`, both above 1, whose
-    merge m = vs[:d] + [vs[d] * vs[d + 1]] + vs[d + 2:] is the view's input shape xs up to size-1 dims (a view that
-    splits one dim and adds or drops unit dims: [S, 1, 2I] -> [S, 2, I], a bmm's column-vector output split in
-    halves); None where no pair or both pairs are, and where the view drops no size-1 dim of xs (vs holds as many as
-    xs or more): a view that adds unit dims is `_sink_units`' form, the unit dims sink and the split stays a plain one
-    (RoPE pairs at one request: [1, H, rd] -> [1, 1, H, rd/2, 2]). A view is a row-major reshape, so x.view(vs) =
-    x.view(m).view(vs) for any such m: the select is then the split-dim select of x.view(m), whose view into vs only
-    splits d."""
-    if vs.count(1) >= xs.count(1):
+    merge m = vs[:d] + [vs[d] * vs[d + 1]] + vs[d + 2:] is a split of one dim of the view's input shape xs: m is xs up
+    to size-1 dims (a view that splits one dim and drops unit dims: [S, 1, 2I] -> [S, 2, I], a bmm's column-vector
+    output split in halves), or the merged dim is a dim j of xs with the dims on one side of it unchanged, vs[d + 2:]
+    = xs[j + 1:] or vs[:d] = xs[:j] (the dims on the other side reshaped in the same view: [T k, 1, 2I] -> [T, k, 2,
+    I]); None where no pair or both pairs are, and where the view adds size-1 dims (vs holds more than xs): that is
+    `_sink_units`' form, the unit dims sink and the split stays a plain one (RoPE pairs at one request: [1, H, rd] ->
+    [1, 1, H, rd/2, 2]). A view is a row-major reshape, so x.view(vs) = x.view(m).view(vs) for any m that vs refines:
+    the select is then the split-dim select of x.view(m), whose view into vs only splits d. The conditions only
+    choose m: the view in which the split dim is one of x's own."""
+    if vs.count(1) > xs.count(1):
         return None
     nonunit = [s for s in xs if s != 1]
+
+    def splits_a_dim_of_x(d):
+        merged, before, after = vs[d] * vs[d + 1], vs[:d], vs[d + 2:]
+        j = len(xs) - len(after) - 1
+        return ([s for s in before + [merged] + after if s != 1] == nonunit
+                or 0 <= j and xs[j] == merged and xs[j + 1:] == after
+                or d < len(xs) and xs[d] == merged and xs[:d] == before)
+
     pairs = [d for d in (dim - 1, dim) if 0 <= d and d + 1 < len(vs) and vs[d] > 1 and vs[d + 1] > 1
-             and [s for s in vs[:d] + [vs[d] * vs[d + 1]] + vs[d + 2:] if s != 1] == nonunit]
+             and splits_a_dim_of_x(d)]
     return pairs[0] if len(pairs) == 1 else None
 
 

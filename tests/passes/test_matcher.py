@@ -274,3 +274,47 @@ def test_a_pattern_output_read_through_a_view_of_another_shape_is_the_ops_output
         got, want = gm(*args), graph(*args)
         assert got.shape == want.shape and not got.isnan().any()
         assert torch.allclose(got, want, rtol=2.0**-20, atol=1e-6), (got - want).abs().max()
+
+
+# -- structural traces of one pattern compared by their own costs ---------------------------------------------------
+E = 5
+
+
+def scaled_pair_rows(x, idx, w, s):
+    """Each (token, slot) pair's row x[t] times its expert's row w[idx[t, j]] times 2^s, summed over D: x [T, D],
+    idx [T, K] int64, w [E, D], s [T K, D] fp32 -> [T K] fp32 (T and K read from idx's shape)."""
+    t, k = idx.shape
+    return (x.repeat_interleave(k, 0) * w[idx.reshape(t * k)] * torch.exp2(s)).sum(-1)
+
+
+def pair_rows_inputs(tokens=T):
+    return [torch.empty(tokens, D), torch.empty(tokens, K, dtype=torch.int64), torch.empty(E, D),
+            torch.empty(tokens * K, D)]
+
+
+def test_the_structural_trace_of_least_cost_is_taken_whatever_the_trace_order():
+    """A pattern traced twice (at T and, as a variant, at one token) matches structurally in both traces with the
+    scale computed another way (`pow(2, s)`), at equal cost. Each trace's match is costed by its own trace's ops:
+    costed by the later trace's ops, the earlier one's match counts no pattern op matched and the later trace's
+    wins, here the one-token trace, which reads idx [T, K] as [1, T K] (its one-token view [T K] of idx drops a
+    unit dim) and so re-traces at T = 1, K = T K and fails (the gap that left HF's batched_mm experts unfused at
+    B = 3). The match binds the graph's inputs as they are, and the pattern on them is the graph's value."""
+    g = gen(8)
+    args = (torch.randn(T, D, generator=g), torch.randint(0, E, (T, K), generator=g), torch.randn(E, D, generator=g),
+            torch.randn(T * K, D, generator=g))
+
+    def graph(x, idx, w, s):
+        t, k = idx.shape
+        return (x.repeat_interleave(k, 0) * w[idx.reshape(t * k)] * torch.pow(2.0, s)).sum(-1)
+
+    gm = traced(graph, args)
+    patterns = PatternSet([Pattern("p", scaled_pair_rows, pair_rows_inputs, variants=(lambda: pair_rows_inputs(1),),
+                                   anchor=aten.sum.dim_IntList)])
+    (anchor,) = patterns.anchors(gm.graph, 0)
+    m = patterns.match_one(0, anchor)
+    assert isinstance(m, MatchResult), m
+    assert m.inputs == list(gm.graph.find_nodes(op="placeholder"))
+    assert [t.target for _, t, _ in m.islands] == [aten.pow.Scalar]
+    seen = values(gm, *args)
+    got, want = scaled_pair_rows(*evaluate(m.inputs, seen.__getitem__)), seen[m.outputs[0]]
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=2.0**-20, atol=1e-6), (got - want).abs().max()

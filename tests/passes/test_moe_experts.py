@@ -15,7 +15,7 @@ import torch
 from dsv41.lowerings.moe_experts import MAX_ROWS
 from dsv41.models import TINY, DSV41Model
 from dsv41.models import functional as fn
-from dsv41.passes.moe_experts import JOINED_SPELLINGS, MoeExpertsPass, experts, flat_pair_experts, gathered_experts, \
+from dsv41.passes.moe_experts import MoeExpertsPass, experts, flat_pair_experts, gathered_experts, \
     gathered_split_experts, per_row_experts
 
 from .harness import BF16, assert_close, compile_fx, config, make_backend, gen, graph_text, op_counts, pattern_names, rand, \
@@ -126,7 +126,7 @@ for _spelling in ("einsum", "matmul"):
         for _weighted, _suffix in ((True, ""), (False, "_unweighted")):
             GATHERED[f"gathered_{_spelling}{_fp8}{_suffix}"] = (
                 _gathered(_spelling, _block, _weighted), lambda seed, t=3: stacked(gathered_inputs(seed, t)))
-            for _joined, _cat in ((False, ""), (True, "_cat"))[:2 if _spelling in JOINED_SPELLINGS else 1]:
+            for _joined, _cat in ((False, ""), (True, "_cat")):
                 GATHERED[f"gathered_{_spelling}_split{_cat}{_fp8}{_suffix}"] = (
                     _gathered_split(_spelling, _block, _weighted, _joined), gathered_inputs)
 for _block, _fp8 in ((BLOCK, "_fp8"), (0, "")):

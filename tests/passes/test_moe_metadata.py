@@ -142,6 +142,37 @@ return [%getitem_2, %getitem_3, %getitem_4]
 """)
 
 
+def rows_back_in_pair_order(flat_e, flat_w, rows):
+    """HF's grouped_mm experts: the sort's permutation also read outside the metadata, `inv_perm = argsort(perm,
+    stable=True)` putting rows computed in expert order (here: rows[token] scaled by the row weights) back in pair
+    order -> (token, offsets, row_weights, [M, D] rows in pair order)."""
+    perm = torch.argsort(flat_e, stable=True)
+    token = perm // K
+    counts = torch.zeros(E, dtype=torch.int32).scatter_add_(0, flat_e, torch.ones_like(flat_e, dtype=torch.int32))
+    row_weights = flat_w[perm]
+    by_expert = rows[token] * row_weights[:, None]
+    return token, torch.cumsum(counts, 0, dtype=torch.int32), row_weights, by_expert[torch.argsort(perm, stable=True)]
+
+
+def test_the_permutation_read_outside_is_the_stable_argsort_of_the_ids():
+    """The permutation's other reader is served by the stable argsort of the same ids, left beside the op (a stable
+    sort's permutation is a function of its keys): fused once, not declined as an extra user; the graph's sort of the ids
+    gone, one stable argsort of them and the sort of that permutation (its inverse) left; equal to eager exactly on fresh routings,
+    where equal ids abound (so an unstable order would differ)."""
+    def draw(seed):
+        return [*inputs(seed), torch.randn(T, 4, generator=gen(seed + 10))]
+
+    gm, report = run_passes(rows_back_in_pair_order, draw(0), FUSION)
+    ops = op_counts(gm)
+    assert report.matches == {FUSION: 1} and ops[OP] == 1, (report.declined, ops)
+    (recomputed,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.argsort.stable)
+    (inverse,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.sort.stable)  # (argsort's trace)
+    assert recomputed.args[0] is gm.graph.find_nodes(op="placeholder")[0] and inverse.args[0] is recomputed
+    for seed in (1, 2):
+        x = draw(seed)
+        assert_close(gm(*x), rows_back_in_pair_order(*x), atol=0, rtol=0)
+
+
 # ---- declines ---------------------------------------------------------------------------------------------------
 def test_decline_unstable_argsort():
     """An unstable argsort may order one expert's pairs in any order: other rows, so declined with that reason."""

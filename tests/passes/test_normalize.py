@@ -506,14 +506,49 @@ def test_select_of_a_split_dim_beyond_unit_dims_is_a_run():
     assert torch.equal(b(*x), unbound(*x)) and torch.equal(a(*x), sliced(*x))
 
 
-def test_a_split_beyond_unit_dims_only_where_the_view_drops_them():
+def test_a_split_past_unit_dims_not_where_the_view_adds_them():
     """The split-dim pair past unit dims is found where the view drops a size-1 dim ([S, 1, 2I] -> [S, 2, I], either
     half), not where it adds one (RoPE pairs at one request, [1, H, rd] -> [1, 1, H, rd/2, 2]: the unit-dim sinking's
     form, whose qkv_norm fuses with its RoPE), nor where no pair merges to x's shape."""
-    from dsv41.passes.normalize import _split_pair_beyond_units as pair
+    from dsv41.passes.normalize import _split_pair_of_an_input_dim as pair
     assert pair([6, 1, 8], [6, 2, 4], 1) == 1 and pair([6, 1, 8], [6, 2, 4], 2) == 1
-    assert pair([1, 4, 16], [1, 1, 4, 8, 2], 4) is None and pair([1, 4, 16], [1, 4, 8, 2], 3) is None
+    assert pair([1, 4, 16], [1, 1, 4, 8, 2], 4) is None
     assert pair([6, 1, 8], [6, 4, 4], 1) is None  # no pair merges to x's shape: not a split of x
+
+
+@pytest.mark.parametrize("x_shape, view, dim, want", [
+    ((18, 1, 64), (3, 6, 2, 32), 2, (3, 6, 64)),  # the dims before the split one reshaped ([T k, 1, 2I]: a bmm's rows)
+    ((4, 6, 2, 3), (4, 2, 3, 6), 1, (4, 6, 6)),   # the dims after it reshaped
+    ((18, 64), (3, 6, 2, 32), 3, (3, 6, 64)),     # the inner factor: a stride-2 slice of the same view
+])
+def test_select_of_a_split_dim_beside_reshaped_dims_is_a_slice_of_the_merged_view(x_shape, view, dim, want):
+    """select(x.view(vs), dim, i) where vs splits one dim of x into (n, k) and reshapes the dims on one side of it
+    (the others as in x) is the slice of x.view(m), m the split dim merged (the view the unsplit form reads): no
+    select is left, the slice's input has shape m, bit for bit (x.view(vs) = x.view(m).view(vs), a row-major
+    reshape)."""
+    def f(x):
+        pieces = x.view(*view).unbind(dim)
+        return pieces[0] * 2.0, pieces[-1] * 3.0
+
+    x = torch.randn(*x_shape, generator=gen(0))
+    gm = normalized(f, x)
+    slices = [n for n in gm.graph.nodes if n.target is aten.slice.Tensor]
+    assert op_counts(gm)["aten.select.int"] == 0 and len(slices) == 2, gm.code
+    assert all(tuple(n.args[0].meta["val"].shape) == want for n in slices), gm.code
+    for got, want_value in zip(gm(x), f(x), strict=True):
+        assert torch.equal(got, want_value)
+
+
+def test_select_of_a_split_that_is_no_dim_of_the_input_stays():
+    """x [6, 64] viewed [3, 4, 32]: the dims (3, 4) merge to 12, no dim of x and not x's shape up to unit dims
+    (with either neighbour), so no merged view is the one a program reads: the select stays (still exact)."""
+    def f(x):
+        return x.view(3, 4, 32).select(1, 2) * 2.0
+
+    x = torch.randn(6, 64, generator=gen(0))
+    gm = normalized(f, x)
+    assert op_counts(gm)["aten.select.int"] == 1, gm.code
+    assert torch.equal(gm(x), f(x))
 
 
 def test_a_matrix_times_a_vector_is_the_vector_times_the_matrix():
