@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
+from dsv41.passes.normalize import held_scalar
 from dsv41.passes.streams import STREAM
 
 log = logging.getLogger("dsv41")
@@ -66,13 +66,10 @@ def graph_key(gm: fx.GraphModule, fingerprint: str) -> str:
 
 
 def _literal_value(gm: fx.GraphModule, n: fx.Node) -> str:
-    """The value of a 0-d tensor constant that get_attr `n` reads (a `torch.tensor(v)` literal of the program, which
-    the normalisation writes into the graph as the number, `normalize._tensor_literal`), else ''."""
-    held = getattr(gm, n.target, None) if isinstance(n.target, str) else None
-    if not (isinstance(held, torch.Tensor) and held.dim() == 0 and not isinstance(held, FakeTensor)):
-        return ""
-    with unset_fake_temporarily():
-        return f" = {held.item()!r}"
+    """The value of a 0-d tensor constant that get_attr `n` reads (`normalize.held_scalar`: a `torch.tensor(v)`
+    literal of the program, which the normalisation writes into the graph as the number), else ''."""
+    value = held_scalar(gm, n)
+    return "" if value is None else f" = {value!r}"
 
 
 def _value_meta(n: fx.Node) -> str:

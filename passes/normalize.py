@@ -356,12 +356,9 @@ def _tensor_literal(graph: fx.Graph, node: fx.Node) -> bool:
         value = c.args[0]
     elif node.target is aten.lift_fresh_copy.default and len(node.args) == 1 and node.args[0].op == "get_attr":
         c = node.args[0]
-        held = getattr(graph.owning_module, c.target, None) if graph.owning_module is not None else None
-        if not (isinstance(held, torch.Tensor) and not isinstance(held, FakeTensor) and held.dim() == 0
-                and held.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)):
+        value = held_scalar(graph.owning_module, c)
+        if value is None:
             return False
-        with unset_fake_temporarily():  # the passes may run under the graph's fake mode
-            value = held.item()
     else:
         return False
     out = _val(node)
@@ -371,6 +368,22 @@ def _tensor_literal(graph: fx.Graph, node: fx.Node) -> bool:
     if not c.users:
         graph.erase_node(c)
     return True
+
+
+# the dtypes of the 0-d constants read as numbers (`held_scalar`)
+_LITERAL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
+
+
+def held_scalar(module: fx.GraphModule | None, attr: fx.Node) -> int | float | None:
+    """The number that get_attr `attr` reads where the module holds a real 0-d tensor of a float or int32 / int64
+    dtype there (a `torch.tensor(v)` literal of the program), else None. Read outside any fake mode: the passes may
+    run under the graph's."""
+    held = getattr(module, attr.target, None) if module is not None and isinstance(attr.target, str) else None
+    if not (isinstance(held, torch.Tensor) and not isinstance(held, FakeTensor) and held.dim() == 0
+            and held.dtype in _LITERAL_DTYPES):
+        return None
+    with unset_fake_temporarily():
+        return held.item()
 
 
 def _is_scalar_tensor(n) -> bool:
@@ -2450,6 +2463,19 @@ def _zeros(n) -> bool:
             and n.args[1] == 0)
 
 
+def _insert_counts(graph: fx.Graph, before: fx.Node, ids: fx.Node, bins: int, dtype: torch.dtype,
+                   accumulate=aten.scatter_add.default) -> fx.Node:
+    """The counts of each value in [0, bins) among the 1-D integer ids, in dtype, inserted before `before`: ones
+    accumulated into zeros, `zeros(bins).scatter_add(0, ids, ones)` (the model's form), or with `accumulate =
+    index_put` `zeros.index_put([ids], ones, True)` (`index_add_`'s decomposition)."""
+    vi = _val(ids)
+    kw = {"dtype": dtype, "layout": torch.strided, "device": vi.device, "pin_memory": False}
+    zeros = _insert(graph, before, aten.full.default, ([bins], 0), kw, source=before)
+    ones = _insert(graph, before, aten.full.default, ([vi.numel()], 1), kw, source=before)
+    args = (zeros, 0, ids, ones) if accumulate is aten.scatter_add.default else (zeros, [ids], ones, True)
+    return _insert(graph, before, accumulate, args, source=before)
+
+
 def _flat_view(graph: fx.Graph, ids: fx.Node, before: fx.Node) -> fx.Node:
     """ids viewed 1-D, available before `before`: the ids' own flat view where the graph has one (the sort's, moved
     up: its only input is ids; other flat views of ids, the same value, read as it), so the counts and the sort read
@@ -2490,10 +2516,7 @@ def _routing_map_counts(graph: fx.Graph, node: fx.Node) -> bool:
     ids = m.args[2]
     (t, k), e = _val(ids).shape, _val(m).shape[1]
     flat = _flat_view(graph, ids, node)
-    kw = {"dtype": torch.int64, "layout": torch.strided, "device": _val(ids).device, "pin_memory": False}
-    zeros = _insert(graph, node, aten.full.default, ([e], 0), kw, source=node)
-    ones = _insert(graph, node, aten.full.default, ([t * k], 1), kw, source=node)
-    counts = _insert(graph, node, aten.scatter_add.default, (zeros, 0, flat, ones), source=node)
+    counts = _insert_counts(graph, node, flat, e, torch.int64)
     src = node.args[0]
     node.replace_all_uses_with(counts)
     graph.erase_node(node)
@@ -2541,10 +2564,7 @@ def _histc_of_indices(graph: fx.Graph, node: fx.Node) -> bool:
     while ids.op == "call_function" and ids.target is aten.view.default and _val(ids.args[0]).dim() > 1:
         ids = ids.args[0]  # the flat view's root, whose flat views the sort also reads
     flat = _flat_view(graph, ids, node) if _val(ids).dim() > 1 else ids
-    kw = {"dtype": torch.int32, "layout": torch.strided, "device": vi.device, "pin_memory": False}
-    zeros = _insert(graph, node, aten.full.default, ([bins], 0), kw, source=node)
-    ones = _insert(graph, node, aten.full.default, ([vi.numel()], 1), kw, source=node)
-    counts = _insert(graph, node, aten.scatter_add.default, (zeros, 0, flat, ones), source=node)
+    counts = _insert_counts(graph, node, flat, bins, torch.int32)
     node.replace_all_uses_with(_insert(graph, node, prims.convert_element_type.default, (counts, _val(x).dtype),
                                        source=node))
     graph.erase_node(node)
@@ -2585,10 +2605,7 @@ def _searchsorted_as_counts(graph: fx.Graph, node: fx.Node) -> bool:
     int32 = node.kwargs.get("out_int32", False) or all(
         c.target is prims.convert_element_type.default and c.args[1] is torch.int32 for c in casts)
     dtype = torch.int32 if int32 else torch.int64
-    kw = {"dtype": dtype, "layout": torch.strided, "device": vx.device, "pin_memory": False}
-    zeros = _insert(graph, node, aten.full.default, ([n], 0), kw, source=node)
-    ones = _insert(graph, node, aten.full.default, ([vx.numel()], 1), kw, source=node)
-    counts = _insert(graph, node, aten.scatter_add.default, (zeros, 0, x, ones), source=node)
+    counts = _insert_counts(graph, node, x, n, dtype)
     offsets = _insert(graph, node, aten.cumsum.default, (counts, 0), {"dtype": dtype}, source=node)
     for c in casts if int32 and _val(node).dtype is not torch.int32 else ():
         c.replace_all_uses_with(offsets)
@@ -2671,14 +2688,10 @@ def _counts_in_cumsum_dtype(graph: fx.Graph, node: fx.Node) -> bool:
     ids, m = parts
     dtype = node.kwargs.get("dtype") or torch.int64
     integer = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-    if not (vc.dtype in integer and dtype in integer and vc.dtype is not dtype
+    if not (vc.dtype in integer and dtype in integer and vc.dtype is not dtype and vc.dim() == 1
             and m <= min(torch.iinfo(vc.dtype).max, torch.iinfo(dtype).max)):
         return False
-    kw = {"dtype": dtype, "layout": torch.strided, "device": vc.device, "pin_memory": False}
-    zeros = _insert(graph, c, aten.full.default, (list(vc.shape), 0), kw, source=c)
-    ones = _insert(graph, c, aten.full.default, ([m], 1), kw, source=c)
-    args = (zeros, 0, ids, ones) if c.target is aten.scatter_add.default else (zeros, [ids], ones, True)
-    node.args = (_insert(graph, c, c.target, args, source=c), node.args[1])
+    node.args = (_insert_counts(graph, c, ids, vc.shape[0], dtype, c.target), node.args[1])
     _erase_unused(graph, [c])
     return True
 
