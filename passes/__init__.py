@@ -14,6 +14,7 @@ def fusion_pass_class(name: str):
 
 def build_passes(config) -> list:
     """The passes in the order they run for `config` (disabled fusions are left out)."""
+    from dsv41.passes.decompose import DecomposePass
     from dsv41.passes.defunctionalize import DefunctionalizePass
     from dsv41.passes.manager import NormalizePass, RestoreStableSortsPass
     from dsv41.passes.lower_references import LowerReferencesPass
@@ -21,6 +22,6 @@ def build_passes(config) -> list:
 
     passes = [NormalizePass(config)]
     passes += [fusion_pass_class(name)(config) for name in FUSION_ORDER if name in config.fusions]
-    passes += [RestoreStableSortsPass(config), StreamSchedulePass(config), LowerReferencesPass(config),
-               DefunctionalizePass(config)]
+    passes += [RestoreStableSortsPass(config), DecomposePass(config), StreamSchedulePass(config),
+               LowerReferencesPass(config), DefunctionalizePass(config)]
     return passes

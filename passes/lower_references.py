@@ -8,17 +8,13 @@ implementation (vLLM's IR lowering idea). It runs after stream scheduling: inlin
 from __future__ import annotations
 
 import importlib
-import operator
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
-from torch._inductor.decomposition import select_decomp_table
-from torch.fx.experimental.proxy_tensor import make_fx
 
+from dsv41.passes.decompose import inline_traced
 from dsv41.passes.fusion import GraphPass, PassResult
 from dsv41.passes.registry import FUSIONS
-from dsv41.passes.streams import STREAM
 
 # op -> the dsv41.kernels module that implements it on CUDA (declared in the registry)
 KERNEL_OF = {f.name: f.kernel for f in FUSIONS if f.kernel is not None}
@@ -61,43 +57,8 @@ def lower_references(graph: fx.Graph, keep: set[str], result: PassResult | None 
         if op_name in keep:
             continue
         args = list(node.args[:-1]) if target._schema.arguments[-1].name == "impl" and len(node.args) == len(target._schema.arguments) else list(node.args)
-        tensor_pos = [i for i, a in enumerate(args) if isinstance(a, fx.Node)]
-        fake = [args[i].meta["val"] for i in tensor_pos]
-        reference = _reference(op_name)
-
-        def call(*tensors, args=args, tensor_pos=tensor_pos, reference=reference):
-            full = list(args)
-            for i, t in zip(tensor_pos, tensors):
-                full[i] = t
-            return reference(*full)
-
-        with detect_fake_mode(fake):
-            sub = make_fx(torch.func.functionalize(call, remove="mutations"), decomposition_table=select_decomp_table(),
-                          tracing_mode="real")(*fake)
-        stream = node.meta.get(STREAM)
-        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        env = {p: args[i] for p, i in zip(placeholders, tensor_pos)}
-        with graph.inserting_before(node):
-            out = graph.graph_copy(sub.graph, env)
-        for new in env.values():
-            if isinstance(new, fx.Node) and new not in args and stream is not None:
-                new.meta[STREAM] = stream
-        copied = [env[n] for n in sub.graph.nodes if n.op == "call_function"]
-        for new in copied:
-            if stream is not None:
-                new.meta[STREAM] = stream
-            for key in ("stack_trace", "nn_module_stack"):
-                if key in node.meta:
-                    new.meta.setdefault(key, node.meta[key])
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        if len(outs) == 1 and not any(u.target is operator.getitem for u in node.users):
-            node.replace_all_uses_with(outs[0])
-        else:
-            for user in list(node.users):
-                user.replace_all_uses_with(outs[user.args[1]])
-                graph.erase_node(user)
-        graph.erase_node(node)
+        created = inline_traced(graph, node, _reference(op_name), args)
         result.matches += 1
-        result.replaced.append({"pattern": op_name, "erased": [node.name], "created": [n.name for n in copied],
+        result.replaced.append({"pattern": op_name, "erased": [node.name], "created": created,
                                 "stack_trace": node.meta.get("stack_trace"), "module": None})
     return result

@@ -1,11 +1,12 @@
-"""The dsv41 pass manager: normalisation, the fusions (most specific first), side-stream scheduling, and
-defunctionalisation last (nothing may remove "dead" nodes after it).
+"""The dsv41 pass manager: normalisation, the fusions (most specific first), the decomposition of what they wrote
+(`dsv41.passes.decompose`), side-stream scheduling, and defunctionalisation last (nothing may remove "dead" nodes
+after it).
 
 It runs inside the backend's inference compiler, before code generation, so Inductor's FX graph cache keys on the
 rewritten graph itself. `run_cached` puts `dsv41.pass_cache` in front: a warm start finds the rewritten graph and
 the report on disk, keyed by the ATen graph and `fingerprint()`, and runs no pass. Snapshots of the graph before and
 after every pass are taken only when a recorder is attached (the graph-diff tool); in debug mode every pass is
-followed by invariant checks. Either turns the cache off, since both exist to watch the passes run.
+followed by invariant checks, and every node the passes created must be one Inductor lowers (`check_lowerable`). Either turns the cache off, since both exist to watch the passes run.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from dsv41.passes.complex_arith import real_pairs
+from dsv41.passes.decompose import unlowerable
 from dsv41.passes.fusion import FusionPass, GraphPass, PassResult
 from dsv41.passes.matcher import MatchFailure
 from dsv41.passes.normalize import normalize_graph, restore_stable_sorts
@@ -134,6 +136,7 @@ class PassManager:
         recorders = list(dict.fromkeys(recorders))
         for r in recorders:
             r.begin_graph(report.graph_id, self.passes)
+        given = set(graph.nodes) if self.config.debug else None
         for index, p in enumerate(self.passes):
             befores = [r.capture(graph) for r in recorders]
             anchors = [n.name for n in p.anchors(graph)] if self.config.debug and isinstance(p, FusionPass) else None
@@ -154,6 +157,8 @@ class PassManager:
                 check_invariants(graph, p.name)
                 if anchors is not None:
                     check_records(anchors, result)
+        if self.config.debug:
+            check_lowerable([n for n in graph.nodes if n not in given])
         return report
 
 
@@ -206,6 +211,13 @@ def check_invariants(graph: fx.Graph, after: str) -> None:
     missing = [n.name for n in graph.nodes if n.op == "call_function" and "val" not in n.meta and _returns_value(n)]
     if missing:
         raise RuntimeError(f"after pass {after!r}: nodes without meta['val']: {missing[:10]}")
+
+
+def check_lowerable(created: list[fx.Node]) -> None:
+    """Every node the passes created is one Inductor lowers (`decompose.unlowerable`)."""
+    bad = unlowerable(created)
+    if bad:
+        raise RuntimeError(f"the passes created nodes Inductor does not lower: {'; '.join(bad)}")
 
 
 def check_records(anchors: list[str], result: PassResult) -> None:

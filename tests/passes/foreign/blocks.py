@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv41.passes.registry import FUSION_NAMES
+
 from ..harness import compile_fx
 
 
@@ -24,6 +26,11 @@ def fused_sites(backend):
     report = backend.reports[-1]
     assert backend.config.debug and len(backend.reports) == 1 and report.fallback is None
     return {k: v for k, v in report.matches.items() if v}, report
+
+
+def fused_formulations(report):
+    """Per fusion that replaced a site: the names of the formulations that fused, in order."""
+    return {p.name: [r["pattern"] for r in p.replaced] for p in report.passes if p.replaced and p.name in FUSION_NAMES}
 
 
 def assert_outputs_agree(runs):

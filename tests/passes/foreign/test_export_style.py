@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from .blocks import assert_outputs_agree, compile_and_run, fused_sites
+from .blocks import assert_outputs_agree, compile_and_run, fused_formulations, fused_sites
 from .export_style import ExportStyleBlock, inputs
 
 SITES = {"mhc_coeffs": 2, "mhc_post_pre": 2, "qkv_norm": 1, "wo_a": 1, "indexer_topk": 1, "moe_route": 1,
@@ -50,7 +50,7 @@ def test_sites_fused_exactly_once(compiled):
     grouped, backend, _ = compiled
     sites, report = fused_sites(backend)
     assert sites == (SITES if grouped else GATHERED_SITES), (sites, report.declined, report.near_misses)
-    patterns = {p.name: [r["pattern"] for r in p.replaced] for p in report.passes if p.replaced}
+    patterns = fused_formulations(report)
     assert patterns == (FORMULATIONS if grouped else GATHERED_FORMULATIONS), patterns
     assert not any(report.narrowed.values()), report.narrowed
     assert not any(report.declined.values()), report.declined

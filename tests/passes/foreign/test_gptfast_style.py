@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ..harness import gen, rand, run_passes
-from .blocks import compile_and_run, fused_sites
+from .blocks import compile_and_run, fused_formulations, fused_sites
 from .gptfast_style import SITES, GptFastStyleMoE
 
 
@@ -28,7 +28,7 @@ def test_sites_fused_and_agree(b):
     backend, runs = compile_and_run(GptFastStyleMoE(), lambda seed, block: inputs(seed, block, b), (1, 2))
     sites, report = fused_sites(backend)
     assert sites == SITES, (report.declined, report.near_misses)
-    patterns = {p.name: [r["pattern"] for r in p.replaced] for p in report.passes if p.replaced}
+    patterns = fused_formulations(report)
     assert patterns == {"moe_route": ["route_no_temperature"], "moe_experts": ["gathered_einsum_split_fp8_unweighted"],
                         "moe_finalize": ["slots_einsum_shared"]}, patterns
     # the combine's einsum, a batched product that moe_experts anchors on too, is inside moe_finalize's region

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ..harness import gen, rand
-from .blocks import compile_and_run, fused_sites
+from .blocks import compile_and_run, fused_formulations, fused_sites
 from .hf_experts_style import HFExpertsStyleMoE
 
 BF16_COMBINE = ("index_add_bf16_shared at %index_add (experts): check: the combine accumulates in bf16")
@@ -31,7 +31,7 @@ def test_sites_fused_exactly(compiled):
     sites, report = fused_sites(backend)
     want = FUSED[implementation]
     assert sites == {name: len(p) for name, p in want.items()}, (report.declined, report.near_misses)
-    patterns = {p.name: [r["pattern"] for r in p.replaced] for p in report.passes if p.replaced}
+    patterns = fused_formulations(report)
     assert patterns == want, patterns
 
 
