@@ -20,14 +20,17 @@ untouched, and Dynamo retraces and calls the backend again.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
 import torch
 import torch.fx as fx
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.decomposition import select_decomp_table
 
 from dsv41.config import Dsv41Config
+from dsv41.passes.decompose import PRECISION_BARRIER
 from dsv41.passes.manager import CompileReport, PassManager
 from dsv41.size_specialization import SizeSpecializedGraph, size_locations
 from dsv41.stream_executor import StreamExecutor, has_schedule
@@ -148,8 +151,10 @@ class Dsv41Backend:
         def no_training(aten_gm, inputs):
             raise NotImplementedError("dsv41 compiles inference (decode) graphs only; run under torch.no_grad()")
 
-        # v1 wrappers of mutating custom ops: the form defunctionalisation rewrites (compile anchors, pitfall 10)
-        with torch._inductor.config.patch(enable_auto_functionalized_v2=False):
+        # v1 wrappers of mutating custom ops: the form defunctionalisation rewrites (compile anchors, pitfall 10); the
+        # Inductor settings during the trace too: under emulate_precision_casts AOT's trace marks the ops whose
+        # bf16 results Inductor must round as eager does (without the marks a fused chain keeps fp32 values)
+        with torch._inductor.config.patch({**INDUCTOR_PATCHES, "enable_auto_functionalized_v2": False}):
             return aot_module_simplified(gm, example_inputs, fw_compiler=no_training, inference_compiler=inference_compiler,
                                          decompositions=select_decomp_table(), keep_inference_input_mutations=True)
 
@@ -161,8 +166,28 @@ class Dsv41Backend:
             return make_boxed_func(gm.forward)
         from torch._inductor.compile_fx import compile_fx_inner
 
-        with torch._inductor.config.patch(INDUCTOR_PATCHES):
+        patches = dict(INDUCTOR_PATCHES)
+        if torch._inductor.config.post_grad_custom_post_pass is None:  # (a user's own pass stays; see RoundingPoints)
+            patches["post_grad_custom_post_pass"] = RoundingPoints(gm.graph)
+        with torch._inductor.config.patch(patches):
             return compile_fx_inner(gm, inputs)
+
+
+class RoundingPoints(CustomGraphPass):
+    """A post-grad pass that changes nothing, whose `uuid` (part of the key of Inductor's FX graph cache) names the
+    graph's low-precision barriers (`dsv41.passes.decompose.PRECISION_BARRIER`). The key hashes the graph's code
+    but not its node annotations, so without it a graph compiled before its nodes were marked would be served for
+    the same code with the marks, and round elsewhere than eager."""
+
+    def __init__(self, graph: fx.Graph):
+        barriers = " ".join(n.name for n in graph.nodes if n.meta.get(PRECISION_BARRIER))
+        self.key = hashlib.sha256(barriers.encode()).hexdigest()
+
+    def __call__(self, graph: fx.Graph) -> None:
+        pass
+
+    def uuid(self) -> str:
+        return self.key
 
 
 def _declined_for_symbols(report: CompileReport) -> bool:

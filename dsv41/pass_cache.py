@@ -8,7 +8,7 @@ key   = sha256 of the pass manager's fingerprint (`PassManager.fingerprint`: dsv
         get_attr's value metadata (shape, stride, dtype, device), and the value of a 0-d tensor constant (a literal
         the normalisation writes into the graph as its number).
 entry = the rewritten graph as plain data, one record per node (op, name, target by qualified name, args and kwargs
-        with nodes by name, the side-stream annotation), and the report's matches, declined, near misses, unrelated anchors, narrowed sites and notes.
+        with nodes by name, the side-stream and low-precision-barrier annotations), and the report's matches, declined, near misses, unrelated anchors, narrowed sites and notes.
 
 On a hit the graph is rebuilt in place of the original's nodes, its fake values propagated from the original
 placeholders' (`FakeTensorProp` under their fake mode), and the report restored with `cache = "hit"`. A graph with a
@@ -33,12 +33,14 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
+from dsv41.passes.decompose import PRECISION_BARRIER
 from dsv41.passes.normalize import held_scalar
 from dsv41.passes.streams import STREAM
 
 log = logging.getLogger("dsv41")
 
-FORMAT = 1  # bump to invalidate every entry
+FORMAT = 2  # bump to invalidate every entry
+_KEPT_META = (STREAM, PRECISION_BARRIER)  # node annotations the rewritten graph keeps: side streams, rounding points
 _REPORT_FIELDS = ("matches", "declined", "near_misses", "unrelated", "narrowed", "notes")
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
@@ -125,7 +127,7 @@ def store(key: str, gm: fx.GraphModule, report) -> str | None:
 
 def _node_record(n: fx.Node) -> tuple:
     target = n.target if n.op in ("placeholder", "get_attr", "output") else _target_name(n.target)
-    return (n.op, n.name, target, _encode(n.args), _encode(n.kwargs), n.meta.get(STREAM))
+    return (n.op, n.name, target, _encode(n.args), _encode(n.kwargs), {k: n.meta[k] for k in _KEPT_META if k in n.meta})
 
 
 def _target_name(target) -> tuple:
@@ -196,7 +198,7 @@ def _rebuild(records: list, gm: fx.GraphModule) -> fx.Graph:
     old = [n for n in gm.graph.nodes if n.op == "placeholder"]
     graph, env = fx.Graph(owning_module=gm), {}
     placeholders = iter(old)
-    for op, name, target, args, kwargs, stream in records:
+    for op, name, target, args, kwargs, kept in records:
         if op == "placeholder":
             node = graph.placeholder(target)
             original = next(placeholders)
@@ -210,8 +212,7 @@ def _rebuild(records: list, gm: fx.GraphModule) -> fx.Graph:
             node = graph.create_node(op, ref, _decode(args, env), _decode(kwargs, env), name=name)
         if node.name != name:
             raise LookupError(f"node {name!r} came back as {node.name!r}")
-        if stream is not None:
-            node.meta[STREAM] = stream
+        node.meta.update(kept)
         env[name] = node
     if next(placeholders, None) is not None:
         raise LookupError("the entry has fewer placeholders than the graph")

@@ -4,9 +4,13 @@ AOTAutograd decomposed the user's graph with Inductor's table (`select_decomp_ta
 a node that a pass writes afterwards (a replacement's derived offsets, `ones_like(ids).cumsum(0)`; a normalised
 spelling) has not been through that table. Inductor then meets an op it has a decomposition for but no lowering,
 makes an implicit fallback of it and stops: "both a fallback and a decomp for same op" (and under CI=1 any op with a
-registered decomposition). `DecomposePass` traces every node whose op is in the table through the table, as AOT
-would have, and splices the result in place (`inline_traced`, which `lower_references` uses for the fused ops'
+registered decomposition). `DecomposePass` traces every node whose op is in the table, and has no Inductor
+lowering, through the table, as AOT would have, and splices the result in place (`inline_traced`, which `lower_references` uses for the fused ops'
 references too). It runs in both modes, so `fx` mode runs the graph Inductor would compile.
+
+Inductor rounds a bf16 / fp16 value where eager would only at the nodes AOT's trace marked as low-precision
+barriers (under `emulate_precision_casts`, which the backend sets): the pass manager marks the nodes the passes
+created alike (`mark_precision_barriers`), so a rewritten graph rounds where the user's code does.
 
 `unlowerable(nodes)` is the check the pass manager runs in debug mode over every node the passes created: each is
 `getitem`, a higher-order op, an op with an Inductor lowering, or an op with no decomposition anywhere (an implicit
@@ -29,6 +33,9 @@ from dsv41.passes.streams import STREAM
 
 # what the nodes that replace a node inherit from it
 _INHERITED = (STREAM, "stack_trace", "nn_module_stack")
+# the node annotation by which Inductor rounds a low-precision value where eager would (`mark_precision_barriers`)
+PRECISION_BARRIER = "low_precision_pointwise_barrier"
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class DecomposePass(GraphPass):
@@ -36,9 +43,8 @@ class DecomposePass(GraphPass):
 
     def __call__(self, graph: fx.Graph) -> PassResult:
         result = PassResult(self.name)
-        table = select_decomp_table()
         for node in list(graph.nodes):
-            if node.op != "call_function" or node.target not in table:
+            if node.op != "call_function" or not _decomposed_not_lowered(node.target):
                 continue
             created = inline_traced(graph, node, node.target, node.args, node.kwargs, decompose_once=True)
             if created is None:  # its decomposition declines these arguments: the op stays, as AOT left it
@@ -109,12 +115,25 @@ def _hold(graph: fx.Graph, name: str, value: torch.Tensor, before: fx.Node) -> f
         return graph.get_attr(f"{held}_{i}")
 
 
+def mark_precision_barriers(nodes) -> None:
+    """Mark each op node among `nodes` that reads or returns a bf16 / fp16 tensor as a low-precision barrier, as
+    AOT's trace marks the user's ops under Inductor's `emulate_precision_casts` (the backend's setting): Inductor
+    then rounds its value to that dtype where eager would, instead of carrying fp32 through a fused chain of
+    pointwise ops. The passes' own nodes (a normalised spelling, a replacement's derived values, an inlined
+    reference) are ops that eager would run one by one too."""
+    for n in nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        values = [n.meta.get("val"), *(a.meta.get("val") for a in n.all_input_nodes)]
+        if any(isinstance(v, torch.Tensor) and v.dtype in _LOW_PRECISION for v in values):
+            n.meta[PRECISION_BARRIER] = True
+
+
 def unlowerable(nodes) -> list[str]:
     """The nodes among `nodes` that Inductor would not lower, each with why (empty: all lower)."""
     from torch._decomp import get_decompositions
     from torch._inductor.lowering import lowerings
 
-    table = select_decomp_table()
     bad = []
     for n in nodes:
         t = n.target
@@ -123,9 +142,17 @@ def unlowerable(nodes) -> list[str]:
             continue
         if not isinstance(t, torch._ops.OpOverload):
             bad.append(f"%{n.name}: {t} is not an ATen op overload")
-        elif t in table or get_decompositions([t]):
+        elif _decomposed_not_lowered(t) or get_decompositions([t]):
             bad.append(f"%{n.name} = {_op_name(t)}: Inductor has a decomposition for it and no lowering")
     return bad
+
+
+def _decomposed_not_lowered(target) -> bool:
+    """Inductor's table decomposes `target` and Inductor has no lowering of its own for it (an op in both, such as
+    `add.Tensor`, whose decomposition applies to complex values only, is lowered as it stands)."""
+    from torch._inductor.lowering import lowerings
+
+    return target in select_decomp_table() and target not in lowerings
 
 
 def _op_name(target) -> str:

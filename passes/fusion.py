@@ -359,13 +359,16 @@ class FusionPass(GraphPass):
         if reason is None:
             kind, reason = "check", self.check(m)
         if reason is None:
-            kind, rep = "check", self.replacement(m)
-            try:  # the op's own validation (dtypes, shapes) on the matched values
-                value = _fake_output(rep)
-            except TypeError as e:
-                reason = f"dtype: {e}"
-            except (ValueError, RuntimeError) as e:
-                reason = f"the op rejects the matched inputs: {e}"
+            kind, rep = "check", self._replacement(m)
+            if isinstance(rep, str):
+                reason = rep
+            else:
+                try:  # the op's own validation (dtypes, shapes) on the matched values
+                    value = _fake_output(rep)
+                except TypeError as e:
+                    reason = f"dtype: {e}"
+                except (ValueError, RuntimeError) as e:
+                    reason = f"the op rejects the matched inputs: {e}"
             if reason is not None:
                 log.debug("dsv41: %s declines %%%s: %s", self.name, anchor.name, reason)
         if reason is None and m.islands:
@@ -377,6 +380,19 @@ class FusionPass(GraphPass):
             return MatchFailure(m.pattern.name, anchor.name, len(m.nodes), len(m.nodes), kind, reason,
                                 blocking and blocking.name, island and island.expected, island and island.found)
         return m, rep, value, verified
+
+    def _replacement(self, m: MatchResult) -> "Replacement | str":
+        """The fusion's replacement for m, or, where building it raises (a bug of the pass on a match it did not
+        foresee), the reason that declines the site: one site's failure must not cost the graph its other fusions.
+        In debug mode it raises, so the tests see it."""
+        try:
+            return self.replacement(m)
+        except Exception as e:
+            if self.config.debug:
+                raise
+            log.warning("dsv41: %s could not build its replacement at %%%s: %s: %s", self.name, m.outputs[0].name,
+                        type(e).__name__, e)
+            return f"the replacement could not be built: {type(e).__name__}: {e}"
 
     def _replace(self, graph: fx.Graph, m: MatchResult, rep: Replacement, value) -> dict:
         from torch._inductor.pattern_matcher import stable_topological_sort

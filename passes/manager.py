@@ -6,7 +6,8 @@ It runs inside the backend's inference compiler, before code generation, so Indu
 rewritten graph itself. `run_cached` puts `dsv41.pass_cache` in front: a warm start finds the rewritten graph and
 the report on disk, keyed by the ATen graph and `fingerprint()`, and runs no pass. Snapshots of the graph before and
 after every pass are taken only when a recorder is attached (the graph-diff tool); in debug mode every pass is
-followed by invariant checks, and every node the passes created must be one Inductor lowers (`check_lowerable`). Either turns the cache off, since both exist to watch the passes run.
+followed by invariant checks, and every node the passes created must be one Inductor lowers (`check_lowerable`).
+The created nodes are marked as low-precision barriers where eager would round (`mark_precision_barriers`). Either turns the cache off, since both exist to watch the passes run.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from dsv41.passes.complex_arith import real_pairs
-from dsv41.passes.decompose import unlowerable
+from dsv41.passes.decompose import mark_precision_barriers, unlowerable
 from dsv41.passes.fusion import FusionPass, GraphPass, PassResult
 from dsv41.passes.matcher import MatchFailure
 from dsv41.passes.normalize import normalize_graph, restore_stable_sorts
@@ -136,7 +137,7 @@ class PassManager:
         recorders = list(dict.fromkeys(recorders))
         for r in recorders:
             r.begin_graph(report.graph_id, self.passes)
-        given = set(graph.nodes) if self.config.debug else None
+        given = set(graph.nodes)
         for index, p in enumerate(self.passes):
             befores = [r.capture(graph) for r in recorders]
             anchors = [n.name for n in p.anchors(graph)] if self.config.debug and isinstance(p, FusionPass) else None
@@ -157,8 +158,10 @@ class PassManager:
                 check_invariants(graph, p.name)
                 if anchors is not None:
                     check_records(anchors, result)
+        created = [n for n in graph.nodes if n not in given]
+        mark_precision_barriers(created)
         if self.config.debug:
-            check_lowerable([n for n in graph.nodes if n not in given])
+            check_lowerable(created)
         return report
 
 

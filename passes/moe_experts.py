@@ -63,6 +63,7 @@ the gather of a cat would add on every call).
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 import torch.fx as fx
@@ -359,6 +360,21 @@ def _ones(like):
     return Derived(prims.convert_element_type.default, (Derived(aten.ones_like.default, (like,)), torch.float32))
 
 
+def _pairs(expert_idx):
+    """(T, k) of the [T, k] ids of a gathered match; ids bound with extra unit dims (`[B = 1, S = 1, k]`, which the
+    pattern reads as `[1, k]`) count their leading dims as tokens."""
+    shape = expert_idx.meta["val"].shape
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def _one_row_each(like):
+    """The offsets of M experts with one row each, 1, 2, ..., M as [M] int32 (M = like.numel(), like [M]): the int64
+    cumsum of ones, cast. Not `cumsum(ones, dtype=int32)`: Inductor's post-grad rewrite of a cumsum of a `full` into
+    an arange drops the cumsum's dtype argument and returns int64."""
+    ones = Derived(aten.ones_like.default, (like,), (("dtype", torch.int64),))
+    return Derived(prims.convert_element_type.default, (Derived(aten.cumsum.default, (ones, 0)), torch.int32))
+
+
 def pair_tokens(per_pair, k):
     """The token of each (token, slot) pair in pair order, p // k for p in [0, T * k) (the pair indices as the
     cumsum of ones less one): [T * k] int64 on the device of per_pair, any [T * k] value (a Derived needs a graph
@@ -373,7 +389,7 @@ def _sorted_replacement(inputs, weighted, tail, kernel, rows_out=False):
     w2 -> the op's [T * k, D] rows, put back in (t, j) order as [T, k, D] (rows_out: as [T * k, D], the flat pairs' form)."""
     x, expert_idx, *rest = inputs
     w13, w2 = rest[-2:]
-    t, k = expert_idx.meta["val"].shape
+    t, k = _pairs(expert_idx)
     rows, experts_n, dim = t * k, w13.meta["val"].shape[0], x.meta["val"].shape[-1]
     flat = Derived(aten.reshape.default, (expert_idx, [rows]))
     order = Derived(aten.argsort.stable, (flat,), (("stable", True),))
@@ -412,8 +428,7 @@ def _per_row_replacement(inputs, weighted, tail, kernel):
     graph computes), offsets 1, 2, ..., M."""
     x, token, expert_idx, *rest = inputs
     w13, w2 = rest[-2:]
-    offsets = Derived(aten.cumsum.default, (Derived(aten.ones_like.default, (expert_idx,)), 0),
-                      (("dtype", torch.int32),))
+    offsets = _one_row_each(expert_idx)
     row_weights = rest[0] if weighted else _ones(expert_idx)
     return Replacement(torch.ops.dsv41.moe_experts.default,
                        (x, token, row_weights, offsets, Derived(aten.index.Tensor, (w13, [expert_idx])),
@@ -425,12 +440,12 @@ def _per_pair_replacement(inputs, weighted, tail, kernel):
     (weights [T, k],) w1, w3, w2 -> the op's [T * k, D] rows (in pair order) viewed [T, k, D]."""
     x, expert_idx, *rest = inputs
     w1, w3, w2 = rest[-3:]
-    t, k = expert_idx.meta["val"].shape
+    t, k = _pairs(expert_idx)
     rows, dim = t * k, x.meta["val"].shape[-1]
     flat = Derived(aten.reshape.default, (expert_idx, [rows]))
     w13 = Derived(aten.cat.default, ([Derived(aten.index.Tensor, (w, [flat])) for w in (w1, w3)], 1))
     pair_weights = Derived(aten.index.Tensor, (w2, [flat]))
-    offsets = Derived(aten.cumsum.default, (Derived(aten.ones_like.default, (flat,)), 0), (("dtype", torch.int32),))
+    offsets = _one_row_each(flat)
     token = pair_tokens(flat, k)
     row_weights = Derived(aten.reshape.default, (rest[0], [rows])) if weighted else _ones(flat)
     return Replacement(torch.ops.dsv41.moe_experts.default,

@@ -40,7 +40,8 @@ def test_pass_order():
     assert FUSION_ORDER.index("moe_finalize") < FUSION_ORDER.index("allreduce_mhc")  # combine-only before the TP tail
     # the stable sorts no fusion took restored, scheduling after every fusion, then the choice of implementation
     # (inlined nodes keep the op's stream)
-    assert names[-4:] == ["restore_stable_sorts", "streams", "lower_references", "defunctionalize"]
+    # (and the decomposition of what the passes wrote, before any scheduling)
+    assert names[-5:] == ["restore_stable_sorts", "decompose", "streams", "lower_references", "defunctionalize"]
 
 
 # ---- names and shared patterns ------------------------------------------------------------------------------------
@@ -484,3 +485,22 @@ def test_every_name_list_derives_from_the_registry():
         assert str(dsv41.lowerings.ALL_OPS[f.name].default._schema.name) == f.op
         if f.kernel is not None:  # the kernel module of the op exists (imported on CUDA only)
             assert importlib.util.find_spec(f"dsv41.kernels.{f.kernel}") is not None, f.kernel
+
+
+# ---- a replacement that cannot be built ---------------------------------------------------------------------------
+def test_a_replacement_that_raises_declines_its_site_and_raises_in_debug_mode(monkeypatch):
+    """A fusion whose replacement raises on a match (a bug of the pass on a spelling it did not foresee) declines that
+    site with the error as its reason, the graph left correct; in debug mode (the tests') it raises instead."""
+    def broken(self, m):
+        raise ValueError("not foreseen")
+
+    monkeypatch.setattr(fusion_pass_class("moe_route"), "replacement", broken)
+    f = route_case.route_without_temperature
+    gm, report = run_passes(f, route_case.inputs(0), "moe_route", debug=False)
+    assert report.matches["moe_route"] == 0 and op_counts(gm)["dsv41.moe_route"] == 0
+    (reason,) = report.declined["moe_route"]
+    assert "check: the replacement could not be built: ValueError: not foreseen" in reason, reason
+    x = route_case.inputs(1)
+    assert_close(gm(*x), f(*x), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="not foreseen"):
+        run_passes(f, route_case.inputs(0), "moe_route")

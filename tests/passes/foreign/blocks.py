@@ -1,7 +1,10 @@
-"""What the foreign decode blocks' tests share: the block compiled once through the real backend (fx mode) and run
-beside eager on fresh inputs, its one fusion report, and the outputs' agreement."""
+"""What the foreign decode blocks' tests share: the block compiled once through the real backend, in a given mode
+(`inductor`, the default, or `fx`), and run beside eager on fresh inputs; its one fusion report; that every fused op
+runs in the compiled step; the outputs' agreement."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
@@ -10,13 +13,32 @@ from dsv41.passes.registry import FUSION_NAMES
 from ..harness import compile_fx
 
 
-def compile_and_run(block, inputs, seeds):
-    """(backend, [(compiled outputs, eager outputs) on inputs(seed, block) for each seed]); Dynamo reset after."""
-    fn, backend = compile_fx(block)
+def compile_and_run(block, inputs, seeds, mode="fx"):
+    """(backend, [(compiled outputs, eager outputs) on inputs(seed, block) for each seed]) of the block compiled in
+    `mode`; asserts that the compiled step runs each fused op as often as the report counts its sites
+    (`assert_fused_ops_run`). Dynamo reset after."""
+    fn, backend = compile_fx(block, mode=mode)
     with torch.no_grad():
         runs = [(fn(*x), block(*x)) for x in (inputs(seed, block) for seed in seeds)]
+        assert_fused_ops_run(backend, fn, inputs(seeds[0], block))
     torch._dynamo.reset()
     return backend, runs
+
+
+def dsv41_calls(fn, args) -> Counter:
+    """The `dsv41::` ops that one call fn(*args) runs, by name, as torch.profiler records them."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn(*args)
+    return Counter(e.name.removeprefix("dsv41::") for e in prof.events() if e.name.startswith("dsv41::"))
+
+
+def assert_fused_ops_run(backend, fn, args):
+    """One compiled step runs `dsv41::<fusion>` exactly as many times as the backend's reports count sites of it:
+    a fusion on record that no code path runs (a graph that fell back, an op Inductor dropped) fails here."""
+    fused = Counter()
+    for report in backend.reports:
+        fused.update({k: v for k, v in report.matches.items() if v})
+    assert dsv41_calls(fn, args) == fused, backend.reports[-1].fallback
 
 
 def fused_sites(backend):
@@ -44,10 +66,11 @@ def assert_outputs_agree(runs):
             assert not g_.isnan().any() and close.float().mean() >= 0.99, (~close).sum()
 
 
-def assert_one_request_fuses(block, inputs, sites):
-    """The block at one request (B = 1, so every batch and length dim is 1: `inputs(seed, block, b=1)`) fuses
-    exactly `sites`, as at B > 1, and its outputs agree with eager (`assert_outputs_agree`) on two fresh inputs."""
-    backend, runs = compile_and_run(block, lambda seed, module: inputs(seed, module, b=1), (1, 2))
+def assert_one_request_fuses(block, inputs, sites, mode):
+    """The block at one request (B = 1, so every batch and length dim is 1: `inputs(seed, block, b=1)`) compiled in
+    `mode` fuses exactly `sites`, as at B > 1, and its outputs agree with eager (`assert_outputs_agree`) on two fresh
+    inputs."""
+    backend, runs = compile_and_run(block, lambda seed, module: inputs(seed, module, b=1), (1, 2), mode)
     fused, report = fused_sites(backend)
     assert fused == sites, (report.declined, report.near_misses)
     assert_outputs_agree(runs)

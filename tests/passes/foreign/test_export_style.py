@@ -1,4 +1,4 @@
-"""The export-style block (export_style.py) through the real backend (fx mode), at B = 3 and at one request, with
+"""The export-style block (export_style.py) through the real backend in both modes (inductor and fx), at B = 3 and at one request, with
 its experts under `_grouped_mm` and on each sorted row's gathered weights: exactly its fused sites (each once, with
 the formulation that fused), the record of the one that does not fuse, outputs equal to eager (h and x_new bf16
 within one bf16 ulp of an fp32 reordering: atol=rtol=1.6e-2 on at least 99% of elements, since the FP8 round trip may
@@ -37,12 +37,12 @@ METADATA_NEAR_MISS = (r"scatter_add_int64 at %sort_\d+: wrong op after 4 of 9 pa
 
 @pytest.fixture(scope="module", params=[(3, True), (1, True), (3, False), (1, False)],
                 ids=["B3", "B1", "B3-gathered", "B1-gathered"])
-def compiled(request):
+def compiled(request, mode):
     """The block compiled once per batch size and experts' form; (grouped, backend, [(compiled outputs, eager
     outputs)] on fresh inputs)."""
     b, grouped = request.param
     backend, runs = compile_and_run(ExportStyleBlock(grouped_experts=grouped),
-                                    lambda seed, block: inputs(seed, block, b=b), (1, 2, 3))
+                                    lambda seed, block: inputs(seed, block, b=b), (1, 2, 3), mode)
     return grouped, backend, runs
 
 

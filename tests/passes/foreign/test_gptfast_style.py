@@ -1,4 +1,4 @@
-"""The gpt-fast-style MoE sublayer (gptfast_style.py) through the real backend (fx mode): exactly its sites fused
+"""The gpt-fast-style MoE sublayer (gptfast_style.py) through the real backend in both modes (inductor and fx): exactly its sites fused
 (moe_route, moe_experts as the gathered split formulation, moe_finalize as the per-slot einsum combine), at B = 3 and
 at one request, outputs equal to eager within one bf16 ulp of an fp32 reordering on at least 99% of elements (the FP8
 round trip may move a bucket), no NaN; the combine reads the experts' op's rows in place."""
@@ -24,8 +24,8 @@ def assert_agrees(runs):
 
 
 @pytest.mark.parametrize("b", [3, 1])
-def test_sites_fused_and_agree(b):
-    backend, runs = compile_and_run(GptFastStyleMoE(), lambda seed, block: inputs(seed, block, b), (1, 2))
+def test_sites_fused_and_agree(b, mode):
+    backend, runs = compile_and_run(GptFastStyleMoE(), lambda seed, block: inputs(seed, block, b), (1, 2), mode)
     sites, report = fused_sites(backend)
     assert sites == SITES, (report.declined, report.near_misses)
     patterns = fused_formulations(report)

@@ -1,4 +1,4 @@
-"""The MoE sublayer with HF's experts implementations (hf_experts_style.py) through the real backend (fx mode), at
+"""The MoE sublayer with HF's experts implementations (hf_experts_style.py) through the real backend in both modes (inductor and fx), at
 B = 3 and at one request: exactly its fused sites with the formulation that fused, the record of every site that
 does not fuse, outputs equal to eager (bf16 within one ulp of a reordering on at least 99% of elements), no NaN."""
 
@@ -19,10 +19,10 @@ FUSED = {"grouped_mm": {"moe_route": ["route_no_temperature"], "moe_metadata": [
 
 
 @pytest.fixture(scope="module", params=[(i, b) for i in FUSED for b in (3, 1)], ids=lambda p: f"{p[0]}-B{p[1]}")
-def compiled(request):
+def compiled(request, mode):
     implementation, b = request.param
     backend, runs = compile_and_run(HFExpertsStyleMoE(implementation),
-                                    lambda seed, block: [rand(gen(seed), b, 1, block.dim)], (1, 2))
+                                    lambda seed, block: [rand(gen(seed), b, 1, block.dim)], (1, 2), mode)
     return implementation, backend, runs, b
 
 

@@ -1,4 +1,4 @@
-"""The HF-style block (hf_style.py) through the real backend (fx mode): outputs equal to eager (h and x_new bf16
+"""The HF-style block (hf_style.py) through the real backend in both modes (inductor and fx): outputs equal to eager (h and x_new bf16
 within one bf16 ulp of the fp32 reordering: atol=rtol=1.6e-2 on at least 99% of elements, since the FP8 round trip
 may move a bucket; the indexer's -inf mask exactly), and every one of its 10 sites fused, among them the two that need more than
 op-for-op matching: moe_finalize, whose routing weights reach the combine as `weights.flatten()[:, None]` of a
@@ -28,9 +28,9 @@ def inputs(seed, block):
 
 
 @pytest.fixture(scope="module")
-def compiled():
+def compiled(mode):
     """The block compiled once; (backend, [(compiled outputs, eager outputs)] on two fresh inputs)."""
-    return compile_and_run(HFStyleBlock(), inputs, (1, 2))
+    return compile_and_run(HFStyleBlock(), inputs, (1, 2), mode)
 
 
 def test_every_site_is_fused(compiled):

@@ -1,4 +1,4 @@
-"""The JAX/Flax-port block (jax_style.py) through the real backend (fx mode): outputs equal to eager (h and x_new
+"""The JAX/Flax-port block (jax_style.py) through the real backend in both modes (inductor and fx): outputs equal to eager (h and x_new
 bf16 within one bf16 ulp of an fp32 reordering: atol=rtol=1.6e-2 on at least 99% of elements, since the FP8 round
 trip may move a bucket; the indexer's indices exactly, ascending, so the index sets agree), the sites in T_SITES
 fused exactly once each, qkv_norm with the KV's FP8 step inside the op; wo_a declined because its Flax
@@ -25,9 +25,9 @@ def inputs(seed, block, b=B):
 
 
 @pytest.fixture(scope="module")
-def compiled():
+def compiled(mode):
     """The block compiled once; (backend, [(compiled outputs, eager outputs)] on three fresh inputs)."""
-    return compile_and_run(JaxStyleBlock(), inputs, (1, 2, 3))
+    return compile_and_run(JaxStyleBlock(), inputs, (1, 2, 3), mode)
 
 
 def test_the_fused_sites(compiled):
@@ -62,8 +62,8 @@ def test_agrees_with_eager(compiled):
     assert_outputs_agree(compiled[1])
 
 
-def test_one_request():
+def test_one_request(mode):
     """B = 1, where every [B, L] dim is 1: every site in T_SITES fuses as at B = 3 (the last mhc_post_pre site's
     MoE output, [1, 1, D] and read through its cast beside [1, hc, 1] weights, binds without the leading unit dim
     that broadcasting adds anyway)."""
-    assert_one_request_fuses(JaxStyleBlock(), inputs, T_SITES)
+    assert_one_request_fuses(JaxStyleBlock(), inputs, T_SITES, mode)

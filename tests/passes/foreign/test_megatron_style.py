@@ -1,4 +1,4 @@
-"""The Megatron-Core-style block (megatron_style.py) through the real backend (fx mode): outputs equal to eager (h
+"""The Megatron-Core-style block (megatron_style.py) through the real backend in both modes (inductor and fx): outputs equal to eager (h
 and x_new bf16 within one bf16 ulp of an fp32 reordering: atol=rtol=1.6e-2 on at least 99% of elements, since the
 FP8 round trip may move a bucket; the indexer's indices exactly, ascending, so the index sets agree), every one of
 its sites fused, exactly once each, in its sequence-first [1, B, ...] layout; qkv_norm and moe_experts with their FP8
@@ -27,9 +27,9 @@ def inputs(seed, block, b=B):
 
 
 @pytest.fixture(scope="module")
-def compiled():
+def compiled(mode):
     """The block compiled once; (backend, [(compiled outputs, eager outputs)] on three fresh inputs)."""
-    return compile_and_run(MegatronStyleBlock(), inputs, (1, 2, 3))
+    return compile_and_run(MegatronStyleBlock(), inputs, (1, 2, 3), mode)
 
 
 def test_sites_fused_exactly_once(compiled):
@@ -51,9 +51,9 @@ def test_agrees_with_eager(compiled):
     assert_outputs_agree(compiled[1])
 
 
-def test_one_request():
+def test_one_request(mode):
     """B = 1: every site in T_SITES fuses as at B = 3 (the last mhc_post_pre site's sublayer output, a `[1, 1, D]` value cast beside `[1, hc, 1]` weights, and wo_a's `[1, 1, rd/2]` cos/sin beside `[1, H, rd/2]` heads bind without the leading unit dim that broadcasting adds anyway; with B = 1 the block's layout reads as batch-first, there being no `[1, B > 1, ...]` linear layer to show it sequence-first)."""
-    assert_one_request_fuses(MegatronStyleBlock(), inputs, T_SITES)
+    assert_one_request_fuses(MegatronStyleBlock(), inputs, T_SITES, mode)
 
 
 def test_masked_select_dispatch_breaks_the_graph_and_says_so():

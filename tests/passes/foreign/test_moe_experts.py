@@ -234,3 +234,26 @@ def test_weights_stored_transposed_are_read_in_place():
             view.args[0].name == name, gm.code
     assert not {"aten.clone", "aten.contiguous", "aten._grouped_mm"} & set(op_counts(gm)), gm.code
     assert_found_once(transposed_w1_w3, transposed_inputs, FUSION)
+
+
+# ---- one request with a sequence dim ([B, S] = [1, 1]) -----------------------------------------------------------
+def apart_gathers_with_a_sequence_dim(x, expert_idx, w, w1, w3, w2):
+    """A decode loop on [B, S, ...] values: w1, w3 and w2 gathered apart by [B, S, k] ids under matmul, x as column
+    vectors [B, S, 1, D, 1]; the pair rows [B, S, k, D]."""
+    xc = x[..., None, :, None]
+    g = (w1[expert_idx] @ xc).squeeze(-1)
+    u = (w3[expert_idx] @ xc).squeeze(-1)
+    a = fn.swiglu_clamped(g, u, model_test.LIMIT) * w[..., None]
+    return (w2[expert_idx] @ fn.fp8_fake_quant(a.to(torch.bfloat16), model_test.BLOCK)[..., None]).squeeze(-1)
+
+
+def test_apart_gathers_at_one_request_with_a_sequence_dim_are_fused():
+    """At B = S = 1 the ids are [1, 1, k], which the pattern reads as [1, k] (the replacement counts the leading
+    dims as tokens; it used to raise unpacking the ids' shape, and the whole graph fell back): found once, equal to
+    eager within the pass's tolerance."""
+    def inputs_of(seed):
+        x, expert_idx, w, *weights = model_test.gathered_inputs(seed, 1)
+        return [x[:, None], expert_idx[:, None], w[:, None], *weights]
+
+    report = assert_found_once(apart_gathers_with_a_sequence_dim, inputs_of, FUSION, **model_test.GATHERED_TOL)
+    assert [r["pattern"] for p in report.passes for r in p.replaced if p.name == FUSION] == ["gathered_matmul_split_fp8"]

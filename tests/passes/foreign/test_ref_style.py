@@ -1,4 +1,4 @@
-"""The DeepSeek-reference-style block (ref_style.py) through the real backend (fx mode): outputs equal to eager (h
+"""The DeepSeek-reference-style block (ref_style.py) through the real backend in both modes (inductor and fx): outputs equal to eager (h
 and x_new bf16 within one bf16 ulp of an fp32 reordering: atol=rtol=1.6e-2 on at least 99% of elements, since the
 FP8 round trip may move a bucket; the indexer's indices exactly, ascending, so the index sets agree), every site
 but wo_a fused, exactly once each; wo_a declined because its weight, stored [G, in, out], would be copied into the
@@ -26,9 +26,9 @@ def inputs(seed, block):
 
 
 @pytest.fixture(scope="module")
-def compiled():
+def compiled(mode):
     """The block compiled once; (backend, [(compiled outputs, eager outputs)] on three fresh inputs)."""
-    return compile_and_run(RefStyleBlock(), inputs, (1, 2, 3))
+    return compile_and_run(RefStyleBlock(), inputs, (1, 2, 3), mode)
 
 
 def test_every_site_is_fused(compiled):

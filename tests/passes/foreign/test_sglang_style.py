@@ -1,4 +1,4 @@
-"""The SGLang-native-style block (sglang_style.py) through the real backend (fx mode): outputs equal to eager (h and
+"""The SGLang-native-style block (sglang_style.py) through the real backend in both modes (inductor and fx): outputs equal to eager (h and
 x_new bf16 within one bf16 ulp of an fp32 reordering: atol=rtol=1.6e-2 on at least 99% of elements, since the FP8
 round trip may move a bucket; the indexer's indices exactly, ascending, so the index sets agree), and every one of
 its 11 sites fused, exactly once each, qkv_norm and moe_experts with their FP8 steps inside."""
@@ -24,9 +24,9 @@ def inputs(seed, block):
 
 
 @pytest.fixture(scope="module")
-def compiled():
+def compiled(mode):
     """The block compiled once; (backend, [(compiled outputs, eager outputs)] on three fresh inputs)."""
-    return compile_and_run(SglangStyleBlock(), inputs, (1, 2, 3))
+    return compile_and_run(SglangStyleBlock(), inputs, (1, 2, 3), mode)
 
 
 def test_every_site_is_fused(compiled):

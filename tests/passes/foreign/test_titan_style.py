@@ -1,4 +1,4 @@
-"""The TorchTitan-style block (titan_style.py) through the real backend (fx mode), at B = 3 and at one request:
+"""The TorchTitan-style block (titan_style.py) through the real backend in both modes (inductor and fx), at B = 3 and at one request:
 exactly its fused sites (each once, with the formulation that fused), outputs equal to eager (h and x_new bf16
 within one bf16 ulp of an fp32 reordering: atol=rtol=1.6e-2 on at least 99% of elements, since the FP8 round trip may
 move a bucket; the indexer's indices exactly), no NaN; and moe_experts on GroupedExperts' w1 and w3 parameters in
@@ -25,10 +25,10 @@ def inputs(seed, block, b):
 
 
 @pytest.fixture(scope="module", params=[3, 1], ids=["B3", "B1"])
-def compiled(request):
+def compiled(request, mode):
     """The block compiled once per batch size; (backend, [(compiled outputs, eager outputs)] on fresh inputs)."""
     b = request.param
-    return compile_and_run(TitanStyleBlock(), lambda seed, block: inputs(seed, block, b), (1, 2, 3))
+    return compile_and_run(TitanStyleBlock(), lambda seed, block: inputs(seed, block, b), (1, 2, 3), mode)
 
 
 def test_sites_fused_exactly_once(compiled):

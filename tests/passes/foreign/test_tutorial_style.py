@@ -1,4 +1,4 @@
-"""The tutorial-style block (tutorial_style.py) through the real backend (fx mode): outputs equal to eager (h and
+"""The tutorial-style block (tutorial_style.py) through the real backend in both modes (inductor and fx): outputs equal to eager (h and
 x_new bf16 within one bf16 ulp of an fp32 reordering: atol=rtol=1.6e-2 on at least 99% of elements, since the FP8
 round trip may move a bucket; the indexer's indices exactly, ascending, so the index sets agree), every one of its
 sites fused, exactly once each, qkv_norm with the KV's FP8 step inside the op and moe_experts with the activation's."""
@@ -27,9 +27,9 @@ def inputs(seed, block, b=B):
 
 
 @pytest.fixture(scope="module")
-def compiled():
+def compiled(mode):
     """The block compiled once; (backend, [(compiled outputs, eager outputs)] on three fresh inputs)."""
-    return compile_and_run(TutorialStyleBlock(), inputs, (1, 2, 3))
+    return compile_and_run(TutorialStyleBlock(), inputs, (1, 2, 3), mode)
 
 
 def test_every_site_is_fused(compiled):
@@ -59,9 +59,9 @@ def test_agrees_with_eager(compiled):
     assert_outputs_agree(compiled[1])
 
 
-def test_one_request():
+def test_one_request(mode):
     """B = 1: every site in T_SITES fuses as at B = 3 (the last mhc_post_pre site's sublayer output, a `[1, 1, D]` value cast beside `[1, hc, 1]` weights, and wo_a's `[1, 1, rd/2]` cos/sin beside `[1, H, rd/2]` heads bind without the leading unit dim that broadcasting adds anyway)."""
-    assert_one_request_fuses(TutorialStyleBlock(), inputs, T_SITES)
+    assert_one_request_fuses(TutorialStyleBlock(), inputs, T_SITES, mode)
 
 
 def test_a_site_fused_without_its_fp8_step_says_why(monkeypatch):
