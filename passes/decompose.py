@@ -19,6 +19,7 @@ fallback Inductor accepts: the `dsv41::` ops).
 
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import torch
@@ -72,7 +73,9 @@ def inline_traced(graph: fx.Graph, node: fx.Node, fn, args, kwargs=None, *, deco
         a, k = pytree.tree_unflatten(full, spec)
         return fn(*a, **k)
 
-    with detect_fake_mode(fake):
+    # the arguments' fake mode; for an op of no tensor argument (a `full`), the graph's
+    mode = detect_fake_mode(fake) or detect_fake_mode([p.meta.get("val") for p in graph.find_nodes(op="placeholder")])
+    with mode if mode is not None else contextlib.nullcontext():
         sub = make_fx(torch.func.functionalize(call, remove="mutations"), decomposition_table=select_decomp_table(),
                       tracing_mode="real")(*fake)
     sub.graph.eliminate_dead_code()

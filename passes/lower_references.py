@@ -56,8 +56,9 @@ def lower_references(graph: fx.Graph, keep: set[str], result: PassResult | None 
         op_name = target._schema.name.split("::")[-1]
         if op_name in keep:
             continue
-        args = list(node.args[:-1]) if target._schema.arguments[-1].name == "impl" and len(node.args) == len(target._schema.arguments) else list(node.args)
-        created = inline_traced(graph, node, _reference(op_name), args)
+        arguments = {a.name: v for a, v in zip(target._schema.arguments, node.args)} | dict(node.kwargs)
+        arguments.pop("impl", None)  # the reference takes the op's other arguments by their schema names
+        created = inline_traced(graph, node, _reference(op_name), (), arguments)
         result.matches += 1
         result.replaced.append({"pattern": op_name, "erased": [node.name], "created": created,
                                 "stack_trace": node.meta.get("stack_trace"), "module": None})

@@ -181,3 +181,23 @@ def test_the_backend_traces_with_rounding_points():
     torch._dynamo.reset()
     assert seen and len(seen[0]) >= 3, seen  # mul, add, sigmoid (each bf16 in eager)
     assert torch.equal(got, f(x, y))
+
+
+def test_a_written_op_of_no_tensor_argument_is_traced_in_the_graphs_fake_mode():
+    """`zeros([n], dtype=int32)` (decomposed by the table, no tensor argument to take a fake mode from) is traced in
+    the fake mode of the graph's inputs."""
+    gm = aten_graph(ids_plus_one, torch.randint(0, 5, (7,)))
+    graph = gm.graph
+    out = next(iter(graph.find_nodes(op="output")))
+    with graph.inserting_before(out):
+        zeros = graph.call_function(aten.zeros.default, ([5],), {"dtype": torch.int32, "device": torch.device("cpu")})
+    zeros.meta["val"] = torch.zeros(5, dtype=torch.int32)
+    out.args = ((*out.args[0], zeros),)
+    gm.recompile()
+    assert aten.zeros.default in select_decomp_table() and unlowerable([zeros])
+    assert DecomposePass(Dsv41Config())(graph).matches == 1
+    gm.recompile()
+    calls = [n for n in graph.nodes if n.op == "call_function"]
+    assert unlowerable(calls) == [] and all(isinstance(n.meta["val"], torch._subclasses.FakeTensor) for n in calls)
+    got = gm(torch.tensor([1, 2]))
+    assert torch.equal(got[1], torch.zeros(5, dtype=torch.int32))

@@ -84,3 +84,23 @@ def test_ops_with_arguments_after_the_tensors_lower():
     assert dsv41_ops(gm) == []
     for got, ref in zip(gm(*args), want):
         assert torch.equal(got, ref)
+
+
+def test_arguments_after_impl_reach_the_reference_by_name():
+    """indexer_topk's schema has `impl` before `score_scale` and `return_scores`: the reference, which takes no
+    `impl`, gets the others by name (positionally the kernel's name would land in `score_scale`)."""
+    g = torch.Generator().manual_seed(1)
+    t, ih, ihd, n = 2, 4, 32, 24
+    args = (torch.randn(t, ih, ihd, generator=g).to(torch.bfloat16), torch.rand(t, ih, generator=g),
+            torch.randn(t, n, ihd, generator=g).to(torch.bfloat16), torch.tensor([n, 17]))
+
+    def site(q, w, keys, n_c):
+        return ops.indexer_topk(q, w, keys, n_c, None, 8, 128, 1, 0, False, "reference", 0.5, True)
+
+    gm = make_fx(site, tracing_mode="fake")(*args)
+    want = gm(*args)
+    lower_references(gm.graph, set())
+    gm.recompile()
+    assert not dsv41_ops(gm)
+    got = gm(*args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
