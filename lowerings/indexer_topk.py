@@ -1,5 +1,6 @@
 """`dsv41::indexer_topk`: index scores, the candidate-block selection or restriction, top-k and the window offset, the
-selection returned as indices or as an additive mask over the compressed rows."""
+selection returned as indices, as an additive mask over the compressed rows, or as the raw sorted top-k rows (for a
+model that maps them itself, e.g. through a paged KV block table)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,15 @@ INDEX_MAX = 2**63 - 1  # the largest int64 index
 
 
 def _validate(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, impl, score_scale,
-              return_scores=False):
+              return_scores=False, mask=False, raw_indices=False):
     _checks.check_impl(NAME, impl)
     _checks.check_scalar(NAME, "return_scores", return_scores, isinstance(return_scores, bool), "must be a bool")
+    _checks.check_scalar(NAME, "raw_indices", raw_indices, isinstance(raw_indices, bool), "must be a bool")
+    if raw_indices:
+        _checks.check_scalar(NAME, "raw_indices", raw_indices, not mask, "must be False when mask is True (one "
+                             "selection form)")
+        _checks.check_scalar(NAME, "offset", offset, offset == 0, "must be 0 when raw_indices is True (the raw "
+                             "rows carry no offset)")
     _checks.check_finite(NAME, "score_scale", score_scale)
     device = _checks.check_devices(NAME, q=q, w=w, keys=keys, n_c=n_c, candidates=candidates)
     dims = _checks.Dims()
@@ -70,10 +77,11 @@ def score_tolerance(q, w, keys, score_scale=1.0):
 
 
 def reference(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, mask=False, score_scale=1.0,
-              return_scores=False):
+              return_scores=False, raw_indices=False):
     """Plain torch, the tail of the model's Indexer.forward op for op (NaN scores as -inf); with `mask`, the
-    selection scattered into an additive mask instead; with a `score_scale` other than 1, relu(q . k) scaled by it
-    before the head weights; with `return_scores`, the visible scores (NaN kept) as the second output."""
+    selection scattered into an additive mask instead; with `raw_indices`, the sorted top-k rows themselves; with a
+    `score_scale` other than 1, relu(q . k) scaled by it before the head weights; with `return_scores`, the visible
+    scores (NaN kept) as the second output."""
     t, n_cap = keys.shape[0], keys.shape[1]
     visible = visible_scores(q, w, keys, n_c, score_scale)
     s = visible.masked_fill(visible.isnan(), -math.inf)  # scores(...)
@@ -87,6 +95,8 @@ def reference(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_b
         s = s.masked_fill(~candidates, -math.inf)
     sel = torch.topk(s, min(topk, n_cap), dim=-1, sorted=False).indices
     sel = torch.sort(sel, dim=-1).values
+    if raw_indices:
+        return sel, cand
     valid = s.gather(-1, sel) > -math.inf
     if mask:
         return selection_mask(torch.where(valid, sel, -1), n_cap), cand
@@ -182,9 +192,12 @@ def _block_maxima(s, n_c, block):
 @torch.library.custom_op("dsv41::indexer_topk", mutates_args=())
 def indexer_topk(q: Tensor, w: Tensor, keys: Tensor, n_c: Tensor, candidates: Tensor | None, topk: int, offset: int,
                  cand_block: int, cand_topk_blocks: int, mask: bool = False, impl: str = "auto",
-                 score_scale: float = 1.0, return_scores: bool = False) -> tuple[Tensor, Tensor]:
+                 score_scale: float = 1.0, return_scores: bool = False,
+                 raw_indices: bool = False) -> tuple[Tensor, Tensor]:
     """Top-k compressed-KV rows per token by index score (spec 2.4), as sorted indices offset past the window or,
-    with `mask`, as an additive mask over the compressed rows (the form attention adds to its scores).
+    with `mask`, as an additive mask over the compressed rows (the form attention adds to its scores), or, with
+    `raw_indices`, as the sorted top-k rows themselves (for a model that maps them on its own: a paged cache's block
+    table, its own validity rule).
 
     q [T, IH, ihd] bf16 (roped, fp4-fake-quantised), w [T, IH] fp32 (scaled head weights), keys [T, Ncap, ihd] bf16,
     n_c [T] int64 (valid rows), candidates [T, Ncap] bool or None, topk >= 1, 0 <= offset <= 2**63 - 1 - Ncap,
@@ -199,36 +212,43 @@ def indexer_topk(q: Tensor, w: Tensor, keys: Tensor, n_c: Tensor, candidates: Te
         sel      = the indices of the K largest s[t, n] (torch.topk(s, K)), sorted ascending                  [T, K]
         idx      = sel + offset where s[t, sel] > -inf, else -1                                         [T, K] int64
         mask     = 0 where n is in sel[t] and s[t, n] > -inf, else -inf  (offset unused)           [T, Ncap] fp32
-    -> (idx, cand), or (mask, cand) with `mask`; with `return_scores` (cand_topk_blocks = 0) the second output is
+    -> (idx, cand), or (mask, cand) with `mask`, or (sel, cand) with `raw_indices` (offset 0, not with `mask`:
+    every one of the K rows, those whose s is -inf included); with `return_scores` (cand_topk_blocks = 0) the second output is
     instead s [T, Ncap] fp32 before the candidate mask, -inf where n >= n_c and NaN kept (the value a model that
     also reads its index scores elsewhere computes, e.g. its own candidate-block selection).
     NaN is never a valid score: it counts as -inf (so it is never selected ahead of a number, and is -1 if taken).
-    Tie rule: scores equal to the K-th largest may be taken in any order; the kernel takes the lower indices first,
+    Tie rule: scores equal to the K-th largest may be taken in any order (with `raw_indices`, where fewer than K
+    rows have a score above -inf, the rest of sel is any of the -inf rows); the kernel takes the lower indices first,
     the reference takes what torch.topk takes (its order among equal values is unspecified), so the two are
     compared as index sets that may differ only at such ties, and -1 entries by count (`compare_kernel`). The same
     holds for the candidate blocks at the cand_topk_blocks-th block maximum. The kernel sums s in another order
     than the reference (`SCORE_RTOL`), so near-ties within that tolerance count as ties there.
     impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`); with `mask` the kernel's indices are
     scattered into the mask in torch. The kernel computes score_scale = 1 and no return_scores only (the reference
-    runs otherwise).
+    runs otherwise), and writes -1 for the picks whose score is -inf, so with `raw_indices` the reference runs ("auto";
+    "cute" raises).
     """
     device, _ = _validate(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, impl, score_scale,
-                          return_scores)
+                          return_scores, mask, raw_indices)
     args = (q, w, keys, n_c, candidates)
     kwargs = dict(topk=topk, offset=0 if mask else offset, cand_block=cand_block, cand_topk_blocks=cand_topk_blocks)
-    kernel = _kernels.select(NAME, NAME, impl, device, args,
-                             {**kwargs, "score_scale": score_scale, "return_scores": return_scores})
+    if raw_indices and impl == "cute":
+        raise RuntimeError(f"dsv41::{NAME}: impl='cute' but the kernel does not return raw indices (it writes -1 for "
+                           "a pick whose score is -inf); use impl='auto' or 'reference' with raw_indices=True")
+    kernel = None if raw_indices else _kernels.select(NAME, NAME, impl, device, args,
+                                                      {**kwargs, "score_scale": score_scale, "return_scores": return_scores})
     if kernel is None:
-        return reference(*args, **kwargs, mask=mask, score_scale=score_scale, return_scores=return_scores)
+        return reference(*args, **kwargs, mask=mask, score_scale=score_scale, return_scores=return_scores,
+                         raw_indices=raw_indices)
     idx, cand = kernel(*args, **kwargs)
     return (selection_mask(idx, keys.shape[1]), cand) if mask else (idx, cand)
 
 
 @indexer_topk.register_fake
 def _(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, mask=False, impl="auto", score_scale=1.0,
-      return_scores=False):
+      return_scores=False, raw_indices=False):
     _, dims = _validate(q, w, keys, n_c, candidates, topk, offset, cand_block, cand_topk_blocks, impl, score_scale,
-                        return_scores)
+                        return_scores, mask, raw_indices)
     t, n_cap = dims["T"], dims["Ncap"]
     if mask:
         selection = q.new_empty((t, n_cap), dtype=torch.float32)

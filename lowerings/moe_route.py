@@ -1,4 +1,9 @@
-"""`dsv41::moe_route`: the MoE router (spec 2.6), = `functional.route` with a defined tie rule."""
+"""`dsv41::moe_route`: the MoE router (spec 2.6), = `functional.route` with a defined tie rule.
+
+The router weight is taken in the dtype the model holds it in: bf16 as the checkpoint stores it, or fp16 / fp32 (a
+serving engine caches an fp32 copy at load time, which the spec allows); the logits are the fp32 GEMM of h and the
+weight's fp32 values, which every one of those dtypes converts to exactly. The CuTe DSL kernel reads a bf16 weight
+(its `supports` says so for any other), so with another dtype "auto" runs the reference and "cute" raises."""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ from torch import Tensor
 from dsv41.lowerings import _checks, _kernels
 
 NAME = "moe_route"
+# the router weight's dtypes: those whose values the fp32 router GEMM reads exactly
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _validate(h, gate_weight, bias, topk, route_scale, gate_temp, impl):
@@ -17,7 +24,7 @@ def _validate(h, gate_weight, bias, topk, route_scale, gate_temp, impl):
     device = _checks.check_devices(NAME, h=h, gate_weight=gate_weight, bias=bias)
     dims = _checks.Dims()
     _checks.check_tensor(NAME, "h", h, torch.bfloat16, "T D", dims)
-    _checks.check_tensor(NAME, "gate_weight", gate_weight, torch.bfloat16, "E D", dims)
+    _checks.check_tensor(NAME, "gate_weight", gate_weight, WEIGHT_DTYPES, "E D", dims)
     _checks.check_tensor(NAME, "bias", bias, torch.float32, "E", dims)
     _checks.check_scalar(NAME, "topk", topk, 1 <= topk <= dims["E"], f"must be in [1, E = {dims['E']}] {dims.source('E')}")
     return device, dims
@@ -38,7 +45,7 @@ def moe_route(h: Tensor, gate_weight: Tensor, bias: Tensor, topk: int, route_sca
               impl: str = "auto") -> tuple[Tensor, Tensor]:
     """noaux_tc routing with sqrt-softplus scores: each token's top-k experts and their weights.
 
-    h [T, D] bf16, gate_weight [E, D] bf16, bias [E] fp32, 1 <= topk <= E, route_scale finite, gate_temp finite
+    h [T, D] bf16, gate_weight [E, D] bf16, fp16 or fp32 (computed on as its fp32 values), bias [E] fp32, 1 <= topk <= E, route_scale finite, gate_temp finite
     and > 0; in fp32:
         score   = sqrt(softplus((h @ gate_weight^T) / gate_temp))                         [T, E]
         experts = torch.topk(score + bias, topk).indices   (tie rule below)               [T, topk] int64
@@ -46,7 +53,7 @@ def moe_route(h: Tensor, gate_weight: Tensor, bias: Tensor, topk: int, route_sca
     experts come in descending biased score; the tie rule: of equal biased scores the lower expert index ranks
     first (and is selected first at the k-th place). Implementations sum the logits in different orders, so
     compare experts as per-token sets (weights follow their expert) where biased scores are close but not equal.
-    impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`).
+    impl: "auto" | "cute" | "reference" (see `dsv41.lowerings._kernels`); the kernel takes a bf16 gate_weight only.
     """
     device, _ = _validate(h, gate_weight, bias, topk, route_scale, gate_temp, impl)
     args, kwargs = (h, gate_weight, bias), dict(topk=topk, route_scale=route_scale, gate_temp=gate_temp)

@@ -7,7 +7,9 @@ without materialising the [T, H, N] scores (spec 3a).
     sel = sort(topk(s, k)); idx = where(s[sel] > -inf, sel + offset, -1)
       or, as an additive mask:  mask = full(-inf).scatter(sel, 0), -inf where s == -inf     (offset 0, mask=True)
       or so with a spare column: mask = full([T, N + 1], -inf).scatter(where(s[sel] > -inf, sel, N), 0)[:, :N]
-  -> dsv41::indexer_topk(q, w, keys, n_c, cand?, k, offset, cand_block, cand_topk_blocks, mask, impl, score_scale)
+      or the sorted rows sel themselves                                        (offset 0, raw_indices=True)
+  -> dsv41::indexer_topk(q, w, keys, n_c, cand?, k, offset, cand_block, cand_topk_blocks, mask, impl, score_scale,
+                         return_scores, raw_indices)
 
 k, offset, the candidate block size and count, and a score scale are read from the matched graph. Formulations:
 the three layer kinds, each with top-k unsorted (the model's) or sorted, the selection as ascending indices or as a
@@ -16,6 +18,14 @@ scale folded into w (the model's) or applied to relu(q . k) before the head weig
 same rounding, so the op computes it so). The index-source and re-index forms also return the scores s (before
 the candidate mask) where the graph reads them outside the region, e.g. a model's own candidate-block selection
 that no pattern matches (`return_scores`; then only the selection is fused, and s comes from the op).
+
+Where the sorted top-k rows are followed by code of the model's own instead of the validity and offset (a serving
+engine translates the selected rows through its paged cache's block table and masks those past n_c itself), the
+distinctive core still fuses: the raw formulations end at the ascending sort of the top-k indices and the op
+returns those rows (`raw_indices`), leaving the rest to the graph. They come last and are each widened by the index
+formulation of the same kind (`wider`), so a site whose validity and offset are written another way still fuses
+them into the op. The visible-row counts n_c may be of any integer dtype (lengths held in int32): the op takes them
+widened to int64, which the comparison with the row index does anyway.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import torch
 
 from dsv41.models.model import select_candidate_blocks
 from dsv41.passes.fusion import FusionPass, Replacement
-from dsv41.passes.matcher import Pattern
+from dsv41.passes.matcher import Derived, Pattern
 
 T, IH, IHD, N = 3, 4, 32, 64
 aten = torch.ops.aten
@@ -64,6 +74,10 @@ def select_mask(s, topk, sorted_topk):
     return mask.masked_fill(s == -math.inf, -math.inf)
 
 
+def select_raw(s, topk, sorted_topk):
+    return torch.sort(torch.topk(s, min(topk, s.shape[1]), dim=-1, sorted=sorted_topk).indices, dim=-1).values
+
+
 def select_mask_spare(s, topk, sorted_topk):
     vals, sel = torch.topk(s, min(topk, s.shape[1]), dim=-1, sorted=sorted_topk)
     sel = torch.where(vals > -math.inf, sel, s.shape[1])
@@ -71,25 +85,46 @@ def select_mask_spare(s, topk, sorted_topk):
     return mask[:, :-1]
 
 
-# mask forms: None (indices), "" (invalid picks masked after the scatter), "_spare" (sent to a spare column)
-MASK_FORMS = (None, "", "_spare")
-
-
+# How the graph takes the selected rows: the selection form -> (its name tag, its function of (s, topk, sorted_topk)
+# or, for the indices, of (s, topk, offset, sorted_topk)). "indices": sorted, offset, -1 where invalid (the model's);
+# "mask" / "mask_spare": an additive mask, invalid picks masked after the scatter or sent to a spare column; "raw":
+# the sorted rows themselves, the rest the graph's own code.
+SELECTIONS = {"indices": ("", select), "mask": ("_mask", select_mask), "mask_spare": ("_mask_spare", select_mask_spare),
+              "raw": ("_raw", select_raw)}
+MASKS = ("mask", "mask_spare")
 KINDS = ("candidate_source", "reindex", "index_source")
+# integer dtypes whose values int64 holds exactly: n_c in one of them is taken widened (a float n_c is not: its
+# comparison with the row index is not that of its truncation)
+NARROWER_INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32)
 
 
-def make_patterns(sorted_topk: bool, mask_form: str | None, scaled: bool):
-    mask = mask_form is not None
-    tag = ("_mask" + mask_form if mask else "") + ("_sorted" if sorted_topk else "") + ("_scaled" if scaled else "")
-    sel_free = {"topk": (aten.topk.default, -1, 1)} if mask else {"topk": (aten.topk.default, -1, 1), "offset": (aten.add.Tensor, -1, 1)}
-    defaults = {"topk": 8} if mask else {"topk": 8, "offset": 8}
+def formulation_name(kind: str, selection: str, sorted_topk: bool, scaled: bool) -> str:
+    return kind + SELECTIONS[selection][0] + ("_sorted" if sorted_topk else "") + ("_scaled" if scaled else "")
+
+
+# every formulation by name: (layer kind, selection form, top-k sorted, score scale applied before the head weights),
+# in the order the pass tries them: the raw selections last, as the narrowest regions
+FORMULATIONS = {formulation_name(kind, selection, sorted_topk, scaled): (kind, selection, sorted_topk, scaled)
+                for last in (False, True) for scaled in (False, True)
+                for selection in SELECTIONS if (selection == "raw") == last
+                for sorted_topk in (False, True) for kind in KINDS}
+
+
+def make_patterns(sorted_topk: bool, selection_form: str, scaled: bool):
+    """The three layer kinds' patterns with this selection form, top-k and scale, in KINDS order."""
+    mask, offset_free = selection_form in MASKS, selection_form == "indices"
+    sel_free = {"topk": (aten.topk.default, -1, 1)}
+    defaults = {"topk": 8}
+    if offset_free:
+        sel_free, defaults = {**sel_free, "offset": (aten.add.Tensor, -1, 1)}, {**defaults, "offset": 8}
     if scaled:  # the first mul of the trace: relu(q . k) * score_scale
         sel_free, defaults = {**sel_free, "score_scale": (aten.mul.Tensor, 0, 1)}, {**defaults, "score_scale": 0.125}
+    choose = SELECTIONS[selection_form][1]
 
     def selection(s, topk, offset=0, score_scale=None):
-        if not mask:
-            return select(s, topk, offset, sorted_topk)
-        return (select_mask_spare if mask_form == "_spare" else select_mask)(s, topk, sorted_topk)
+        if offset_free:
+            return choose(s, topk, offset, sorted_topk)
+        return choose(s, topk, sorted_topk)
 
     def plain(q, w, keys, n_c, **free):
         s = scores(q, w, keys, n_c, free.get("score_scale"))
@@ -105,12 +140,16 @@ def make_patterns(sorted_topk: bool, mask_form: str | None, scaled: bool):
         return selection(s.masked_fill(~cand, -math.inf), **free), s
 
     anchor = aten.scatter.value if mask else (aten.sort.default, aten.sort.stable)
+
+    def name(kind):
+        return formulation_name(kind, selection_form, sorted_topk, scaled)
+
     return [
-        Pattern("candidate_source" + tag, candidates, _inputs(False),
+        Pattern(name("candidate_source"), candidates, _inputs(False),
                 {**sel_free, "cand_topk": (aten.topk.default, 0, 1), "cand_block": (aten.view.default, 2, (1, 2))},
                 {**defaults, "cand_block": 4, "cand_topk": 2}, anchor=anchor),
-        Pattern("reindex" + tag, reindex, _inputs(True), sel_free, defaults, anchor=anchor, optional_outputs=1),
-        Pattern("index_source" + tag, plain, _inputs(False), sel_free, defaults, anchor=anchor, optional_outputs=1),
+        Pattern(name("reindex"), reindex, _inputs(True), sel_free, defaults, anchor=anchor, optional_outputs=1),
+        Pattern(name("index_source"), plain, _inputs(False), sel_free, defaults, anchor=anchor, optional_outputs=1),
     ]
 
 
@@ -119,17 +158,30 @@ class IndexerTopkPass(FusionPass):
     int_ranges = {"n_c": lambda metas, free: (0, metas["keys"].shape[1] + 1)}  # valid rows: 0 .. Ncap
 
     def patterns(self):
-        return [p for scaled in (False, True) for form in MASK_FORMS for sorted_topk in (False, True)
-                for p in make_patterns(sorted_topk, form, scaled)]
+        made = {}
+        for _, selection, sorted_topk, scaled in FORMULATIONS.values():
+            if (selection, sorted_topk, scaled) not in made:
+                made[selection, sorted_topk, scaled] = {p.name: p for p in make_patterns(sorted_topk, selection, scaled)}
+        return [made[form[1:]][name] for name, form in FORMULATIONS.items()]
+
+    def wider(self, index):
+        """A raw selection is widened by the index selection of the same kind, top-k and scale: the validity and
+        offset after the sort, which the graph may write with other ops."""
+        names = [p.name for p in self._patterns.patterns]
+        kind, selection, sorted_topk, scaled = FORMULATIONS[names[index]]
+        return (names.index(formulation_name(kind, "indices", sorted_topk, scaled)),) if selection == "raw" else ()
 
     def replacement(self, m):
-        kind = next(k for k in KINDS if m.pattern.name.startswith(k))
+        kind, selection, _, _ = FORMULATIONS[m.pattern.name]
         q, w, keys, n_c = m.inputs[:4]
+        if n_c.meta["val"].dtype in NARROWER_INTEGERS:  # the same comparisons with the row index, widened
+            n_c = Derived(torch.ops.prims.convert_element_type.default, (n_c, torch.int64))
         cand = m.inputs[4] if kind == "reindex" else None
         cand_block, cand_topk = m.free.get("cand_block", 0), m.free.get("cand_topk", 0)
         return_scores = any(m.exposed)  # the graph reads the scores elsewhere too (its own candidate selection)
         outputs = (0, 1) if kind == "candidate_source" or return_scores else (0,)
-        mask = "_mask" in m.pattern.name
-        args = (q, w, keys, n_c, cand, m.free["topk"], m.free.get("offset", 0), cand_block, cand_topk, mask, self.config.kernel,
-                m.free.get("score_scale", 1.0), *((True,) if return_scores else ()))
+        raw = selection == "raw"
+        args = (q, w, keys, n_c, cand, m.free["topk"], m.free.get("offset", 0), cand_block, cand_topk,
+                selection in MASKS, self.config.kernel, m.free.get("score_scale", 1.0),
+                *((return_scores, raw) if raw else (True,) if return_scores else ()))
         return Replacement(torch.ops.dsv41.indexer_topk.default, args, outputs)

@@ -5,7 +5,10 @@
   -> dsv41::moe_route(h, W, bias, k, route_scale, gate_temp)
 
 k is read from the graph; route_scale and gate_temp are checked against the config. Formulations: the model's,
-and one without the division by the temperature (a model that has none, valid when gate_temp == 1).
+and one without the division by the temperature (a model that has none, valid when gate_temp == 1). Each is also
+traced with an fp32 router weight (`variants`), where the cast to fp32 is no op: a weight the model holds in fp32
+(cast once at load time and cached, as serving engines do) is taken as it is, as a bf16 or fp16 weight cast per
+call is; the op computes on the weight's fp32 values either way (`dsv41.lowerings.moe_route`).
 """
 
 from __future__ import annotations
@@ -21,8 +24,12 @@ T, D, E = 3, 32, 16
 aten = torch.ops.aten
 
 
-def _inputs():
-    return [torch.empty(T, D, dtype=torch.bfloat16), torch.empty(E, D, dtype=torch.bfloat16), torch.empty(E)]
+def _inputs(weight_dtype=torch.bfloat16):
+    return [torch.empty(T, D, dtype=torch.bfloat16), torch.empty(E, D, dtype=weight_dtype), torch.empty(E)]
+
+
+def _fp32_weight_inputs():
+    return _inputs(torch.float32)
 
 
 def route_no_temperature(h, gate_w, bias, topk, route_scale):
@@ -46,9 +53,11 @@ class MoeRoutePass(FusionPass):
         def route_plain(h, gate_w, bias, topk):
             return route_no_temperature(h, gate_w, bias, topk, c.route_scale)
 
-        pats = [Pattern("route", route, _inputs, free, defaults, anchor=aten.topk.default)]
+        variants = (_fp32_weight_inputs,)
+        pats = [Pattern("route", route, _inputs, free, defaults, variants, anchor=aten.topk.default)]
         if c.gate_temp == 1.0:
-            pats.append(Pattern("route_no_temperature", route_plain, _inputs, free, defaults, anchor=aten.topk.default))
+            pats.append(Pattern("route_no_temperature", route_plain, _inputs, free, defaults, variants,
+                                anchor=aten.topk.default))
         return pats
 
     def replacement(self, m):

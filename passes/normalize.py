@@ -34,7 +34,10 @@
   `searchsorted(sort(ids).values, arange(n), right=True)` of such ids (a library user's expert offsets; or
   `bucketize` with the operands swapped) is the cumsum of their counts (int32 where every user casts it to int32);
   counts accumulated (scatter_add, or index_add_ as an accumulating index_put) in another integer dtype than the
-  cumsum of them sums in are the counts accumulated in that dtype; a lookup
+  cumsum of them sums in are the counts accumulated in that dtype; integers known to lie in [0, U) (top-k or sort
+  indices, ...) cast to a narrower integer dtype that holds them and back (`ids.to(int32)` in an engine's buffer,
+  `.long()` for an index) are the values themselves, and a sort of such a narrowing cast is the sort of the wide
+  values, its sorted values cast (the same permutation), so the sort and the counts read one value; a lookup
   `x[token_idx]` by HF's pair tokens `arange(T).unsqueeze(1).expand(T, k).reshape(T * k)` is x's rows repeated k
   times (`x.repeat_interleave(k, 0)`'s form), where something other than a lookup reads it;
 - an add of a where of two constants is the where of two adds (`s + where(c, 0, -inf)`, an additive mask, is
@@ -548,6 +551,76 @@ def _index_bound(n, depth: int = 16) -> int | None:
     if n.target in _VALUE_PRESERVING or _lookup_index(n) is not None:
         return _index_bound(n.args[0], depth - 1)
     return None
+
+
+def _lossless_narrowing(v) -> tuple[fx.Node, torch.dtype, list[fx.Node]] | None:
+    """(y, narrow, views) when v is `views(cast(y, narrow))`, a chain of views (maybe none) of an integer-to-integer
+    cast of y that loses nothing: y's values are known to lie in [0, U) (`_index_bound`: a top-k's or sort's
+    indices, ...) and narrow holds U - 1; else None."""
+    views = []
+    while isinstance(v, fx.Node) and v.op == "call_function" and v.target is aten.view.default:
+        views.append(v)
+        v = v.args[0]
+    if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target is prims.convert_element_type.default):
+        return None
+    y, narrow = v.args[0], v.args[1]
+    yv = _val(y)
+    integers = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+    if not (isinstance(yv, torch.Tensor) and yv.dtype in integers and narrow in integers):
+        return None
+    bound = _index_bound(y)
+    return (y, narrow, views[::-1]) if bound is not None and bound - 1 <= torch.iinfo(narrow).max else None
+
+
+def _viewed_as(graph: fx.Graph, before: fx.Node, y: fx.Node, views: list[fx.Node]) -> fx.Node:
+    """y through views of the shapes of `views` (each one reused where y already has it: `_view_once`)."""
+    for v in views:
+        y = _view_once(graph, before, y, list(_val(v).shape))
+    return y
+
+
+def _integer_round_trip(graph: fx.Graph, node: fx.Node) -> bool:
+    """cast(views(cast(y, narrow)), y.dtype) of integers that the narrow dtype holds (`_lossless_narrowing`: top-k
+    indices put in an int32 buffer, read back as int64 for an index) is views(y): the same values. Exact."""
+    if not (node.target is prims.convert_element_type.default and isinstance(node.args[0], fx.Node)):
+        return False
+    found = _lossless_narrowing(node.args[0])
+    if found is None or _val(found[0]).dtype != node.args[1]:
+        return False
+    y, _, views = found
+    narrowed = node.args[0]
+    node.replace_all_uses_with(_viewed_as(graph, node, y, views))
+    graph.erase_node(node)
+    _erase_unused(graph, [narrowed])
+    return True
+
+
+def _sort_of_lossless_narrowing(graph: fx.Graph, node: fx.Node) -> bool:
+    """sort(views(cast(y, narrow))) of integers that narrow holds (`_lossless_narrowing`) is the sort of views(y),
+    its sorted values cast to narrow: the cast is increasing and one-to-one on those values, so the same
+    permutation sorts both (equal keys are the same keys, so a stable sort's order is the same too). Exact. The
+    sort then reads the value the graph's other readers of the ids read (the counts of `ids.long()`)."""
+    if _sort_dim_descending(node) is None or not isinstance(node.args[0], fx.Node):
+        return False
+    found = _lossless_narrowing(node.args[0])
+    if found is None:
+        return False
+    y, narrow, views = found
+    narrowed = node.args[0]
+    node.args = (_viewed_as(graph, node, y, views), *node.args[1:])
+    _erase_unused(graph, [narrowed])
+    node.meta["val"] = _fake_call(node.target, *node.args, **node.kwargs)
+    for part in list(node.users):
+        if part.target is operator.getitem and part.args[1] == 0:
+            part.meta["val"] = node.meta["val"][0]
+            with graph.inserting_after(part):
+                cast = graph.call_function(prims.convert_element_type.default, (part, narrow))
+            cast.meta["val"] = _fake_call(prims.convert_element_type.default, part, narrow)
+            _copy_source(part, cast)
+            part.replace_all_uses_with(cast, delete_user_cb=lambda u: u is not cast)
+        elif part.target is operator.getitem:
+            part.meta["val"] = node.meta["val"][part.args[1]]
+    return True
 
 
 def _lookup_index(n) -> fx.Node | None:
@@ -1327,6 +1400,10 @@ def _local_forms(graph: fx.Graph) -> int:
             graph.erase_node(node)
             changed += 1
             continue
+        if _integer_round_trip(graph, node):
+            changed += 1
+            continue
+        changed += _sort_of_lossless_narrowing(graph, node)
         if _slice_update_as_cat(graph, node) or _sorted_prefix_as_topk(graph, node) \
                 or _scatter_by_permutation(graph, node) or _copy_as_value(graph, node):
             changed += 1

@@ -1,6 +1,7 @@
 """dsv41::indexer_topk: bit-exact with the tail of the model's Indexer.forward on CPU, for a plain index source,
 the candidate source (which also returns the candidate blocks) and a re-index layer; the mask form equal to the
-index form scattered into an additive mask; NaN scores as -inf; `compare_kernel`'s tie rule; argument errors."""
+index form scattered into an additive mask; the raw form the sorted top-k rows the index form maps (and the kernel
+not asked for it); NaN scores as -inf; `compare_kernel`'s tie rule; argument errors."""
 
 import math
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv41.lowerings import ALL_OPS
+from dsv41.lowerings import ALL_OPS, _kernels
 from dsv41.lowerings import indexer_topk as op_module
 from dsv41.models import functional as fn
 from dsv41.models.config import TINY
@@ -70,6 +71,41 @@ def test_mask_form_is_the_scattered_indices(samples, variant):
     assert fake.shape == mask.shape and fake.dtype == torch.float32
 
 
+@pytest.mark.parametrize("variant", [dict(), dict(candidates=True), dict(cand_topk_blocks=2), dict(n_cap=4, topk=6)],
+                         ids=["index-source", "re-index", "candidate-source", "topk>Ncap"])
+def test_raw_form_is_the_sorted_top_k(samples, variant):
+    """raw_indices: the K rows of torch.topk on the scores, ascending, every one of them (those whose score is -inf
+    too, where a row has fewer than K scores): the index form is their valid ones + offset, the rest -1; the
+    candidate output is the same; the fake gives the same shape and dtype."""
+    kw = samples("indexer_topk", seed=8, **variant)
+    kw["n_c"][1] = min(2, kw["keys"].shape[1])  # a row with fewer visible rows than k
+    idx, cand = op(**kw, impl="reference")
+    sel, cand_r = op(**{**kw, "offset": 0}, raw_indices=True, impl="reference")
+    s = op_module.scores(kw["q"], kw["w"], kw["keys"], kw["n_c"])
+    if kw["candidates"] is not None:
+        s = s.masked_fill(~kw["candidates"], -math.inf)
+    want = torch.topk(s, min(kw["topk"], s.shape[1]), dim=-1, sorted=False).indices.sort(-1).values
+    assert sel.dtype == torch.int64 and torch.equal(sel, want) and torch.equal(cand, cand_r)
+    assert (sel[1] >= 2).any() and torch.equal(idx, torch.where(s.gather(-1, sel) > -math.inf, sel + kw["offset"], -1))
+    fake, _ = op(**{k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in {**kw, "offset": 0}.items()},
+                 raw_indices=True)
+    assert fake.shape == sel.shape and fake.dtype == torch.int64
+
+
+def test_raw_form_runs_the_reference_on_any_device(samples, monkeypatch):
+    """The kernel writes -1 for a pick whose score is -inf, not the row: with raw_indices the op does not ask for
+    it ("auto" runs the reference wherever it would run the kernel; "cute" raises, naming raw_indices)."""
+    asked = []
+    monkeypatch.setattr(_kernels, "select", lambda *a, **k: asked.append(a) or None)
+    kw = {**samples("indexer_topk"), "offset": 0}
+    op(**kw, raw_indices=True)
+    assert asked == []
+    op(**kw)
+    assert len(asked) == 1
+    with pytest.raises(RuntimeError, match="impl='cute' but the kernel does not return raw indices"):
+        op(**kw, raw_indices=True, impl="cute")
+
+
 BAD = {
     "w T": (lambda kw: dict(w=kw["w"][:-1]), r"'w' must have shape \[T, IH\] = \[3, 4\], got \[2, 4\]"),
     "w IH": (lambda kw: dict(w=kw["w"][:, :-1]), r"'w' must have shape \[T, IH\] = \[3, 4\]"),
@@ -81,6 +117,9 @@ BAD = {
     "cand_topk_blocks": (lambda kw: dict(cand_topk_blocks=-1), r"'cand_topk_blocks' must be >= 0, got -1"),
     "cand_block": (lambda kw: dict(cand_block=0), r"'cand_block' must be in \[1, max\(Ncap, 1\)\] when cand_topk_blocks > 0 .*, got 0"),
     "score_scale": (lambda kw: dict(score_scale=math.inf), r"'score_scale' must be a finite number, got inf"),
+    "raw_indices with mask": (lambda kw: dict(raw_indices=True, mask=True, offset=0),
+                              r"'raw_indices' must be False when mask is True .*, got True"),
+    "raw_indices with offset": (lambda kw: dict(raw_indices=True), r"'offset' must be 0 when raw_indices is True .*, got 8"),
 }
 
 

@@ -3,16 +3,18 @@
 
 Every formulation the pass lists (the index-source, candidate-source and re-index layer kinds, each with
 `topk(sorted=False)` then an ascending sort (the model's) or a sorted `topk` then the sort, or either top-k
-scattered into an additive -inf mask; each with the softmax scale folded into w (the model's) or applied to
-relu(q . k) before the head weights, "_scaled") has a user-written function here; k, the offset, the candidate
-block size / count and the score scale are read from the graph.
+scattered into an additive -inf mask, or the sorted top-k rows alone ("_raw", the rest the graph's own code); each
+with the softmax scale folded into w (the model's) or applied to relu(q . k) before the head weights, "_scaled")
+has a user-written function here; k, the offset, the candidate block size / count and the score scale are read
+from the graph.
 
 Comparison: the selected indices are compared per row as index sets (valid entries, offset removed), with the
 tie rule: indices whose score equals the row's k-th largest score are interchangeable (any of them is a correct
 top-k), so the sets may differ only by such indices; everything scoring strictly above the k-th is in both. Rows
 with fewer than k visible rows give -1 for the rest, compared as a count. The candidate mask (a set of blocks) is
 compared exactly. A mask is compared as the ascending index set of its zeros (padded with -1 to k), by the same
-rule, and its other entries must be -inf. (In practice the fused op runs the same torch.topk on the same scores and
+rule, and its other entries must be -inf. Raw rows are compared as the indices they give (their valid entries, the
+rest -1), and must be distinct, ascending and in [0, N). (In practice the fused op runs the same torch.topk on the same scores and
 is bit-identical.)
 """
 
@@ -88,6 +90,15 @@ def sorted_topk_mask_spare(s, k=TOPK):
     return topk_mask_spare(s, k, sorted_topk=True)
 
 
+def topk_raw(s, k=TOPK):
+    """The sorted top-k rows alone: what the graph does with them (a block table's translation) is its own."""
+    return torch.sort(torch.topk(s, min(k, s.shape[1]), dim=-1, sorted=False).indices, dim=-1).values
+
+
+def sorted_topk_raw(s, k=TOPK):
+    return s.topk(min(k, s.shape[1]), dim=-1).indices.sort(dim=-1).values
+
+
 def index_source(select, scale=None):
     def f(q, w, keys, n_c):
         return select(index_scores(q, w, keys, n_c, score_scale=scale))
@@ -110,7 +121,8 @@ def reindex(select, scale=None):
 FORMULATIONS = {f"{kind}{tag}{scaled}": (make(select, scale), kind)
                 for tag, select in (("", topk_then_sort), ("_sorted", sorted_topk), ("_mask", topk_mask),
                                     ("_mask_sorted", sorted_topk_mask), ("_mask_spare", topk_mask_spare),
-                                    ("_mask_spare_sorted", sorted_topk_mask_spare))
+                                    ("_mask_spare_sorted", sorted_topk_mask_spare), ("_raw", topk_raw),
+                                    ("_raw_sorted", sorted_topk_raw))
                 for kind, make in (("index_source", index_source), ("candidate_source", candidate_source),
                                    ("reindex", reindex))
                 for scaled, scale in (("", None), ("_scaled", SCORE_SCALE))}
@@ -145,13 +157,23 @@ def mask_indices(mask, k=TOPK):
     return torch.stack([torch.cat([r, r.new_full((width - len(r),), -1)]) for r in rows])
 
 
-def check(kind, got, want, x, mask=False, score_scale=None):
+def raw_as_indices(sel, s, offset=OFFSET):
+    """Raw sorted top-k rows [T, K] (distinct, ascending, in [0, N)) as the index selection: + offset where the row's
+    score is above -inf, else -1."""
+    assert sel.dtype == torch.int64 and bool(((sel >= 0) & (sel < s.shape[1])).all())
+    assert bool((sel[:, 1:] > sel[:, :-1]).all()), "raw rows not distinct and ascending"
+    return torch.where(s.gather(-1, sel) > -math.inf, sel + offset, -1)
+
+
+def check(kind, got, want, x, mask=False, score_scale=None, raw=False):
     if kind != "candidate_source":
         got, want = (got,), (want,)
     cand = x[4] if kind == "reindex" else None
     s = scores_of(kind, *x[:4], cand, score_scale)
     if mask:
         assert_same_selection(mask_indices(got[0]), mask_indices(want[0]), s, offset=0)
+    elif raw:
+        assert_same_selection(raw_as_indices(got[0], s), raw_as_indices(want[0], s), s)
     else:
         assert_same_selection(got[0], want[0], s)
     if kind == "candidate_source":
@@ -168,12 +190,16 @@ def test_formulation_is_fused(name):
     gone = ("aten.topk", "aten.sort", "aten.bmm", "aten.relu", "aten.gather")
     gm, _, node = run_fused_once(f, inputs(0, with_cand=kind == "reindex"), FUSION, gone)
     topk, offset, cand_block, cand_blocks, mask, _, score_scale = node.args[5:12]
-    assert (topk, offset, mask) == ((TOPK, 0, True) if "_mask" in name else (TOPK, OFFSET, False))
+    raw = "_raw" in name
+    assert (topk, offset, mask) == ((TOPK, 0, True) if "_mask" in name else (TOPK, 0, False) if raw else
+                                    (TOPK, OFFSET, False))
+    assert (node.args[13] if len(node.args) > 13 else False) is raw  # raw_indices
     assert (cand_block, cand_blocks) == ((CAND_BLOCK, CAND_BLOCKS) if kind == "candidate_source" else (0, 0))
     assert (node.args[4] is None) == (kind != "reindex")
     assert score_scale == (SCORE_SCALE if name.endswith("_scaled") else 1.0)
     x = inputs(1, with_cand=kind == "reindex")
-    check(kind, gm(*x), f(*x), x, mask="_mask" in name, score_scale=SCORE_SCALE if name.endswith("_scaled") else None)
+    check(kind, gm(*x), f(*x), x, mask="_mask" in name, score_scale=SCORE_SCALE if name.endswith("_scaled") else None,
+          raw=raw)
 
 
 @pytest.mark.parametrize("k, offset, n", [(5, 3, N), (8, 128, 6)])
@@ -188,6 +214,59 @@ def test_k_and_offset_are_read_from_the_graph(k, offset, n):
     assert node.args[5:7] == (min(k, n), offset)
     x = inputs(2, n=n)
     assert_same_selection(gm(*x), f(*x), index_scores(*x), offset=offset, k=k)
+
+
+BLOCK_SIZE = 4
+
+
+def paged_translation(q, w, keys, n_c, block_table):
+    """A serving engine's indexer: the sorted top-k rows translated through a paged cache's block table to pool
+    slots, `block_table[t, row // bs] * bs + row % bs`, -1 where the row is past n_c (int32 lengths and table)."""
+    sel = topk_raw(index_scores(q, w, keys, n_c))
+    slots = block_table.gather(1, sel // BLOCK_SIZE).long() * BLOCK_SIZE + sel % BLOCK_SIZE
+    return slots.masked_fill(sel >= n_c[:, None], -1)
+
+
+def paged_inputs(seed):
+    q, w, keys, n_c = inputs(seed)
+    table = torch.randperm(T * N // BLOCK_SIZE, generator=gen(seed + 100)).view(T, N // BLOCK_SIZE).to(torch.int32)
+    return [q, w, keys, n_c.to(torch.int32), table]
+
+
+def test_block_table_translation_leaves_the_core_fused():
+    """The scores and their sorted top-k fuse (raw rows, the op told so); the translation through the block table
+    and the -1 past n_c stay the graph's, on the op's rows: equal to eager on fresh inputs. The int32 lengths reach
+    the op widened to int64."""
+    gm, report = run_passes(paged_translation, paged_inputs(0), FUSION)
+    assert report.matches == {FUSION: 1} and _fused(report) == ["index_source_raw"], report.near_misses
+    ops = op_counts(gm)
+    assert ops[OP] == 1 and ops["aten.topk"] == ops["aten.sort"] == ops["aten.bmm"] == 0 and ops["aten.gather"] == 1
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and "indexer_topk" in str(n.target))
+    n_c = node.args[3]
+    assert n_c.target is torch.ops.prims.convert_element_type.default and n_c.args == (gm.graph.find_nodes(
+        op="placeholder")[3], torch.int64)
+    for seed in (1, 2):
+        x = paged_inputs(seed)
+        assert torch.equal(gm(*x), paged_translation(*x))
+
+
+def test_validity_written_another_way_widens_the_raw_core():
+    """The spec's validity `where(sel < n_c, sel + W, -1)` (not the pattern's `s[sel] > -inf`): the raw core matches
+    op for op, and its wider index formulation, with that part computed another way and checked, takes the site,
+    so the validity and the offset run inside the op."""
+    def f(q, w, keys, n_c):
+        sel = topk_raw(index_scores(q, w, keys, n_c))
+        return torch.where(sel < n_c.unsqueeze(-1), sel + OFFSET, -1)
+
+    gm, report = run_passes(f, inputs(0), FUSION)
+    assert report.matches == {FUSION: 1} and _fused(report) == ["index_source"], report.declined
+    assert op_counts(gm)["aten.where"] == 0 and not report.narrowed.get(FUSION)
+    x = inputs(1)
+    assert_same_selection(gm(*x), f(*x), index_scores(*x))
+
+
+def _fused(report):
+    return [r["pattern"] for p in report.passes if p.name == FUSION for r in p.replaced]
 
 
 def three_layers(q, w, keys, n_c):

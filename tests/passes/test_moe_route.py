@@ -2,7 +2,9 @@
 
 Both formulations the pass lists (the model's, dividing the logits by gate_temp; and one without the temperature,
 listed only when gate_temp == 1) have a user-written function here; k is read from the graph, route_scale and
-gate_temp are checked against the config.
+gate_temp are checked against the config. The router weight may be held in fp32 (cached at load time, no cast in the
+graph) or fp16 (cast per call) as well as bf16: the op takes it as it is; a float64 weight (which the cast rounds)
+is declined.
 
 Comparison: the experts are compared per token as sets, each weight following its expert (rows sorted by expert
 id), with the tie rule: experts whose biased score equals the token's k-th largest are interchangeable. With
@@ -130,6 +132,37 @@ def test_model_router_through_the_backend():
     assert compiled_matches(router, inputs, seeds=(5, 6), check=check) == {FUSION: 1}
 
 
+def cached_fp32_weight(h, gate_w32, bias):
+    """A serving engine's router: the weight cast to fp32 once at load time and cached, read by F.linear without a
+    cast."""
+    scores = F.softplus(F.linear(h.float(), gate_w32)).sqrt()
+    experts = torch.topk(scores + bias, K, dim=-1).indices
+    w = scores.gather(1, experts)
+    return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * ROUTE_SCALE, experts
+
+
+def weight_inputs(seed, weight_dtype):
+    """inputs(seed) with the router weight drawn in weight_dtype (fp32: values no bf16 holds)."""
+    g = gen(seed)
+    return [rand(g, T, D), rand(g, E, D, dtype=weight_dtype, scale=D ** -0.5), rand(g, E, dtype=torch.float32, scale=0.1)]
+
+
+@pytest.mark.parametrize("f, weight_dtype", [(cached_fp32_weight, torch.float32),
+                                             (route_without_temperature, torch.float16),
+                                             (route_with_temperature, torch.float32)],
+                         ids=["fp32-cached", "fp16-cast-per-call", "fp32-model"])
+def test_weight_in_another_dtype_is_taken_as_it_is(f, weight_dtype):
+    """A router weight held in fp32 (no cast in the graph) or in fp16 (cast per call) fuses; the op takes the
+    weight itself (no copy, no cast to bf16, which would round an fp32 weight) and routes as eager on fresh weights
+    of that dtype."""
+    gone = ("aten.topk", "aten.mm", "aten.softplus", "aten.sqrt", "aten.gather")
+    gm, _, node = run_fused_once(f, weight_inputs(0, weight_dtype), FUSION, gone)
+    assert node.args[1].op == "placeholder" and node.args[1].meta["val"].dtype == weight_dtype
+    for seed in (1, 2):
+        x = weight_inputs(seed, weight_dtype)
+        assert_same_routing(gm(*x), f(*x), *x)
+
+
 def test_golden():
     gm, _ = run_passes(route_with_temperature, inputs(0, t=2), FUSION)
     expecttest.assert_expected_inline(graph_text(gm), """\
@@ -151,7 +184,13 @@ def test_decline_token_limit():
 
 def test_decline_fp16():
     reasons = run_declined(route_without_temperature, inputs(0, dtype=F16), FUSION)
-    assert "dtype" in reasons and "float16" in reasons
+    assert "dtype" in reasons and "argument 'h' must be torch.bfloat16, got torch.float16" in reasons
+
+
+def test_decline_fp64_weight():
+    """A float64 weight cast to fp32 per call rounds: the op takes no such weight (the reason names it)."""
+    reasons = run_declined(route_without_temperature, weight_inputs(0, torch.float64), FUSION)
+    assert "dtype" in reasons and "argument 'gate_weight' must be" in reasons and "got torch.float64" in reasons
 
 
 @pytest.mark.parametrize("name", sorted(FORMULATIONS))

@@ -1556,3 +1556,62 @@ def test_a_lookup_by_a_strided_arange_is_a_slice():
         assert torch.equal(a, b)
     past_end = normalized(lambda x: torch.index_select(x, 1, torch.arange(2, 10, 2)), torch.randn(3, 8))
     assert op_counts(past_end)["aten.index.Tensor"] == 1 and op_counts(past_end)["aten.slice.Tensor"] == 0
+
+
+def test_lossless_integer_round_trip_is_the_value():
+    """Top-k indices (in [0, 16)) put in an int32 buffer and read back as int64 for an index, through a view
+    (`ids.to(int32).view(-1).long()`), are the flat int64 indices: no cast is left and the values are equal. The edge
+    of the rule: a graph input's int64 values (of unknown range) through int32 and back, and top-k indices of a dim
+    of 300 through int8 (which holds 127 at most) keep their casts."""
+    def f(scores, ids, wide):
+        top = torch.topk(scores, 4, dim=-1).indices
+        return (top.to(torch.int32).view(-1).long(), ids.to(torch.int32).long(),
+                torch.topk(wide, 4, dim=-1).indices.to(torch.int8).long())
+
+    def x(seed):
+        g = gen(seed)
+        return (torch.randn(5, 16, generator=g), torch.randint(-2**40, 2**40, (6,), generator=g),
+                torch.randn(2, 300, generator=g))
+
+    gm = normalized(f, *x(0))
+    casts = [n for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default]
+    assert [n.args[1] for n in casts] == [torch.int32, torch.int64, torch.int8, torch.int64], gm.code  # 2nd, 3rd
+    first = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    assert first.target is aten.view.default and first.args[0].meta["val"].dtype == torch.int64  # the indices
+    for seed in (1, 2):
+        for got, want in zip(gm(*x(seed)), f(*x(seed)), strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("stable", [True, False])
+def test_sort_of_a_lossless_narrowing_is_the_sort_of_the_wide_values(stable):
+    """A sort of top-k indices cast to int32 (an engine's int32 expert ids, flattened) sorts the int64 indices, its
+    sorted values cast to int32: the same permutation (equal ids tie the same way), the same values, and the sort
+    reads the value the ids' other readers (the counts of `ids.long()`) read. A sort of a graph input's int32 cast
+    (values of unknown range) stays as written."""
+    def f(scores, ids):
+        flat = torch.topk(scores, 3, dim=-1).indices.to(torch.int32).view(-1)
+        values, order = torch.sort(flat, stable=stable)
+        counts = torch.zeros(16, dtype=torch.int32).scatter_add_(0, flat.long(), torch.ones_like(flat))
+        return values, order, counts, torch.sort(ids.to(torch.int32), stable=stable).values
+
+    def x(seed):
+        g = gen(seed)
+        return torch.randn(6, 16, generator=g), torch.randint(-2**40, 2**40, (7,), generator=g)
+
+    gm = normalized(f, *x(0))
+    sorts = [n for n in gm.graph.nodes if n.target in (aten.sort.default, aten.sort.stable)]
+    flat = sorts[0].args[0]
+    assert flat.meta["val"].dtype == torch.int64 and flat.target is aten.view.default, gm.code
+    (scatter,) = [n for n in gm.graph.nodes if n.target is aten.scatter_add.default]
+    assert scatter.args[2] is flat  # one value for the sort and the counts
+    assert sorts[1].args[0].target is torch.ops.prims.convert_element_type.default
+    for seed in (1, 2):
+        got, want = gm(*x(seed)), f(*x(seed))
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert g.dtype == w.dtype
+            if i == 1 and not stable:  # an unstable sort's order among equal ids is unspecified: it sorts the ids
+                flat = torch.topk(x(seed)[0], 3, dim=-1).indices.view(-1)
+                assert torch.equal(flat[g], want[0].long()) and torch.equal(g.sort().values, torch.arange(len(g)))
+            else:
+                assert torch.equal(g, w)

@@ -101,3 +101,26 @@ def test_weight_stored_transposed_is_found_once_and_equal_to_eager():
     assert report.matches == {FUSION: 1}, report.declined
     x, (h, gate_w, bias) = transposed(1), inputs(1)
     assert_same_routing(gm(*x), weight_stored_transposed(*x), h, gate_w, bias)
+
+
+def cached_weight_softplus_written_out(h, gate_w32, bias):
+    """a serving engine's: the router weight cached in fp32 (no cast in the graph), softplus as log1p(exp(x)), a part
+    computed another way, so the semantic check runs on random fp32 weights (values no bf16 holds): the op must
+    compute on the weight as it is."""
+    scores = torch.log1p(torch.exp(F.linear(h.float(), gate_w32))).sqrt()
+    experts = torch.topk(scores + bias, K).indices
+    return normalise(scores.gather(1, experts)), experts
+
+
+def test_cached_fp32_weight_with_a_part_computed_another_way_is_found_once_and_equal_to_eager():
+    def fp32_weight(seed):
+        h, gate_w, bias = inputs(seed)
+        return [h, gate_w.float() + 1e-3 * torch.randn(gate_w.shape, generator=torch.Generator().manual_seed(seed)),
+                bias]
+
+    gm, report = run_passes(cached_weight_softplus_written_out, fp32_weight(0), FUSION)
+    assert report.matches == {FUSION: 1}, report.declined
+    (replaced,) = next(p for p in report.passes if p.name == FUSION).replaced
+    assert "random draws" in replaced["verified"], replaced  # the semantic check ran and agreed
+    x = fp32_weight(1)
+    assert_same_routing(gm(*x), cached_weight_softplus_written_out(*x), *x)
