@@ -836,12 +836,15 @@ def main(argv: list[str] | None = None) -> int:
                                          f"s budget spent, the longest block so far took {longest:.0f} s"})
                 _log(f"{name}: not run (budget)")
                 continue
+            # on disk while it runs: a process cut short inside the block leaves this row
+            result["blocks"].append({"block": name, "status": "started, not finished: the process ended inside it"})
+            write_result(result, args.out, args.tag)
             t0 = time.perf_counter()
             row = run_block(specs[name], load, sizes, device, args.replays, cache_root)
             row["wall_s"] = round(time.perf_counter() - t0, 1)
             longest = max(longest, row["wall_s"])
             row["ratios"] = ratios(row)
-            result["blocks"].append(row)
+            result["blocks"][-1] = row
             _log(f"{name}: {row['status']} ({row['wall_s']:.0f} s) {row['ratios']}")
             write_result(result, args.out, args.tag)
     write_result(result, args.out, args.tag)
