@@ -1,4 +1,4 @@
-"""The `dsv41` command: `dsv41 demo`, `dsv41 bench kernels|decode`, `dsv41 graphdiff ...`, `dsv41 precompile`."""
+"""The `dsv41` command: `dsv41 demo`, `dsv41 bench kernels|decode|foreign`, `dsv41 graphdiff ...`, `dsv41 precompile`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 # subcommand -> (module with main(argv) -> int, help)
 COMMANDS = {
     "demo": ("dsv41.tools.demo", "compile the tiny model with the backend; fusion counts, agreement with eager, timings on a GPU"),
-    "bench": ("dsv41.tools.bench", "benchmarks: `dsv41 bench kernels ...` or `dsv41 bench decode ...`"),
+    "bench": ("dsv41.tools.bench", "benchmarks: `dsv41 bench kernels ...`, `dsv41 bench decode ...` or `dsv41 bench foreign ...`"),
     "graphdiff": ("dsv41.tools.graphdiff", "show, compare and check recorded pass-by-pass graph diffs"),
     "precompile": ("dsv41.tools.precompile", "fill the on-disk CuTe DSL kernel cache for a model config"),
 }

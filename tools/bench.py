@@ -1,4 +1,5 @@
-"""`dsv41 bench kernels ...` (per-kernel timings) and `dsv41 bench decode ...` (whole decode steps)."""
+"""`dsv41 bench kernels ...` (per-kernel timings), `dsv41 bench decode ...` (whole decode steps) and `dsv41 bench
+foreign ...` (the foreign decode blocks of a checkout, plain Inductor against dsv41)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import sys
 BENCHMARKS = {
     "kernels": ("dsv41.tools.bench_kernels", "each kernel against its Inductor-compiled and eager reference"),
     "decode": ("dsv41.tools.bench_decode", "whole decode steps: eager, Inductor, dsv41, and the memory floor"),
+    "foreign": ("dsv41.tools.bench_foreign", "each foreign decode block (tests/passes/foreign): Inductor against dsv41"),
 }
-USAGE = "usage: dsv41 bench {kernels|decode} [options]   (dsv41 bench SUBCOMMAND --help for its options)"
+USAGE = "usage: dsv41 bench {kernels|decode|foreign} [options]   (dsv41 bench SUBCOMMAND --help for its options)"
 
 
 def main(argv: list[str] | None = None) -> int:
