@@ -100,10 +100,10 @@ class HFStyleBlock(nn.Module):
         q_idx = F.linear(qr, self.index_wq).view(t, self.index_heads, self.index_dim)
         w_idx = F.linear(h, self.index_w).float()
         s = (torch.einsum("thd,tnd->thn", q_idx.float(), keys.float()).relu() * w_idx.unsqueeze(-1)).sum(dim=1)
-        s = s.masked_fill(~(torch.arange(keys.shape[1]) < n_c.unsqueeze(-1)), -math.inf)
+        s = s.masked_fill(~(torch.arange(keys.shape[1], device=keys.device) < n_c.unsqueeze(-1)), -math.inf)
         sel = torch.topk(s, min(self.index_topk, s.shape[1]), dim=-1).indices
         index_mask = torch.full_like(s, -math.inf).scatter_(-1, sel, 0.0)
-        index_mask = index_mask.masked_fill(torch.arange(keys.shape[1]) >= n_c.unsqueeze(-1), -math.inf)
+        index_mask = index_mask.masked_fill(torch.arange(keys.shape[1], device=keys.device) >= n_c.unsqueeze(-1), -math.inf)
         o = F.linear(qr, self.wq_b).view(t, self.heads, -1) + kv[:, None, :1]  # attention reduced to a projection
         o = rotate_stride2(o, cos, -sin)  # undo the RoPE
         z = torch.einsum("tgd,grd->tgr", o.view(t, self.groups, -1), self.wo_a.view(self.groups, self.o_rank, -1)).flatten(1)
@@ -115,14 +115,14 @@ class HFStyleBlock(nn.Module):
         experts = torch.topk(scores + self.gate_bias, k).indices
         w = scores.gather(1, experts)
         weights = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * ROUTE_SCALE
-        token = torch.arange(t).repeat_interleave(k)
+        token = torch.arange(t, device=h.device).repeat_interleave(k)
         flat_e = experts.flatten()
         gu = torch.bmm(self.w13[flat_e], h[token].unsqueeze(-1)).squeeze(-1)
         a = (F.silu(gu[:, :self.inter].float().clamp(max=SWIGLU_LIMIT)) * gu[:, self.inter:].float().clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)).to(h.dtype)
         rows = torch.bmm(self.w2[flat_e], a.unsqueeze(-1)).squeeze(-1)
         gs = F.linear(h, self.shared_w13)
         shared = F.linear((F.silu(gs[:, :self.inter].float()) * gs[:, self.inter:].float()).to(h.dtype), self.shared_w2)
-        y = torch.zeros(t, h.shape[1], dtype=torch.float32).index_add_(0, token, rows.float() * weights.flatten()[:, None])
+        y = torch.zeros(t, h.shape[1], dtype=torch.float32, device=h.device).index_add_(0, token, rows.float() * weights.flatten()[:, None])
         return (y + shared.float()).to(h.dtype)
 
     def forward(self, x, pre_mix, cos, sin, keys, n_c):

@@ -150,7 +150,7 @@ class ModuleStyleBlock(nn.Module):
         w_idx = self.index_w(h).float() * (self.index_dim ** -0.5 * self.index_heads ** -0.5)
         scores = torch.einsum("bshd,bnd->bshn", q_idx.float(), keys.float()).clamp(min=0)
         scores = (scores * w_idx.unsqueeze(-1)).sum(dim=-2)
-        scores = scores.masked_fill(torch.arange(keys.shape[-2]) >= n_c.view(b, 1, 1), -math.inf)
+        scores = scores.masked_fill(torch.arange(keys.shape[-2], device=keys.device) >= n_c.view(b, 1, 1), -math.inf)
         sel = torch.topk(scores, min(self.index_topk, scores.shape[-1]), dim=-1, sorted=False).indices
         sel = torch.sort(sel, dim=-1).values
         valid = torch.gather(scores, -1, sel) > -math.inf
@@ -174,7 +174,7 @@ class ModuleStyleBlock(nn.Module):
         ids = topk_ids.view(-1)
         order = torch.sort(ids, stable=True).indices
         token = order // k
-        counts = (ids.unsqueeze(-1) == torch.arange(e)).sum(dim=0)
+        counts = (ids.unsqueeze(-1) == torch.arange(e, device=ids.device)).sum(dim=0)
         offs = counts.cumsum(dim=0).to(torch.int32)
         gate_up = torch._grouped_mm(xq.index_select(0, token), self.w13.transpose(-2, -1), offs=offs)
         g, u = gate_up.tensor_split(2, dim=-1)
@@ -186,7 +186,7 @@ class ModuleStyleBlock(nn.Module):
         sg = sg.float().clamp(max=SWIGLU_LIMIT)
         shared_act = torch.sigmoid(sg) * sg * su.float().clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
         shared = self.shared_w2(fp8_fake_quant(shared_act.to(h.dtype)))
-        y = torch.zeros(b * s, d, dtype=torch.float32).index_put_((token,), rows.float(), accumulate=True)
+        y = torch.zeros(b * s, d, dtype=torch.float32, device=rows.device).index_put_((token,), rows.float(), accumulate=True)
         return y.add_(shared.float()).to(h.dtype).view(b, s, -1)
 
     def forward(self, x, pre_mix, freqs_cis, keys, n_c):

@@ -209,7 +209,7 @@ class Attention(nn.Module):
         weights = self.indexer_weights_proj(x).float() * (args.index_head_dim ** -0.5 * args.index_n_heads ** -0.5)
         logits = torch.matmul(q.float(), keys.float().unsqueeze(1).transpose(-2, -1))
         scores = (F.relu(logits) * weights.unsqueeze(-1)).sum(dim=2)
-        attention_mask = torch.arange(keys.shape[1]) < n_c.view(-1, 1, 1)
+        attention_mask = torch.arange(keys.shape[1], device=keys.device) < n_c.view(-1, 1, 1)
         scores = scores.masked_fill(~attention_mask, float("-inf"))
         topk_indices = torch.topk(scores, min(args.index_topk, keys.shape[1]), dim=-1, sorted=False)[1]
         topk_indices = topk_indices.sort(dim=-1).values

@@ -139,7 +139,7 @@ class VllmStyleBlock(nn.Module):
         q_idx = (qr @ self.index_wq.T).view(t, self.index_heads, self.index_dim)
         w_idx = F.linear(h, self.index_w).float() * (self.index_dim ** -0.5 * self.index_heads ** -0.5)
         s = (torch.einsum("thd,tnd->thn", q_idx.float(), keys.float()).relu() * w_idx[:, :, None]).sum(dim=1)
-        visible = torch.arange(keys.shape[1])[None, :] < n_c[:, None]
+        visible = torch.arange(keys.shape[1], device=keys.device)[None, :] < n_c[:, None]
         s = torch.where(visible, s, -math.inf)
         sel = s.topk(min(self.index_topk, s.shape[1]), dim=-1, sorted=False)[1].sort(dim=-1)[0]
         idx = torch.where(torch.gather(s, 1, sel) > -math.inf, sel + WINDOW, -1)
@@ -160,7 +160,7 @@ class VllmStyleBlock(nn.Module):
         flat_ids = topk_ids.view(-1)
         order = flat_ids.argsort(stable=True)
         token = torch.floor_divide(order, k)
-        counts = torch.zeros(e, dtype=torch.int32).scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+        counts = torch.zeros(e, dtype=torch.int32, device=flat_ids.device).scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
         offs = counts.cumsum(0, dtype=torch.int32)
         gate_up = torch._grouped_mm(x[token], self.w13.transpose(1, 2), offs=offs)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -170,7 +170,7 @@ class VllmStyleBlock(nn.Module):
         sg, su = (x @ self.shared_w13.T).chunk(2, dim=-1)
         shared_act = F.silu(sg.float().clamp(max=SWIGLU_LIMIT)) * su.float().clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
         shared = act_quant(shared_act.to(h.dtype)) @ self.shared_w2.T
-        y = torch.zeros(t, d, dtype=torch.float32).scatter_add_(0, token[:, None].expand(-1, d), rows.float())
+        y = torch.zeros(t, d, dtype=torch.float32, device=rows.device).scatter_add_(0, token[:, None].expand(-1, d), rows.float())
         return (y + shared.float()).to(h.dtype)
 
     def forward(self, x, pre_mix, freqs, keys, n_c):
