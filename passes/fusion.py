@@ -22,13 +22,14 @@ Its memory is bounded by the region's activations, never by its weights: the inp
   chain (`Derived`) is cut along the dim of the stored value that carries the size, found by evaluating the chain on
   meta tensors; where no such dim exists (a size baked into a view of the chain) the size is not reduced;
 - at the graph's full sizes where no size is reduced, or where the region or the op fails or disagrees at the
-  reduced sizes (a size the region bakes into a view or a count: `w.view(E, D, -1)`), only when the draws fit
-  `draw_budget`: max(the bytes the region itself computes, its non-view nodes' values at the graph's sizes,
-  DRAW_FLOOR_BYTES). Beyond it the match is declined with a recorded reason that gives both numbers.
+  reduced sizes (the region writes the size into a view or a count of a value it computes), only when the draws
+  fit `draw_budget`: max(the bytes the region itself computes, i.e. its non-view nodes' values at the graph's
+  sizes, DRAW_FLOOR_BYTES). Beyond it the match is declined with a recorded reason that gives both numbers.
 
 The floor (256 MiB) lets a dense weight of a few tens of MiB be drawn whole beside a one-token activation (the
 Flash wo_a weight, 64 MiB, whose group view bakes its rank); it is not a function of the model's size. Reduced sizes
-check the same math on the experts drawn: a wrong expert index, a transposed weight or another eps still disagree.
+check the same math on the experts drawn: a wrong expert index, a transposed weight or another scalar (a SwiGLU
+limit) still disagree there (`tests/passes/test_semantic_check.py`).
 What they cannot see is a region that treats experts beyond the drawn ones differently from those (a bound baked
 into the region, `ids.clamp(max=5)`): the reduction is the claim that the region is generic in that size, as the
 pattern is.
