@@ -318,11 +318,10 @@ class MoeExpertsPass(FusionPass):
             values[leaves([weights])[0]][0] = 0
         if m.pattern.name.startswith(GATHERED):
             return values
-        offsets = named["offsets"]
-        rows, (experts_n,), device = named.get("token", named.get("rows")).meta["val"].shape[0], values[offsets].shape, \
-            values[offsets].device
-        ids = torch.randint(0, experts_n, (rows,), generator=draws.generator(device), device=device)
-        values[offsets] = torch.cumsum(torch.bincount(ids, minlength=experts_n), 0).to(torch.int32)
+        offsets = values[named["offsets"]]  # [E] at the drawn experts' count
+        rows = named.get("token", named.get("rows")).meta["val"].shape[0]
+        ids = torch.randint(0, len(offsets), (rows,), generator=draws.generator(offsets.device), device=offsets.device)
+        values[named["offsets"]] = torch.cumsum(torch.bincount(ids, minlength=len(offsets)), 0).to(torch.int32)
         return values
 
     def replacement(self, m):
