@@ -27,11 +27,12 @@ class Allocation:
 
 @dataclass
 class PassAllocations:
-    """The real tensors allocated while the pass manager ran (every run inside the `record` block), and the pass
-    manager's wall time."""
+    """The real tensors allocated while the pass manager ran (every run inside the `record` block), the pass
+    manager's wall time, and per run (the names of the nodes it was given, the graph it returned)."""
 
     allocations: list[Allocation] = field(default_factory=list)
     seconds: float = 0.0
+    graphs: list = field(default_factory=list)
 
     def largest(self) -> Allocation | None:
         return max(self.allocations, key=lambda a: a.nbytes, default=None)
@@ -67,6 +68,7 @@ def record():
 
     def recorded(self, graph, report):
         start = time.perf_counter()
+        log.graphs.append(({n.name for n in graph.nodes}, graph))
         try:
             with _AllocationMode(log):
                 return run(self, graph, report)

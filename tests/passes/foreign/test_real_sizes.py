@@ -7,7 +7,9 @@ decode step's activations tens of KiB), through the real backend in both modes (
     activations; REDUCED_EXPERTS / E of its largest weight, the experts the semantic check draws), a bound at most
     1/8 of the experts' w13: the semantic check draws 4 experts, not all 256 (before, it drew every weight whole);
 (c) outputs agree with eager on two fresh inputs: bf16 within one bf16 ulp of an fp32 reordering (atol = rtol =
-    1.6e-2) on at least 99% of elements (an FP8 round trip may move a bucket), selected indices exactly, no NaN.
+    1.6e-2) on at least 99% of elements (an FP8 round trip may move a bucket), selected indices exactly, no NaN;
+(d) no node the passes create copies an experts' weight (an input [E, ., .]): each reads one (or a view of one) only
+    as a dsv41 op's argument or as a view.
 
 The graph must not fall back (`fused_sites`), in debug mode (every created node lowers, every anchor recorded once).
 """
@@ -106,3 +108,24 @@ def test_agrees_with_eager(compiled):
                 continue
             close = torch.isclose(g.float(), w.float(), atol=1.6e-2, rtol=1.6e-2)
             assert not g.isnan().any() and close.float().mean() >= 0.99, (~close).sum()
+
+
+
+def test_no_created_node_copies_an_experts_weight(compiled):
+    """(d) on the graph the pass manager returned, in fx mode (in inductor mode `lower_references` then inlines the
+    op's reference, whose grouped GEMMs read the weights as any GEMM does)."""
+    (_, mode), _, log, *_ = compiled
+    if mode != "fx":
+        pytest.skip("fx mode: the passes' own nodes")
+    ((given, graph),) = log.graphs
+    weights = {n for n in graph.nodes if n.op in ("placeholder", "get_attr") and isinstance(v := n.meta.get("val"),
+               torch.Tensor) and v.dim() == 3 and v.shape[0] == E}
+    assert weights, graph
+    for n in graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        reads = weights & set(n.all_input_nodes)
+        if reads and any(r.alias_info is not None for r in n.target._schema.returns):
+            weights.add(n)  # a view of a weight: read as the weight
+        elif reads and n.name not in given:
+            assert n.target.namespace == "dsv41", f"%{n.name} = {n.target} reads {reads}"
