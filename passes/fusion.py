@@ -8,15 +8,38 @@ fake implementation runs on them): the error, which names the argument, is the r
 
 Semantic check: a match whose graph computes part of the pattern with other ops (islands, see
 `dsv41.passes.matcher`) is replaced only if the matched region and the op's reference agree on fresh random
-inputs of the matched shapes and dtypes (`sample_inputs`: normal floats in the input's dtype, booleans at 1/2,
-integers in the range the fusion declares), to the fusion's `tolerance` (exact unless the pass states one). The
-check and the value domain it covered are recorded with the replacement.
+inputs of the matched dtypes (`sample_inputs`: normal floats in the input's dtype, booleans at 1/2, integers in the
+range the fusion declares), to the fusion's `tolerance` (exact unless the pass states one). The check, the sizes it
+ran at and the value domain it covered are recorded with the replacement (`verified`).
+
+Its memory is bounded by the region's activations, never by its weights: the inputs are drawn on their own device
+(a device generator, nothing drawn on the host and copied), one draw alive at a time, and
+
+- at reduced sizes first, where the fusion declares a size its regions and op compute with whatever its value
+  (`reductions`: the experts' count E, since each row reads only its own expert's weights): the inputs that carry it
+  are drawn with that size cut to the declared one (all E experts' w13 [E, 2I, D] and w2 [E, D, I] drawn as 4
+  experts), the integer ranges read from the drawn shapes (expert ids in [0, 4)). A weight reached through a view
+  chain (`Derived`) is cut along the dim of the stored value that carries the size, found by evaluating the chain on
+  meta tensors; where no such dim exists (a size baked into a view of the chain) the size is not reduced;
+- at the graph's full sizes where no size is reduced, or where the region or the op fails or disagrees at the
+  reduced sizes (the region writes the size into a view or a count of a value it computes), only when the draws
+  fit `draw_budget`: max(the bytes the region itself computes, i.e. its non-view nodes' values at the graph's
+  sizes, DRAW_FLOOR_BYTES). Beyond it the match is declined with a recorded reason that gives both numbers.
+
+The floor (256 MiB) lets a dense weight of a few tens of MiB be drawn whole beside a one-token activation (the
+Flash wo_a weight, 64 MiB, whose group view bakes its rank); it is not a function of the model's size. Reduced sizes
+check the same math on the experts drawn: a wrong expert index, a transposed weight or another scalar (a SwiGLU
+limit) still disagree there (`tests/passes/test_semantic_check.py`).
+What they cannot see is a region that treats experts beyond the drawn ones differently from those (a bound baked
+into the region, `ids.clamp(max=5)`): the reduction is the claim that the region is generic in that size, as the
+pattern is.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -41,11 +64,54 @@ _REPORTED_KINDS = ("scalar", "extra user", "check", "token limit", "symbolic sha
 _NEAR = 2
 _SPLIT = "graph break"  # the kind of a site that reaches a graph input where Dynamo has recorded graph breaks
 _SEMANTIC_DRAWS = 2
+_SEMANTIC_SEED = 0x5EED
+# the semantic check draws a region's inputs at full size only within max(the bytes the region computes, this)
+DRAW_FLOOR_BYTES = 256 * 2**20
+# dtypes torch.randn draws directly; another float dtype (float8) is drawn in fp32 and cast
+_RANDN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Traced patterns per (fusion pass class, config constants), shared by every backend of the process: a pass's
 # patterns depend on nothing else, and tracing them is most of a small graph's pass time.
 _PATTERN_SETS: dict = {}
 # An op-for-op match that fails on these is a different computation (another eps, dtype, ...): not retried with islands.
 _FINAL_KINDS = ("scalar", "dtype", "extra user", "token limit", "symbolic shape")
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """A size that a fusion's matched regions and its op compute with whatever its value (the experts' count E: each
+    row reads its own expert's weights only), which the semantic check draws at `size` where the graph's is larger:
+    `dims` maps the pattern inputs that carry it to the dim that does (w13 -> 0, offsets -> 0)."""
+
+    dims: dict
+    size: int
+
+
+@dataclass
+class Draws:
+    """What one semantic check draws: each graph input node's shape (`shapes`; the graph's, or reduced), the sizes
+    reduced (`reduced`: name -> (the graph's, drawn)), and one seeded generator per device."""
+
+    shapes: dict
+    reduced: dict
+    generators: dict = field(default_factory=dict)
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The seeded generator of `device` (the draws are made where the values are used)."""
+        if device not in self.generators:
+            self.generators[device] = torch.Generator(device=device).manual_seed(_SEMANTIC_SEED)
+        return self.generators[device]
+
+    def nbytes(self) -> int:
+        return sum(math.prod(shape) * n.meta["val"].dtype.itemsize for n, shape in self.shapes.items())
+
+    def describe(self) -> str:
+        drawn = _mib(self.nbytes())
+        if not self.reduced:
+            return f"at the graph's sizes ({drawn} drawn)"
+        sizes = ", ".join(f"{name} = {small} of {full}" for name, (full, small) in self.reduced.items())
+        inputs = ", ".join(f"%{n.name} {list(shape)}" for n, shape in self.shapes.items()
+                           if list(shape) != list(n.meta["val"].shape))
+        return f"at reduced sizes {sizes} ({inputs}; {drawn} drawn)"
 
 
 @dataclass
@@ -108,34 +174,61 @@ class FusionPass(GraphPass):
         checked by the op's own validation on the matched values."""
         return None
 
-    # value ranges of integer inputs for the semantic check: input name -> callable(input metadata by name, free
-    # scalars) -> (low, high)
+    # value ranges of integer inputs for the semantic check: input name -> callable(input metadata by name, at the
+    # drawn sizes; free scalars) -> (low, high)
     int_ranges: dict = {}
     # (atol, rtol) of the semantic check per op output dtype; exact where not given
     tolerance: dict = {}
+    # sizes the semantic check draws reduced: name -> Reduction (see the module)
+    reductions: dict = {}
 
-    def sample_inputs(self, m: MatchResult, g: torch.Generator) -> dict:
-        """Fresh random values for the semantic check: graph input node -> tensor (the domain: see the module). An
-        input the op takes reshaped (a Derived value) is drawn at its graph node's shape; its range is read from the
-        op's shape."""
+    def sample_inputs(self, m: MatchResult, draws: Draws) -> dict:
+        """Fresh random values for the semantic check: graph input node -> tensor at its shape in `draws`, drawn on
+        its device (the domain: see the module). An input the op takes reshaped (a Derived value) is drawn at its
+        graph node's shape; its range is read from the op's shape (at the drawn sizes)."""
         names = m.pattern.input_names()
-        metas = {name: v.meta["val"] for name, v in zip(names, m.inputs) if isinstance(v, (fx.Node, Derived))}
+        metas = {name: _drawn_meta(v, draws) for name, v in zip(names, m.inputs) if isinstance(v, (fx.Node, Derived))}
         values: dict = {}
         for name, v in zip(names, m.inputs):
             if isinstance(v, Derived):
                 v = leaves(v)[0]
             if not isinstance(v, fx.Node) or v in values:
                 continue
-            val = v.meta["val"]
+            val, shape = v.meta["val"], tuple(draws.shapes[v])
+            g = draws.generator(val.device)
             if val.dtype.is_floating_point:
-                x = torch.randn(val.shape, generator=g).to(val.dtype)
+                drawn = val.dtype if val.dtype in _RANDN_DTYPES else torch.float32
+                x = torch.randn(shape, generator=g, device=val.device, dtype=drawn).to(val.dtype)
             elif val.dtype is torch.bool:
-                x = torch.rand(val.shape, generator=g) < 0.5
+                x = torch.randint(0, 2, shape, generator=g, device=val.device, dtype=torch.bool)
             else:
                 low, high = self.int_ranges[name](metas, m.free) if name in self.int_ranges else (0, 4)
-                x = torch.randint(low, high, tuple(val.shape), generator=g).to(val.dtype)
-            values[v] = x.to(val.device)
+                x = torch.randint(low, high, shape, generator=g, device=val.device, dtype=val.dtype)
+            values[v] = x
         return values
+
+    def draw_budget(self, m: MatchResult) -> int:
+        """The most bytes the semantic check draws at the graph's full sizes (see the module)."""
+        return max(_computed_bytes(m), DRAW_FLOOR_BYTES)
+
+    def reduced_draws(self, m: MatchResult) -> Draws | None:
+        """The draws at the sizes of `reductions` (each carried by every matched input that has it, all cut alike),
+        or None when no size is smaller there."""
+        named = dict(zip(m.pattern.input_names(), m.inputs))
+        shapes = {n: list(n.meta["val"].shape) for n in dict.fromkeys(leaves(m.inputs))}
+        reduced = {}
+        for name, r in self.reductions.items():
+            carriers = [(named[i], dim) for i, dim in r.dims.items() if isinstance(named.get(i), (fx.Node, Derived))]
+            fulls = {v.meta["val"].shape[dim] for v, dim in carriers}
+            if len(fulls) != 1 or (full := fulls.pop()) <= r.size:
+                continue
+            cut = [_stored_dim(v, dim, r.size) for v, dim in carriers]
+            if None in cut or any(shapes[leaf][d] not in (full, r.size) for leaf, d in cut):
+                continue  # a size baked into a view chain: drawn whole, within the budget
+            for leaf, d in cut:
+                shapes[leaf][d] = r.size
+            reduced[name] = (full, r.size)
+        return Draws(shapes, reduced) if reduced else None
 
     def explain(self, failure: MatchFailure, graph: fx.Graph) -> MatchFailure:
         """A fusion may restate a structural failure in its own terms (e.g. an iteration count)."""
@@ -164,31 +257,55 @@ class FusionPass(GraphPass):
             region = _region_module(m)
         except KeyError as e:
             return f"{where}: the region reads %{e.args[0]} that the match does not bind", ""
-        g = torch.Generator().manual_seed(0x5EED)
-        for draw in range(_SEMANTIC_DRAWS):
-            values = self.sample_inputs(m, g)
-            try:
-                got = region(*[values[v] for v in region.inputs])
-                args = list(evaluate(rep.args, values.__getitem__))
-                impl = next((i for i, a in enumerate(rep.op._schema.arguments) if a.name == "impl"), None)
-                if impl is not None and impl < len(args):
-                    args[impl] = "reference"
-                want = rep.op(*args)
-            except Exception as e:
-                return f"{where}: running the region or the op on random inputs failed: {type(e).__name__}: {e}", ""
-            for i, (out, spec) in enumerate(zip(got, rep.outputs)):
-                ref = _op_output(spec, want, values.__getitem__)
-                if isinstance(ref, torch.Tensor) and isinstance(out, torch.Tensor) and ref.shape != out.shape \
-                        and ref.numel() == out.numel():
-                    ref = ref.reshape(out.shape)  # as the replacement views the op's output to the graph's shape
-                diff = _difference(out, ref, self.tolerance.get(ref.dtype, (0.0, 0.0)))
-                if diff:
-                    return f"{where}: output {i} differs from dsv41::{self.name}'s reference on random inputs ({diff})", ""
-        tol = {str(k).removeprefix("torch."): v for k, v in self.tolerance.items()}
-        domain = (f"{_SEMANTIC_DRAWS} random draws (normal floats in each input's dtype, booleans at 1/2, integers in "
-                  f"{ {k: '(declared range)' for k in self.int_ranges} or 'their default range [0, 4)'}), "
-                  f"{'within ' + str(tol) if tol else 'bit-exact'}")
-        return None, f"{where}; checked on {domain}"
+        full = Draws({n: list(n.meta["val"].shape) for n in dict.fromkeys(leaves(m.inputs))}, {})
+        reduced, failure = self.reduced_draws(m), None
+        for draws in (reduced, full):
+            if draws is None:
+                continue
+            if draws is full and full.nbytes() > (budget := self.draw_budget(m)):
+                over = (f"at the graph's sizes the semantic check would draw {_mib(full.nbytes())}, over its budget "
+                        f"of {_mib(budget)} (the larger of the region's activations, {_mib(_computed_bytes(m))}, and "
+                        f"the floor, {_mib(DRAW_FLOOR_BYTES)})")
+                return f"{where}: {failure}; {over}" if failure else f"{where}: {over}, and no size is reduced", ""
+            failure = self._disagreement(m, rep, region, draws)
+            if failure is None:
+                tol = {str(k).removeprefix("torch."): v for k, v in self.tolerance.items()}
+                ranges = {k: "(declared range)" for k in self.int_ranges} or "their default range [0, 4)"
+                domain = (f"{_SEMANTIC_DRAWS} random draws (normal floats in each input's dtype, booleans at 1/2, "
+                          f"integers in {ranges}), {'within ' + str(tol) if tol else 'bit-exact'}")
+                return None, f"{where}; checked on {domain}, {draws.describe()}"
+            if draws is reduced:
+                failure = f"{failure} ({draws.describe()})"
+        return f"{where}: {failure}", ""
+
+    def _disagreement(self, m: MatchResult, rep: "Replacement", region: fx.GraphModule, draws: Draws) -> str | None:
+        """None when the region and the op's reference agree on `_SEMANTIC_DRAWS` draws of `draws`, else why not."""
+        for _ in range(_SEMANTIC_DRAWS):
+            failure = self._disagreement_once(m, rep, region, draws)  # its draw is freed before the next
+            if failure is not None:
+                return failure
+        return None
+
+    def _disagreement_once(self, m: MatchResult, rep: "Replacement", region: fx.GraphModule, draws: Draws):
+        values = self.sample_inputs(m, draws)
+        try:
+            got = region(*[values[v] for v in region.inputs])
+            args = list(evaluate(rep.args, values.__getitem__))
+            impl = next((i for i, a in enumerate(rep.op._schema.arguments) if a.name == "impl"), None)
+            if impl is not None and impl < len(args):
+                args[impl] = "reference"
+            want = rep.op(*args)
+        except Exception as e:
+            return f"running the region or the op on random inputs failed: {type(e).__name__}: {e}"
+        for i, (out, spec) in enumerate(zip(got, rep.outputs)):
+            ref = _op_output(spec, want, values.__getitem__)
+            if isinstance(ref, torch.Tensor) and isinstance(out, torch.Tensor) and ref.shape != out.shape \
+                    and ref.numel() == out.numel():
+                ref = ref.reshape(out.shape)  # as the replacement views the op's output to the graph's shape
+            diff = _difference(out, ref, self.tolerance.get(ref.dtype, (0.0, 0.0)))
+            if diff:
+                return f"output {i} differs from dsv41::{self.name}'s reference on random inputs ({diff})"
+        return None
 
     def pattern_set(self) -> PatternSet:
         """The pass's traced patterns (shared by the passes of the process with the same model constants)."""
@@ -543,6 +660,68 @@ def _region_module(m: MatchResult) -> fx.GraphModule:
     module = fx.GraphModule(torch.nn.Module(), g)
     module.inputs = inputs
     return module
+
+
+def _computed_bytes(m: MatchResult) -> int:
+    """The bytes of the values the matched region computes at the graph's sizes (its activations): every region
+    node's value but those an op returns as a view of its input (a transposed weight is no activation)."""
+    total = 0
+    for n in m.nodes:
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and any(r.alias_info is not None for r in schema.returns):
+            continue
+        total += sum(v.numel() * v.dtype.itemsize for v in _tensors_of(n.meta.get("val")))
+    return total
+
+
+def _tensors_of(val) -> list[torch.Tensor]:
+    """The tensors in a node's value (one, or those of a tuple)."""
+    if isinstance(val, torch.Tensor):
+        return [val]
+    return [v for v in val if isinstance(v, torch.Tensor)] if isinstance(val, (tuple, list)) else []
+
+
+def _like(val: torch.Tensor, shape) -> torch.Tensor:
+    """A meta tensor of `shape` whose dims are laid out in val's order (a weight stored transposed stays so)."""
+    order = sorted(range(val.dim()), key=lambda d: val.stride(d))  # innermost first
+    strides, step = [0] * val.dim(), 1
+    for d in order:
+        strides[d], step = step, step * max(shape[d], 1)
+    return torch.empty_strided(tuple(shape), tuple(strides), dtype=val.dtype, device="meta")
+
+
+def _drawn_meta(v, draws: Draws) -> torch.Tensor:
+    """The meta value of matched input v (a graph node or a Derived value of one) at the drawn sizes."""
+    return evaluate(v, lambda n: _like(n.meta["val"], draws.shapes[n]))
+
+
+def _stored_dim(v, dim: int, size: int):
+    """(graph node, its dim) that carries matched input v's dim `dim`: v itself, or the one node a Derived view chain
+    reads, at the dim whose cut to `size` cuts v's `dim` to `size` and nothing else (evaluated on meta tensors);
+    None where no dim does (a view that bakes the size)."""
+    if isinstance(v, fx.Node):
+        return v, dim
+    stored = set(leaves(v))
+    if len(stored) != 1:
+        return None
+    node = stored.pop()
+    val, want = node.meta["val"], list(v.meta["val"].shape)
+    full, want[dim] = want[dim], size
+    for d, n in enumerate(val.shape):
+        if n != full:
+            continue
+        shape = list(val.shape)
+        shape[d] = size
+        try:
+            if list(evaluate(v, lambda _: _like(val, shape)).shape) == want:
+                return node, d
+        except (RuntimeError, ValueError):  # torch: "shape '[...]' is invalid for input of size ..."
+            continue
+    return None
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.3g} MiB"
 
 
 def _difference(got, want, tol) -> str | None:

@@ -30,9 +30,12 @@ t, slot j) pair's expert weights are gathered and multiplied in batched products
 
 The replacement computes the op's sorted rows from expert_idx [T, k] in the graph: flat = expert_idx.reshape(T * k),
 order = argsort(flat, stable=True) (equal ids by pair index, so deterministic), token = order // k, offsets =
-cumsum of the per-expert counts (an int32 scatter_add of ones into E zeros, the model's count; `bincount`'s output
-size depends on the values, so it has no static-shape form), row_weights = weights.flatten()[order] (or ones), and
-puts the op's [T * k, D] rows back in pair order by the inverse permutation, out[argsort(order)].view(T, k, D).
+cumsum of the per-expert counts (an int32 scatter_add of ones into zeros, one per expert of w2, the model's count;
+`bincount`'s output size depends on the values, so it has no static-shape form; the zeros take their count from w2's
+expert dim, so the semantic check's reduced experts carry through them), row_weights = weights.flatten()[order] (or
+ones), and puts the op's [T * k, D] rows back in pair order by the inverse permutation,
+out[argsort(order)].view(T, k, D). The op takes every weight as the graph stores it: the gathers of each pair's
+weights (T * k experts' weights copied on every call, which the kernel would then read again) are gone.
 Exact up to the GEMMs' fp32 summation order: the rows are a permutation of the independent (t, j) pairs, and each
 row's products (bf16 in, fp32 accumulation, bf16 out), activation, weight, cast and FP8 step are the pattern's. A
 gathered match with parts written another way passes the semantic check within the pass's bf16 `tolerance`
@@ -42,22 +45,21 @@ The pairs may also be flattened first (HF's `batched_mm` experts, `flat_pair_exp
 k), rows x[p // k], bmm over the gathered [S, 2I, D] and [S, D, I] weights, the [S, D] rows returned; replaced alike,
 the op's rows put back in pair order as [S, D]. Or each of M rows x[token[m]] runs on its own expert's gathered
 weights (`per_row_experts`, `gathered_per_row...`: an export-style decode that sorts the pairs but, with no
-`_grouped_mm` to export, gathers each sorted row's w13 and w2): the op takes every row as its own expert, its w13
-and w2 the rows' gathered weights (the gathers the graph computes), offsets 1, 2, ..., M, the graph's token and row
-weights (or ones), its rows in the graph's row order. Exact as above.
+`_grouped_mm` to export, gathers each sorted row's w13 and w2): the op takes the rows sorted by expert_idx [M] as
+above (order = argsort(expert_idx, stable=True), token[order], row_weights[order] or ones, offsets from the counts of
+expert_idx) with w13 and w2 as stored, its rows put back in the graph's row order by the inverse permutation. Exact as
+above.
 
-With w1 and w3 held apart (gpt-fast), the op's stacked w13 of all E experts would be a cat copying every expert's
-weights on every call; instead each pair is its own expert: the op takes w13 = cat(w1[flat], w3[flat], 1) [T * k, 2I,
-D] and w2[flat] [T * k, D, I] (the pairs' weights, which the graph's own gathers copy too), offsets 1, 2, ..., T * k
-(one row an expert), token = pair // k and the weights flattened; its rows are then in pair order, viewed [T, k, D].
-Exact as above (the same rows, each with its own expert's products). The kernel then reads each pair's weights,
-also where two tokens chose one expert, which the sorted form reads once. Where w1 and w3 are the two dim-1 halves of
-one [E, 2I, D] graph value (`w13[:, :I]`, `w13[:, I:]`), that value is w13 and the sorted form runs. Their gathers
-may also be joined by a cat along I before one product (`cat([w1[idx], w3[idx]], 2)`, split after it; einsum or
-matmul): since cat(w1[e], w3[e]) = w13[e], that is the same formulation (`..._split_cat`),
-replaced alike; the op's per-pair w13 is
-then the very cat the graph computes (no cat of all experts' weights, which a rule turning the cat of gathers into
-the gather of a cat would add on every call).
+With w1 and w3 held apart (gpt-fast), the op takes them as stored (its w13 = w1 and w3 arguments, each expert's gate
+and up rows read in place) on the sorted rows, as the sorted formulations with w1 and w3 apart do: no cat of all
+experts' weights, no gather of a pair's. Where w1 and w3 are the two dim-1 halves of one [E, 2I, D] graph value
+(`w13[:, :I]`, `w13[:, I:]`), that value is w13. Their gathers may also be joined by a cat along I before one
+product (`cat([w1[idx], w3[idx]], 2)`, split after it; einsum or matmul): since cat(w1[e], w3[e]) = w13[e], that is
+the same formulation (`..._split_cat`), replaced alike (the cat, a copy of the pairs' weights, goes with the region).
+
+Semantic check (a match with parts computed another way): the experts' count E is a size every formulation and the
+op compute with whatever its value (`reductions`): the weights are drawn as REDUCED_EXPERTS experts, the expert ids
+and offsets over those, so the check's memory is a few experts' weights, not all E (`dsv41.passes.fusion`).
 """
 
 from __future__ import annotations
@@ -70,10 +72,12 @@ import torch.fx as fx
 
 from dsv41.lowerings.moe_experts import MAX_ROWS
 from dsv41.models import functional as fn
-from dsv41.passes.fusion import Derived, FusionPass, Replacement
+from dsv41.passes.fusion import Derived, FusionPass, Reduction, Replacement
 from dsv41.passes.matcher import Pattern, leaves
 
 T, D, I, E, K = 3, 32, 32, 4, 6
+# the experts the semantic check draws in place of all E (a wrong expert index among four still shows)
+REDUCED_EXPERTS = 4
 aten, prims = torch.ops.aten, torch.ops.prims
 # the gathered formulations' name prefix; w1 and w3 held apart; GEMM1's input rows given (not x[token]);
 # the gathered pairs flattened; each row x[token[m]] on its own gathered expert weights
@@ -230,6 +234,7 @@ class MoeExpertsPass(FusionPass):
     name = "moe_experts"
     int_ranges = {"token": lambda metas, free: (0, metas["x"].shape[0]),
                   "expert_idx": lambda metas, free: (0, metas["w2"].shape[0])}
+    reductions = {"E": Reduction({"w13": 0, "w1": 0, "w3": 0, "w2": 0, "offsets": 0}, REDUCED_EXPERTS)}
     # a formulation computed with other ops may round g, u or a to the neighbouring bf16 and so flip an FP8 step
     tolerance = {torch.bfloat16: (2.0**-5, 2.0**-6)}
 
@@ -303,21 +308,21 @@ class MoeExpertsPass(FusionPass):
         wide = names[index].replace(f"_{ROWS}", "", 1)
         return (names.index(wide),) if f"_{ROWS}" in names[index] else ()
 
-    def sample_inputs(self, m, g):
+    def sample_inputs(self, m, draws):
         """As the base class, with the first token's routing weights zero, so its activation rows are all-zero FP8
         blocks, where the amax floor (1e-4) decides the scale (without it 0 / 0 is NaN); for the sorted rows, valid
-        offsets: random expert row counts (some zero) that sum to M."""
-        values = super().sample_inputs(m, g)
+        offsets over the drawn experts: random expert row counts (some zero) that sum to M."""
+        values = super().sample_inputs(m, draws)
         named = dict(zip(m.pattern.input_names(), m.inputs))
         weights = named.get("row_weights", named.get("weights"))
         if weights is not None and leaves([weights])[0] in values:
             values[leaves([weights])[0]][0] = 0
         if m.pattern.name.startswith(GATHERED):
             return values
-        offsets = named["offsets"]
-        rows, experts_n = named.get("token", named.get("rows")).meta["val"].shape[0], offsets.meta["val"].shape[0]
-        counts = torch.bincount(torch.randint(0, experts_n, (rows,), generator=g), minlength=experts_n)
-        values[offsets] = torch.cumsum(counts, 0).to(torch.int32).to(offsets.meta["val"].device)
+        offsets = values[named["offsets"]]  # [E] at the drawn experts' count
+        rows = named.get("token", named.get("rows")).meta["val"].shape[0]
+        ids = torch.randint(0, len(offsets), (rows,), generator=draws.generator(offsets.device), device=offsets.device)
+        values[named["offsets"]] = torch.cumsum(torch.bincount(ids, minlength=len(offsets)), 0).to(torch.int32)
         return values
 
     def replacement(self, m):
@@ -329,12 +334,13 @@ class MoeExpertsPass(FusionPass):
         inputs = list(m.inputs)
         if f"_{PER_ROW}" in m.pattern.name:
             return _per_row_replacement(inputs, weighted, tail, kernel)
+        w3 = None
         if f"_{SPLIT}" in m.pattern.name:  # the inputs end in w1, w3, w2
-            w13 = _stacked_halves(*inputs[-3:-1])
-            if w13 is None:
-                return _per_pair_replacement(inputs, weighted, tail, kernel)
-            inputs[-3:] = [w13, inputs[-1]]  # the two halves of one stacked value: the sorted form on that value
-        return _sorted_replacement(inputs, weighted, tail, kernel, rows_out=f"_{FLAT}" in m.pattern.name)
+            w1, w3, w2 = inputs[-3:]
+            w13 = _stacked_halves(w1, w3)
+            w13, w3 = (w1, w3) if w13 is None else (w13, None)  # apart: the op takes both as stored
+            inputs[-3:] = [w13, w2]
+        return _sorted_replacement(inputs, weighted, tail, kernel, w3, rows_out=f"_{FLAT}" in m.pattern.name)
 
 
 def _sorted_formulation_replacement(named, tail, kernel):
@@ -367,14 +373,6 @@ def _pairs(expert_idx):
     return math.prod(shape[:-1]), shape[-1]
 
 
-def _one_row_each(like):
-    """The offsets of M experts with one row each, 1, 2, ..., M as [M] int32 (M = like.numel(), like [M]): the int64
-    cumsum of ones, cast. Not `cumsum(ones, dtype=int32)`: Inductor's post-grad rewrite of a cumsum of a `full` into
-    an arange drops the cumsum's dtype argument and returns int64."""
-    ones = Derived(aten.ones_like.default, (like,), (("dtype", torch.int64),))
-    return Derived(prims.convert_element_type.default, (Derived(aten.cumsum.default, (ones, 0)), torch.int32))
-
-
 def pair_tokens(per_pair, k):
     """The token of each (token, slot) pair in pair order, p // k for p in [0, T * k) (the pair indices as the
     cumsum of ones less one): [T * k] int64 on the device of per_pair, any [T * k] value (a Derived needs a graph
@@ -384,30 +382,62 @@ def pair_tokens(per_pair, k):
     return Derived(aten.div.Tensor_mode, (pair, k), (("rounding_mode", "floor"),))
 
 
-def _sorted_replacement(inputs, weighted, tail, kernel, rows_out=False):
+def _sorted_replacement(inputs, weighted, tail, kernel, w3=None, rows_out=False):
     """The op on the sorted rows of a gathered match (see the module): x, expert_idx [T, k], (weights [T, k],) w13,
-    w2 -> the op's [T * k, D] rows, put back in (t, j) order as [T, k, D] (rows_out: as [T * k, D], the flat pairs' form)."""
+    w2 (and w3 where w1 and w3 are apart: w13 is w1) -> the op's [T * k, D] rows, put back in (t, j) order as
+    [T, k, D] (rows_out: as [T * k, D], the flat pairs' form)."""
     x, expert_idx, *rest = inputs
-    w13, w2 = rest[-2:]
     t, k = _pairs(expert_idx)
-    rows, experts_n, dim = t * k, w13.meta["val"].shape[0], x.meta["val"].shape[-1]
+    rows, dim = t * k, x.meta["val"].shape[-1]
     flat = Derived(aten.reshape.default, (expert_idx, [rows]))
-    order = Derived(aten.argsort.stable, (flat,), (("stable", True),))
-    token = Derived(aten.div.Tensor_mode, (order, k), (("rounding_mode", "floor"),))
-    zeros = Derived(aten.new_zeros.default, (flat, [experts_n]), (("dtype", torch.int32),))
-    ones = Derived(aten.ones_like.default, (flat,), (("dtype", torch.int32),))
-    counts = Derived(aten.scatter_add.default, (zeros, 0, flat, ones))
+    weights = Derived(aten.reshape.default, (rest[0], [rows])) if weighted else None
+
+    def pair_token(order):  # pair p = t * k + j is token t's
+        return Derived(aten.div.Tensor_mode, (order, k), (("rounding_mode", "floor"),))
+
+    return _expert_sorted(x, flat, pair_token, weights, rest[-2], rest[-1], w3, tail, kernel,
+                          [rows, dim] if rows_out else [t, k, dim])
+
+
+def _per_row_replacement(inputs, weighted, tail, kernel):
+    """The op on the rows of a per-row match sorted by expert (see the module): x, token [M], expert_idx [M],
+    (row_weights [M],) w13, w2 -> the op's [M, D] rows in the graph's row order."""
+    x, token, expert_idx, *rest = inputs
+    rows, dim = expert_idx.meta["val"].shape[0], x.meta["val"].shape[-1]
+
+    def row_token(order):
+        return Derived(aten.index.Tensor, (token, [order]))
+
+    return _expert_sorted(x, expert_idx, row_token, rest[0] if weighted else None, rest[-2], rest[-1], None, tail,
+                          kernel, [rows, dim])
+
+
+def _expert_sorted(x, ids, token_of, row_weights, w13, w2, w3, tail, kernel, shape):
+    """The op on M rows sorted by expert, each weight as the graph stores it: row m (in the graph's order) is token
+    token_of(m) on expert ids[m] [M] at weight row_weights[m] [M] (None: 1); order = argsort(ids, stable=True), the
+    op's token = token_of(order) (token_of maps row positions to tokens), its offsets the cumsum of the per-expert
+    counts, its rows put back in the graph's order by the inverse permutation and viewed `shape`."""
+    order = Derived(aten.argsort.stable, (ids,), (("stable", True),))
+    ones = Derived(aten.ones_like.default, (ids,), (("dtype", torch.int32),))
+    counts = Derived(aten.scatter_add.default, (_per_expert_zeros(w2), 0, ids, ones))
     offsets = Derived(aten.cumsum.default, (counts, 0), (("dtype", torch.int32),))
-    row_weights = (Derived(aten.index.Tensor, (Derived(aten.reshape.default, (rest[0], [rows])), [order]))
-                   if weighted else _ones(order))
+    weights = Derived(aten.index.Tensor, (row_weights, [order])) if row_weights is not None else _ones(order)
     inverse = Derived(aten.argsort.stable, (order,), (("stable", True),))
 
-    def in_pair_order(out):
-        return Derived(aten.view.default, (Derived(aten.index.Tensor, (out, [inverse])),
-                                           [rows, dim] if rows_out else [t, k, dim]))
+    def in_graph_order(out):
+        rows = Derived(aten.index.Tensor, (out, [inverse]))
+        return rows if len(shape) == 2 else Derived(aten.view.default, (rows, shape))
 
     return Replacement(torch.ops.dsv41.moe_experts.default,
-                       (x, token, row_weights, offsets, w13, w2, *tail, None, kernel), (in_pair_order,))
+                       (x, token_of(order), weights, offsets, w13, w2, *tail, w3, kernel), (in_graph_order,))
+
+
+def _per_expert_zeros(w2):
+    """[E] int32 zeros, one per expert of w2 [E, D, I] (its count read from w2's value, not written into the graph as
+    a number, so a semantic check on fewer experts counts over those)."""
+    experts = Derived(aten.select.int, (Derived(aten.select.int, (w2, 2, 0)), 1, 0))
+    return Derived(aten.zeros_like.default, (experts,), (("dtype", torch.int32),
+                                                          ("memory_format", torch.contiguous_format)))
 
 
 def _stacked_halves(w1, w3):
@@ -420,34 +450,3 @@ def _stacked_halves(w1, w3):
     if root is not root3 or len(whole) != 3 or whole[1] != 2 * inter or {dim1, dim3} != {1} or step1 + step3 not in ([], [1], [1, 1]):
         return None
     return root if (start1, min(end1, whole[1]), start3, min(end3, whole[1])) == (0, inter, inter, 2 * inter) else None
-
-
-def _per_row_replacement(inputs, weighted, tail, kernel):
-    """The op with one expert a row for a per-row match: x, token [M], expert_idx [M], (row_weights [M],) w13, w2 ->
-    the op's [M, D] rows in the graph's row order; its w13 and w2 are the rows' gathered weights (the gathers the
-    graph computes), offsets 1, 2, ..., M."""
-    x, token, expert_idx, *rest = inputs
-    w13, w2 = rest[-2:]
-    offsets = _one_row_each(expert_idx)
-    row_weights = rest[0] if weighted else _ones(expert_idx)
-    return Replacement(torch.ops.dsv41.moe_experts.default,
-                       (x, token, row_weights, offsets, Derived(aten.index.Tensor, (w13, [expert_idx])),
-                        Derived(aten.index.Tensor, (w2, [expert_idx])), *tail, None, kernel), (None,))
-
-
-def _per_pair_replacement(inputs, weighted, tail, kernel):
-    """The op with one expert a pair for a gathered match with w1 and w3 apart (see the module): x, expert_idx [T, k],
-    (weights [T, k],) w1, w3, w2 -> the op's [T * k, D] rows (in pair order) viewed [T, k, D]."""
-    x, expert_idx, *rest = inputs
-    w1, w3, w2 = rest[-3:]
-    t, k = _pairs(expert_idx)
-    rows, dim = t * k, x.meta["val"].shape[-1]
-    flat = Derived(aten.reshape.default, (expert_idx, [rows]))
-    w13 = Derived(aten.cat.default, ([Derived(aten.index.Tensor, (w, [flat])) for w in (w1, w3)], 1))
-    pair_weights = Derived(aten.index.Tensor, (w2, [flat]))
-    offsets = _one_row_each(flat)
-    token = pair_tokens(flat, k)
-    row_weights = Derived(aten.reshape.default, (rest[0], [rows])) if weighted else _ones(flat)
-    return Replacement(torch.ops.dsv41.moe_experts.default,
-                       (x, token, row_weights, offsets, w13, pair_weights, *tail, None, kernel),
-                       (lambda out: Derived(aten.view.default, (out, [t, k, dim])),))

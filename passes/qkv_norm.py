@@ -91,10 +91,10 @@ class QkvNormPass(FusionPass):
                             guard=_one_activation)]
         return out
 
-    def sample_inputs(self, m, g):
+    def sample_inputs(self, m, draws):
         """As the base class, with the first token's row of q and kv zero: an all-zero FP8 block, where the amax floor
         (1e-4) decides the scale (without it 0 / 0 is NaN)."""
-        values = super().sample_inputs(m, g)
+        values = super().sample_inputs(m, draws)
         names = m.pattern.input_names()
         for name, v in zip(names, m.inputs):
             if name in ("qkv", "q", "kv") and v in values:

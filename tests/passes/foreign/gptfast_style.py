@@ -15,9 +15,10 @@ gathered and multiplied in batched einsums.
 forward(h [B, 1, D] bf16) -> [B, 1, D] bf16.
 
 Sites (measured, fx mode, CPU; `test_gptfast_style.py`): moe_route, moe_experts (`gathered_einsum_split_fp8_
-unweighted`: w1 and w3 apart, so the op runs one expert a (token, slot) pair on their gathered weights) and
+unweighted`: w1 and w3 apart, which the op reads as stored, on the pairs sorted by expert) and
 moe_finalize (`slots_einsum_shared`: the per-slot einsum `'tai,ta->ti'` over rows in (token, slot) order, + shared,
-one rounding, is the op on those rows with token = p // k; it reads the experts' op's rows through views). Before the
+one rounding, is the op on those rows with token = p // k; it reads the experts' op's rows, put back in pair order,
+through views). Before the
 per-slot formulation the combine was no moe_finalize candidate. No moe_metadata site (no sort in the block).
 """
 

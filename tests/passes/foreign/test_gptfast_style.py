@@ -37,8 +37,9 @@ def test_sites_fused_and_agree(b, mode):
 
 
 def test_combine_reads_the_experts_rows_in_place():
-    """With w1 and w3 apart the experts' op returns its rows in pair order, which the per-slot combine reads: the
-    finalize's rows are the experts' output through views only (no gather between the two ops)."""
+    """With w1 and w3 apart the experts' op takes both as stored, on the rows sorted by expert, and puts its rows back
+    in pair order (a gather of its [T k, D] output by the inverse permutation), which the per-slot combine reads
+    through views only; no weight is gathered or joined."""
     block = GptFastStyleMoE()
     with torch.no_grad():
         gm, report = run_passes(block, inputs(0, block))
@@ -47,4 +48,8 @@ def test_combine_reads_the_experts_rows_in_place():
     rows = finalize.args[0]
     while rows.target in (torch.ops.aten.view.default, torch.ops.aten.reshape.default):
         rows = rows.args[0]
-    assert rows.target is torch.ops.dsv41.moe_experts.default, gm.code
+    assert rows.target is torch.ops.aten.index.Tensor, gm.code
+    experts = rows.args[0]
+    assert experts.target is torch.ops.dsv41.moe_experts.default, gm.code
+    assert [experts.args[i].op for i in (4, 5, 8)] == ["get_attr"] * 3, gm.code  # w1, w2, w3 as stored
+    assert not gm.graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default), gm.code

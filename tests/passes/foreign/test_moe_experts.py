@@ -152,15 +152,17 @@ def test_gathered_spelling_is_fused(name, t):
 
 @pytest.mark.parametrize("catted, pattern", [(w1_w3_gathers_catted, "gathered_einsum_split_cat_fp8"),
                                              (w1_w3_gathers_catted_matmul, "gathered_matmul_split_cat_fp8")])
-def test_gathered_w1_w3_catted_is_fused_one_expert_a_pair(catted, pattern):
+def test_gathered_w1_w3_catted_is_fused_on_the_weights_as_stored(catted, pattern):
     """w1 and w3 apart whose gathers are joined by torch.cat along I before one einsum or matmul: cat(w1[e], w3[e]) is
-    the stacked w13[e], so the joined split formulation takes it, one expert a pair (the op's w13 is that cat of the
-    pairs' gathered weights, which the graph copies too; no cat of all experts' weights); found once, no batched
-    product left, equal to eager within the pass's tolerance (NaN fails it)."""
+    the stacked w13[e], so the joined split formulation takes it, the op reading w1 and w3 as stored on the sorted
+    rows (no cat, no gather of any weight); found once, no batched product left, equal to eager within the pass's
+    tolerance (NaN fails it)."""
     report = assert_found_once(catted, model_test.gathered_inputs, FUSION, **model_test.GATHERED_TOL)
-    assert [r["pattern"] for p in report.passes for r in p.replaced] == [pattern]
+    assert [r["pattern"] for p in report.passes if p.name == FUSION for r in p.replaced] == [pattern]
     gm, _ = run_passes(catted, model_test.gathered_inputs(0), FUSION)
-    assert op_counts(gm)["aten.bmm"] == 0 and op_counts(gm)["aten.argsort.stable"] == 0, gm.code
+    assert op_counts(gm)["aten.bmm"] == 0 and op_counts(gm)["aten.cat"] == 0, gm.code
+    (op,) = gm.graph.find_nodes(op="call_function", target=torch.ops.dsv41.moe_experts.default)
+    assert [op.args[i].name for i in (4, 8, 5)] == ["arg3_1", "arg4_1", "arg5_1"], gm.code  # w1, w3, w2
 
 
 def test_gate_half_through_another_view_of_the_product_is_a_pinned_decline():
