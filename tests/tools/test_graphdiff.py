@@ -313,11 +313,11 @@ def test_show_text(base):
     assert rc == 0 and err == ""
     assert "\x1b[" not in out  # colour only on a tty
     assert_expected_inline(out, """\
-graph 0: 2748 nodes in, 1079 out; layers 0, 2, 3; 15 passes, 10 changed
+graph 0: 2748 nodes in, 1079 out; layers 0, 2, 3; 16 passes, 10 changed
   #   pass                  result     nodes         matches  declined  attempts
   00  normalize             changed    2748 -> 2581      761         0         0
   01  mhc_coeffs            changed    2581 -> 1693        6         0         0
-  02  moe_finalize          changed    1693 -> 1678        3         0        31
+  02  moe_finalize          changed    1693 -> 1678        3         0        15
   03  allreduce_mhc         unchanged  1678                0         0         0
   04  mhc_post_pre          changed    1678 -> 1546        6         0         9
   05  qkv_norm              changed    1546 -> 1372        3         0         3
@@ -327,9 +327,10 @@ graph 0: 2748 nodes in, 1079 out; layers 0, 2, 3; 15 passes, 10 changed
   09  moe_metadata          changed    1217 -> 1205        3         0         0
   10  moe_experts           changed    1205 -> 1079        3         0         0
   11  restore_stable_sorts  unchanged  1079                0         0         0
-  12  streams               unchanged  1079                0         0         0
-  13  lower_references      unchanged  1079                0         0         0
-  14  defunctionalize       unchanged  1079                0         0         0
+  12  decompose             unchanged  1079                0         0         0
+  13  streams               unchanged  1079                0         0         0
+  14  lower_references      unchanged  1079                0         0         0
+  15  defunctionalize       unchanged  1079                0         0         0
 
   matches per layer  L0  L2  L3
   mhc_coeffs          2   2   2
