@@ -45,6 +45,15 @@ pattern declares an optional output, which the op then also returns, and for a l
 replacement leaves in place for its other readers: `MatchResult.kept`), or when the fusion's own `check` rejects
 the bound inputs (dtype, shape, token limit).
 
+A failure (`MatchFailure`) names the first op where the site differs from the pattern, inside the site's own
+region: the graph op compared there (`blocking`, `found`), the pattern's op (`expected`) and the matched graph
+node next to it (`beside`). A walk back from an output candidate downstream of the anchor may start in another
+sublayer (the site writes its own output another way, and the nearest op of that kind is the next sublayer's); its
+failure counts only where it lies in the anchor's site (`_Matcher.in_site`). One that failed on a branch away from
+the anchor first is walked again toward it (`run_toward`); where no walk from an output fails in the site, the walk
+from the anchor itself (`diverge`: backwards, then forwards over the readers of matched ops) names the op where
+the graph goes on another way.
+
 Costs: an island's closure tests are shared by the patterns of a pass until a replacement changes the graph, the
 nearest bindings skip those already tried farthest first, and the shape trace of a binding creates its fake
 inputs inside the fake mode rather than converting meta tensors.
@@ -201,31 +210,20 @@ class _Fail(Exception):
         super().__init__(reason)
         self.kind, self.reason, self.blocking, self.progress = kind, reason, blocking, progress
         self.expected, self.found = expected, found  # set by the innermost node comparison that failed (`_match_node`)
-        # where it failed, set with expected / found: the graph node compared there (None: a constant, or nothing),
-        # the matched graph node whose operand that is, and the walk's partial match then (graph node -> pattern
-        # node; the walk's own dict, which nothing changes after the failure: each walk that fails is dropped)
+        # where it failed, set with expected / found: the pattern node and the graph node compared there (None: a
+        # constant, or nothing), the matched graph node whose operand that is, and the walk's partial match then
+        # (graph node -> pattern node; the walk's own dict, which nothing changes after the failure: each walk that
+        # fails is dropped)
+        self.pattern_node: fx.Node | None = None
         self.node: fx.Node | None = None
         self.beside: fx.Node | None = None
         self.matched: dict | None = None
 
-    def at(self, node, beside: fx.Node | None, matched: dict) -> "_Fail":
+    def at(self, pattern_node: fx.Node | None, node, beside: fx.Node | None, matched: dict) -> "_Fail":
         """Set where the failure is (see __init__); returns self."""
-        self.node = node if isinstance(node, fx.Node) else None
+        self.pattern_node, self.node = pattern_node, node if isinstance(node, fx.Node) else None
         self.beside, self.matched = beside, matched
         return self
-
-    def in_site(self, anchor: fx.Node) -> bool:
-        """Whether the failure lies in the region of `anchor`'s site: the op it names is the anchor, or one of the
-        matched ops connected to the anchor through matched ops, or reads or is read by one of those (where it
-        names none, nothing found downstream, the partial match must hold the anchor). A walk back from an output
-        found downstream of the anchor in another sublayer (the router's where, where the site's own output is
-        written another way) fails there, next to nothing of the site: not this site's difference."""
-        if self.matched is None:
-            return False
-        if self.node is None:
-            return anchor in self.matched
-        site = _site_nodes(anchor, self.matched)
-        return self.node in site or any(n in site for n in (*self.node.all_input_nodes, *self.node.users))
 
 
 def _site_nodes(anchor: fx.Node, matched: dict) -> set[fx.Node]:
@@ -326,6 +324,7 @@ class _Matcher:
         self.path: list = []  # the graph values being compared, outermost first (`_match_node`)
         # pattern nodes whose operands the walk compares first: those that reach the anchor's op (`toward`)
         self.first: frozenset = frozenset()
+        self.relations: dict = {}  # ("toward" | "upward", anchor op) -> pattern nodes (`toward`, `upward`)
 
     def _ordered(self, ps, ts) -> list:
         """(index, pattern argument, graph argument) pairs in the order the walk compares them: as written, but for
@@ -336,9 +335,45 @@ class _Matcher:
         return pairs
 
     def toward(self, target) -> frozenset:
-        """The pattern nodes whose value depends on a pattern op with `target` (those ops included)."""
-        return frozenset(n for n in self.pg.nodes if n.op == "call_function"
-                         and any(a.target == target for a in _ancestors(n, stop=lambda _: False)))
+        """The pattern nodes whose value depends on a pattern op with `target` (those ops included); cached."""
+        if ("toward", target) not in self.relations:
+            reach: set = set()
+            for n in self.pg.nodes:  # operands before users
+                if n.op == "call_function" and (n.target == target or any(a in reach for a in n.all_input_nodes)):
+                    reach.add(n)
+            self.relations["toward", target] = frozenset(reach)
+        return self.relations["toward", target]
+
+    def upward(self, target) -> frozenset:
+        """The pattern nodes that a pattern op with `target` depends on (its operands, theirs, ...); cached."""
+        if ("upward", target) not in self.relations:
+            self.relations["upward", target] = frozenset(
+                a for n in self.call_nodes if n.target == target for a in _ancestors(n, stop=lambda _: False)[1:])
+        return self.relations["upward", target]
+
+    def in_site(self, e: "_Fail", anchor: fx.Node) -> bool:
+        """Whether failure e lies in the region of `anchor`'s site. Where it names a graph op: that op is the anchor,
+        or one of the matched ops connected to the anchor through matched ops (`_site_nodes`), or reads or is read by
+        one of those; or, where the pattern op expected there neither depends on the anchor's op nor is depended on
+        by it (a second branch from the pattern's inputs: the counts of the ids that the anchor sorts), the graph op
+        is so too, and reads a value the match has bound to a pattern input, or the root that value views (a
+        sibling of the site from its own inputs; an op of the sublayer before or after is the anchor's ancestor or
+        descendant). Where it names none (no op found downstream), the partial match must hold the anchor. A walk
+        back from an output found downstream of the anchor in another sublayer (the router's where, where the
+        site's own output is written another way) fails there: not this site's difference."""
+        if e.matched is None:
+            return False
+        t = e.node
+        if t is None:
+            return anchor in e.matched
+        site = _site_nodes(anchor, e.matched)
+        if t in site or any(n in site for n in (*t.all_input_nodes, *t.users)):
+            return True
+        p = e.pattern_node
+        if p is None or p in self.toward(anchor.target) or p in self.upward(anchor.target):
+            return False
+        bound = {m for n, q in e.matched.items() if q.op == "placeholder" for m in (n, view_root(n))}
+        return bool(bound) and not _reaches(t, {anchor}) and not _reaches(anchor, {t}) and _reaches(t, bound)
 
     def run_toward(self, first: int, node: fx.Node, anchor: fx.Node) -> "_Fail | None":
         """The failure of `run(first, node)` walking first toward the pattern ops with the anchor's op (so where
@@ -417,7 +452,7 @@ class _Matcher:
         except _Fail as e:
             if e.expected is None and e.kind != "budget":
                 e.expected, e.found = _what(p), _what(t)
-                e.at(t, beside, st.t2p)
+                e.at(p, t, beside, st.t2p)
             raise
         finally:
             self.path.pop()
@@ -722,7 +757,7 @@ class _Matcher:
         anchor's op, match it at the anchor (backwards: the pattern ops it reads), then the pattern ops that read
         matched ones among the graph readers of their images (`_follow_readers`); the failure that matched the
         most pattern ops, or None where one matches every pattern op. Every op it compares is next to the ops
-        matched from the anchor, so its failure lies in the site's region (`_Fail.in_site`), where a walk back from
+        matched from the anchor, so its failure lies in the site's region (`in_site`), where a walk back from
         an output found downstream of the anchor may start in another sublayer."""
         deepest, saved = None, self.islands_on
         self.islands_on, self.steps = False, 0
@@ -735,7 +770,7 @@ class _Matcher:
                 except _Fail as e:
                     e.progress = max(e.progress, self.progress(st))
                     if e.matched is None:  # (a budget failure)
-                        e.at(None, None, st.t2p)
+                        e.at(None, None, None, st.t2p)
                     if deepest is None or e.progress > deepest.progress:
                         deepest = e
                     continue
@@ -749,13 +784,27 @@ class _Matcher:
         that reads a matched op is matched at a graph reader of that op's image with its op (those whose other
         arguments equal the pattern's first: `getitem(sort, 0)` before `getitem(sort, 1)`), walking its other
         operands backwards; raises the deepest failure of those readers, or, where the graph has no reader with
-        that op, a failure naming a reader it has (the op where the graph goes on another way), or none."""
+        that op, a failure naming a reader it has (the op where the graph goes on another way), or none. Then
+        the pattern ops that read only bound inputs (counts of the ids the anchor sorted): a graph reader of the
+        input with the op that matches, else a failure that names no graph op (the input's other readers may be
+        anywhere: a hidden state read by every sublayer). Raises a failure for pattern ops that read neither."""
         while True:
-            nxt = next(((u, ops) for u in self.call_nodes if u not in st.p2t
-                        if (ops := [a for a in u.all_input_nodes if _matched_op(a, st)])), None)
-            if nxt is None:
-                return
-            u, operands = nxt
+            u, operands = next(((u, ops) for u in self.call_nodes if u not in st.p2t
+                                if (ops := [a for a in u.all_input_nodes if _matched_op(a, st)])), (None, None))
+            inputs = False
+            if u is None:
+                u, operands = next(((u, ops) for u in self.call_nodes if u not in st.p2t
+                                    if (ops := [a for a in u.all_input_nodes
+                                                if a.op == "placeholder" and isinstance(st.p2t.get(a), fx.Node)])),
+                                   (None, None))
+                inputs = True
+            if u is None:
+                left = [n for n in self.call_nodes if n not in st.p2t]
+                if not left:
+                    return
+                raise _Fail("wrong op", f"expected {_op_name(left[0].target)}, found nothing: it reads no value the "
+                            "match around the anchor binds", None, self.progress(st), _op_name(left[0].target),
+                            None).at(left[0], None, None, st.t2p)
             images = [st.p2t[a] for a in operands]
             readers = [c for c in dict.fromkeys(r for g in images for r in g.users)
                        if c.op == "call_function" and c.target == u.target and c not in st.t2p]
@@ -773,6 +822,10 @@ class _Matcher:
                 st.assign(trial)
                 break
             else:
+                if inputs:
+                    raise _Fail("wrong op", f"expected {_op_name(u.target)} reading {_fmt(images[0])} (an input of the "
+                                "pattern), found none that matches", None, self.progress(st),
+                                _op_name(u.target), None).at(u, None, images[0], st.t2p)
                 if deepest is not None:
                     raise deepest
                 # the first operand whose graph image is read by an op outside the match: the graph goes on there
@@ -781,7 +834,7 @@ class _Matcher:
                 found = _fmt(other) if other is not None else "no other reader"
                 raise _Fail("wrong op", f"expected {_op_name(u.target)} reading {_fmt(g)}, found {found}", other,
                             self.progress(st),
-                            _op_name(u.target), _what(other) if other is not None else None).at(other, g, st.t2p)
+                            _op_name(u.target), _what(other) if other is not None else None).at(u, other, g, st.t2p)
 
     def _match_downstream(self, out: fx.Node, st: _State):
         # start from the graph images of the output's matched pattern ancestors, then from the bound inputs
@@ -824,7 +877,7 @@ class _Matcher:
             except _Fail as e:
                 e.progress = max(e.progress, self.progress(trial))
                 if e.matched is None:  # (a budget failure)
-                    e.at(None, None, trial.t2p)
+                    e.at(None, None, None, trial.t2p)
                 if deepest is None or e.progress > deepest.progress:
                     deepest = e
                 continue
@@ -835,7 +888,7 @@ class _Matcher:
         if best is not None:
             return best
         return deepest or _Fail("wrong op", f"no {_op_name(out.target)} downstream of the match for output {out.name}",
-                                None, self.progress(st), expected=_op_name(out.target)).at(None, None, st.t2p)
+                                None, self.progress(st), expected=_op_name(out.target)).at(out, None, None, st.t2p)
 
     def _close_islands(self, st: _State):
         """Each island's graph ancestors down to bound values become part of the region; a pattern input reached
@@ -859,14 +912,16 @@ class _Matcher:
                 chosen = next(fits(), None)
                 if chosen is None:
                     raise _Fail(why.kind, f"{why.reason}; the graph's part there reaches inputs the pattern does not bind",
-                                why.blocking, self.progress(st), why.expected, why.found).at(why.node, why.beside, st.t2p)
+                                why.blocking, self.progress(st), why.expected,
+                                why.found).at(why.pattern_node, why.node, why.beside, st.t2p)
                 for ph, n in zip(unbound, chosen):
                     st.p2t[ph], st.t2p[n] = n, ph
                 st.rebindings.append((unbound, t, frozenset(bound), near))
                 bound.update(chosen)
             if not _closed(t, bound):
                 raise _Fail(why.kind, f"{why.reason}; the graph's part there reaches values outside the pattern",
-                            why.blocking, self.progress(st), why.expected, why.found).at(why.node, why.beside, st.t2p)
+                            why.blocking, self.progress(st), why.expected,
+                            why.found).at(why.pattern_node, why.node, why.beside, st.t2p)
 
     def fitting(self, st: _State, unbound: list, t: fx.Node, bound, choices, tries: int = _TRIES, skip=frozenset()):
         """The bindings of `unbound` (one graph node each from `choices`, in product order, the first `tries`
@@ -1211,7 +1266,7 @@ class PatternSet:
 
     def _structural_match(self, pat: Pattern, anchor: fx.Node, islands: bool, flip: frozenset, choices: list):
         """(structural matcher, state, output index, graph output node) of the first structural match whose region
-        holds the anchor, or the deepest failure in the anchor's site (`_Fail.in_site`); where no walk from an
+        holds the anchor, or the deepest failure in the anchor's site (`_Matcher.in_site`); where no walk from an
         output failed there (each started downstream in another computation, or none found an output), the deepest
         failure of the walk from the anchor (`_Matcher.diverge`). The walks' choice points are added to `choices`."""
         failure, best, wanted, elsewhere, total, matchers = None, None, [], None, 1, []
@@ -1232,10 +1287,13 @@ class PatternSet:
                 except _Fail as e:
                     _extend(choices, structural.choices)
                     progress = max(structural.progress(st), e.progress)
-                    if not e.in_site(anchor):  # walked back another way first: toward the anchor, where does it fail?
+                    if not structural.in_site(e, anchor):
+                        if e.pattern_node in structural.toward(anchor.target):
+                            continue  # it failed on the way to the anchor's pattern op: this output is not the site's
+                        # it failed on another branch first: walked toward the anchor, where does it fail?
                         e = structural.run_toward(first, cand, anchor)
-                        if e is None or not e.in_site(anchor):
-                            continue  # (a walk that matches that way is no failure to report; the first one stands)
+                        if e is None or not structural.in_site(e, anchor):
+                            continue  # (it matches that way, or fails outside the site again: nothing of the site)
                         progress = e.progress
                     if failure is None or progress / total > failure.progress / failure.total:
                         failure = _failure(pat.name, anchor, progress, total, e)
