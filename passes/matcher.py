@@ -766,7 +766,7 @@ class _Matcher:
                 st = _State()
                 try:
                     self._match_node(pa, anchor, st)
-                    self._follow_readers(st)
+                    self._follow_readers(st, self.toward(anchor.target))
                 except _Fail as e:
                     e.progress = max(e.progress, self.progress(st))
                     if e.matched is None:  # (a budget failure)
@@ -779,12 +779,13 @@ class _Matcher:
             self.islands_on = saved
         return deepest
 
-    def _follow_readers(self, st: _State):
+    def _follow_readers(self, st: _State, frontier: frozenset):
         """Extend the match st forwards until every pattern op is matched: the first pattern op (in pattern order)
         that reads a matched op is matched at a graph reader of that op's image with its op (those whose other
         arguments equal the pattern's first: `getitem(sort, 0)` before `getitem(sort, 1)`), walking its other
         operands backwards; raises the deepest failure of those readers, or, where the graph has no reader with
-        that op, a failure naming a reader it has (the op where the graph goes on another way), or none. Then
+        that op, a failure naming a reader it has (the op where the graph goes on another way; of an operand in
+        `frontier`, the pattern ops past the anchor's, first), or none. Then
         the pattern ops that read only bound inputs (counts of the ids the anchor sorted): a graph reader of the
         input with the op that matches, else a failure that names no graph op (the input's other readers may be
         anywhere: a hidden state read by every sublayer). Raises a failure for pattern ops that read neither."""
@@ -828,10 +829,12 @@ class _Matcher:
                                 _op_name(u.target), None).at(u, None, images[0], st.t2p)
                 if deepest is not None:
                     raise deepest
-                # the first operand whose graph image is read by an op outside the match: the graph goes on there
-                g = next((g for g in images if any(r not in st.t2p for r in g.users)), images[0])
-                other = next((r for r in g.users if r not in st.t2p), None)
-                found = _fmt(other) if other is not None else "no other reader"
+                # the first operand whose graph image is read by an op outside the match (those past the anchor's
+                # op first): the graph goes on there
+                ordered = [st.p2t[a] for a in sorted(operands, key=lambda a: a not in frontier)]
+                g = next((g for g in ordered if _readers_outside(g, st)), ordered[0])
+                other = (_readers_outside(g, st) or [None])[0]
+                found = _fmt(other) if other is not None else "no other op reading it"
                 raise _Fail("wrong op", f"expected {_op_name(u.target)} reading {_fmt(g)}, found {found}", other,
                             self.progress(st),
                             _op_name(u.target), _what(other) if other is not None else None).at(u, other, g, st.t2p)
@@ -1023,6 +1026,11 @@ def _matched_op(p: fx.Node, st: _State) -> bool:
     """Pattern op p is matched at a graph op (not at a graph input: a weight in the pattern's layout)."""
     t = st.p2t.get(p)
     return p.op == "call_function" and isinstance(t, fx.Node) and t.op == "call_function"
+
+
+def _readers_outside(g: fx.Node, st: _State) -> list[fx.Node]:
+    """The graph ops that read g and are not matched in st (the graph's output is no op)."""
+    return [r for r in g.users if r.op == "call_function" and r not in st.t2p]
 
 
 def _same_constants(p: fx.Node, t: fx.Node) -> int:

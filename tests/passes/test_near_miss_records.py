@@ -112,6 +112,14 @@ def paged_then_router(q, w, keys, n_c, table, pool, x, router_w, bias):
     return (slots, *router((x.float() + o).to(x.dtype), router_w, bias))
 
 
+def paged_reading_scores_then_router(q, w, keys, n_c, table, pool, x, router_w, bias):
+    """paged_then_router whose scores are also read outside the site (their row maximum, returned)."""
+    s = index_scores(q, w, keys, n_c)
+    sel = torch.sort(torch.topk(s, K, dim=-1, sorted=False).indices, dim=-1).values
+    slots = table[torch.arange(T).unsqueeze(-1), sel // BLOCK] * BLOCK + sel % BLOCK
+    return (slots, s.amax(-1), *router(x, router_w, bias))
+
+
 def scaled_scores_then_router(q, w, keys, n_c, x, router_w, bias):
     """The scores scaled before the head weights (written another way than the pattern, before the top-k), the
     pattern's validity and offset, then a router on x."""
@@ -157,6 +165,20 @@ def test_paged_selection_names_the_translation_not_the_router():
     # every pattern op but those after the sorted rows: the gather, the comparison, the offset, the -1 and the where
     ops = [n for n in SELECTION.trace(SELECTION.inputs()).graph.nodes if n.op == "call_function"]
     assert (f.progress, f.total) == (len(ops) - 5, len(ops)), f
+    assert_in_region(graph, f, anchor, other_sublayer(graph, 6, 7, 8))
+
+
+def test_paged_selection_whose_scores_are_read_outside_names_the_translation():
+    """Where the pattern's gather reads both the scores and the sorted rows, and the graph reads the scores
+    elsewhere too (their maximum), the record is at the rows, past the anchor's op: the block index, not the
+    maximum."""
+    g = gen(1)
+    table = torch.randperm(T * N // BLOCK, generator=g).view(T, N // BLOCK)
+    args = indexer_inputs(0) + [table, rand(g, T * N // BLOCK, BLOCK, D)] + router_inputs(2)
+    graph, anchor, f = match_at_sort(paged_reading_scores_then_router, args)
+    (rows,) = [u for u in anchor.users if u.args[1] == 0]
+    (block,) = [u for u in rows.users if u.target is aten.div.Tensor_mode]
+    assert isinstance(f, MatchFailure) and (f.expected, f.blocking, f.beside) == ("aten::gather", block.name, rows.name), f
     assert_in_region(graph, f, anchor, other_sublayer(graph, 6, 7, 8))
 
 
