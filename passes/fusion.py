@@ -495,7 +495,8 @@ class FusionPass(GraphPass):
             island = m.islands[0][2] if m.islands else None
             blocking = island.blocking if island is not None else None
             return MatchFailure(m.pattern.name, anchor.name, len(m.nodes), len(m.nodes), kind, reason,
-                                blocking and blocking.name, island and island.expected, island and island.found)
+                                blocking and blocking.name, island and island.expected, island and island.found,
+                                beside=island.beside.name if island is not None and island.beside is not None else None)
         return m, rep, value, verified
 
     def _replacement(self, m: MatchResult) -> "Replacement | str":

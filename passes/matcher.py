@@ -45,6 +45,15 @@ pattern declares an optional output, which the op then also returns, and for a l
 replacement leaves in place for its other readers: `MatchResult.kept`), or when the fusion's own `check` rejects
 the bound inputs (dtype, shape, token limit).
 
+A failure (`MatchFailure`) names the first op where the site differs from the pattern, inside the site's own
+region: the graph op compared there (`blocking`, `found`), the pattern's op (`expected`) and the matched graph
+node next to it (`beside`). A walk back from an output candidate downstream of the anchor may start in another
+sublayer (the site writes its own output another way, and the nearest op of that kind is the next sublayer's); its
+failure counts only where it lies in the anchor's site (`_Matcher.in_site`). One that failed on a branch away from
+the anchor first is walked again toward it (`run_toward`); where no walk from an output fails in the site, the walk
+from the anchor itself (`diverge`: backwards, then forwards over the readers of matched ops) names the op where
+the graph goes on another way.
+
 Costs: an island's closure tests are shared by the patterns of a pass until a replacement changes the graph, the
 nearest bindings skip those already tried farthest first, and the shape trace of a binding creates its fake
 inputs inside the fake mode rather than converting meta tensors.
@@ -184,12 +193,15 @@ class MatchFailure:
     expected: str | None = None
     found: str | None = None
     module: str | None = None  # the anchor's module path (`layers.3.attn`), where the graph records it
+    # the matched graph node next to the first differing op: the one that reads it (the walk backwards from an
+    # output) or that it reads (the walk forwards from the anchor, `_Matcher.diverge`); None where there is none
+    beside: str | None = None
 
 
 def _failure(pattern: str, anchor: fx.Node, progress: int, total: int, e: "_Fail") -> MatchFailure:
     """The MatchFailure of pattern at anchor that the matcher's failure `e` ends."""
     return MatchFailure(pattern, anchor.name, progress, total, e.kind, e.reason, e.blocking and e.blocking.name,
-                        e.expected, e.found)
+                        e.expected, e.found, beside=e.beside and e.beside.name)
 
 
 class _Fail(Exception):
@@ -198,6 +210,38 @@ class _Fail(Exception):
         super().__init__(reason)
         self.kind, self.reason, self.blocking, self.progress = kind, reason, blocking, progress
         self.expected, self.found = expected, found  # set by the innermost node comparison that failed (`_match_node`)
+        # where it failed, set with expected / found: the pattern node and the graph node compared there (None: a
+        # constant, or nothing), the matched graph node whose operand that is, and the walk's partial match then
+        # (graph node -> pattern node; the walk's own dict, which nothing changes after the failure: each walk that
+        # fails is dropped)
+        self.pattern_node: fx.Node | None = None
+        self.node: fx.Node | None = None
+        self.beside: fx.Node | None = None
+        self.matched: dict | None = None
+
+    def at(self, pattern_node: fx.Node | None, node, beside: fx.Node | None, matched: dict) -> "_Fail":
+        """Set where the failure is (see __init__); returns self."""
+        self.pattern_node, self.node = pattern_node, node if isinstance(node, fx.Node) else None
+        self.beside, self.matched = beside, matched
+        return self
+
+
+def _site_nodes(anchor: fx.Node, matched: dict) -> set[fx.Node]:
+    """`anchor` and the graph ops of the partial match `matched` (graph node -> pattern node) connected to it through
+    matched ops (each reads or is read by the next): a bound input of the pattern joins nothing (two sublayers read
+    one hidden state)."""
+    def interior(n) -> bool:
+        p = matched.get(n)
+        return n.op == "call_function" and p is not None and p.op == "call_function"
+
+    site, stack = {anchor}, [anchor]
+    while stack:
+        n = stack.pop()
+        for m in (*n.all_input_nodes, *n.users):
+            if m not in site and interior(m):
+                site.add(m)
+                stack.append(m)
+    return site
 
 
 @dataclass
@@ -277,6 +321,75 @@ class _Matcher:
         self.islands_on = islands
         self.steps = 0
         self.fp32_scalars = False  # the node being compared computes in fp32: its numbers compare as fp32 values
+        self.path: list = []  # the graph values being compared, outermost first (`_match_node`)
+        # pattern nodes whose operands the walk compares first: those that reach the anchor's op (`toward`)
+        self.first: frozenset = frozenset()
+        self.relations: dict = {}  # ("toward" | "upward", anchor op) -> pattern nodes (`toward`, `upward`)
+
+    def _ordered(self, ps, ts) -> list:
+        """(index, pattern argument, graph argument) pairs in the order the walk compares them: as written, but for
+        those that reach a node of `self.first`, which come first (a list argument reaches one if an item does)."""
+        pairs = list(zip(range(len(ps)), ps, ts))
+        if self.first:
+            pairs.sort(key=lambda x: not any(a in self.first for a in leaves(x[1])))
+        return pairs
+
+    def toward(self, target) -> frozenset:
+        """The pattern nodes whose value depends on a pattern op with `target` (those ops included); cached."""
+        if ("toward", target) not in self.relations:
+            reach: set = set()
+            for n in self.pg.nodes:  # operands before users
+                if n.op == "call_function" and (n.target == target or any(a in reach for a in n.all_input_nodes)):
+                    reach.add(n)
+            self.relations["toward", target] = frozenset(reach)
+        return self.relations["toward", target]
+
+    def upward(self, target) -> frozenset:
+        """The pattern nodes that a pattern op with `target` depends on (its operands, theirs, ...); cached."""
+        if ("upward", target) not in self.relations:
+            self.relations["upward", target] = frozenset(
+                a for n in self.call_nodes if n.target == target for a in _ancestors(n, stop=lambda _: False)[1:])
+        return self.relations["upward", target]
+
+    def in_site(self, e: "_Fail", anchor: fx.Node) -> bool:
+        """Whether failure e lies in the region of `anchor`'s site. Where it names a graph op: that op is the anchor,
+        or one of the matched ops connected to the anchor through matched ops (`_site_nodes`), or reads or is read by
+        one of those; or, where the pattern op expected there neither depends on the anchor's op nor is depended on
+        by it (a second branch from the pattern's inputs: the counts of the ids that the anchor sorts), the graph op
+        is so too, and reads a value the match has bound to a pattern input, or the root that value views (a
+        sibling of the site from its own inputs; an op of the sublayer before or after is the anchor's ancestor or
+        descendant). Where it names none (no op found downstream), the partial match must hold the anchor. A walk
+        back from an output found downstream of the anchor in another sublayer (the router's where, where the
+        site's own output is written another way) fails there: not this site's difference."""
+        if e.matched is None:
+            return False
+        t = e.node
+        if t is None:
+            return anchor in e.matched
+        site = _site_nodes(anchor, e.matched)
+        if t in site or any(n in site for n in (*t.all_input_nodes, *t.users)):
+            return True
+        p = e.pattern_node
+        if p is None or p in self.toward(anchor.target) or p in self.upward(anchor.target):
+            return False
+        bound = {m for n, q in e.matched.items() if q.op == "placeholder" for m in (n, view_root(n))}
+        return bool(bound) and not _reaches(t, {anchor}) and not _reaches(anchor, {t}) and _reaches(t, bound)
+
+    def run_toward(self, first: int, node: fx.Node, anchor: fx.Node) -> "_Fail | None":
+        """The failure of `run(first, node)` walking first toward the pattern ops with the anchor's op (so where
+        `node` is the site's output, the walk reaches the anchor before it fails off the path there), or None where
+        that walk matches; on a budget of its own, and leaving the choice points and step count as they were."""
+        saved = self.first, self.steps, list(self.choices)
+        self.first, self.steps = self.toward(anchor.target), 0
+        st = _State()
+        try:
+            self.run(first, node, st)
+        except _Fail as e:
+            e.progress = max(e.progress, self.progress(st))
+            return e
+        finally:
+            self.first, self.steps, self.choices = saved[0], saved[1], saved[2]
+        return None
 
     # -- value comparison --------------------------------------------------------------------------------------
     def _match_arg(self, p, t, st: _State, where: str):
@@ -306,7 +419,7 @@ class _Matcher:
                 if self.exact or not _is_numeric_seq(p):
                     raise _Fail("scalar" if _is_numeric_seq(p) else "argument", f"{where}: expected {p!r}, found {t!r}")
                 return
-            for i, (pa, ta) in enumerate(zip(p, t)):
+            for i, pa, ta in self._ordered(p, t):
                 self._match_arg(pa, ta, st, f"{where}[{i}]")
             return
         if isinstance(p, str) and p == ANY_STR:
@@ -330,13 +443,19 @@ class _Matcher:
 
     def _match_node(self, p: fx.Node, t, st: _State):
         """Match pattern node p at graph value t (and p's inputs at t's), binding them in st; a failure names the
-        innermost pair of nodes compared (`_Fail.expected` / `.found`)."""
+        innermost pair of nodes compared (`_Fail.expected` / `.found`), the graph node whose operand t is, and the
+        partial match then (`_Fail.at`)."""
+        beside = self.path[-1] if self.path else None
+        self.path.append(t)
         try:
             self._compare_node(p, t, st)
         except _Fail as e:
             if e.expected is None and e.kind != "budget":
                 e.expected, e.found = _what(p), _what(t)
+                e.at(p, t, beside, st.t2p)
             raise
+        finally:
+            self.path.pop()
 
     def _compare_node(self, p: fx.Node, t, st: _State):
         self.steps += 1
@@ -384,7 +503,7 @@ class _Matcher:
         elif p.target is aten.where.self and self.islands_on:
             self._match_where(p, t, st)
         else:
-            for i, (pa, ta) in enumerate(zip(p.args, t.args)):
+            for i, pa, ta in self._ordered(p.args, t.args):
                 self.fp32_scalars = fp32  # (a node argument compared before resets it)
                 self._match_arg(pa, ta, st, f"{_fmt(t)} argument {i}")
         self.fp32_scalars = False
@@ -507,7 +626,7 @@ class _Matcher:
                         trial.islands.append((p.args[0], cond, _Fail(
                             "wrong op", f"{_fmt(t)}: the branches swapped, the condition written as {_fmt(cond)}", cond)))
                     else:
-                        for i, (pa, ta) in enumerate(zip(p.args, t.args)):
+                        for i, pa, ta in self._ordered(p.args, t.args):
                             self._match_arg(pa, ta, trial, f"{_fmt(t)} argument {i}")
                 except _Fail as e:
                     first = first or e
@@ -598,7 +717,7 @@ class _Matcher:
                 trial = st.copy()
                 self.islands_on = islands
                 try:
-                    for i, (pa, x) in enumerate(zip(p.args, ta)):
+                    for i, pa, x in self._ordered(p.args, ta):
                         self._match_arg(pa, x, trial, f"{_fmt(t)} argument {i}")
                 except _Fail as e:
                     e.progress = max(e.progress, self.progress(trial))
@@ -632,6 +751,93 @@ class _Matcher:
                 self._match_downstream(out, st)
         self._close_islands(st)
         return st
+
+    def diverge(self, anchor: fx.Node) -> "_Fail | None":
+        """Where the graph around `anchor` first differs from the pattern, op for op: for each pattern op with the
+        anchor's op, match it at the anchor (backwards: the pattern ops it reads), then the pattern ops that read
+        matched ones among the graph readers of their images (`_follow_readers`); the failure that matched the
+        most pattern ops, or None where one matches every pattern op. Every op it compares is next to the ops
+        matched from the anchor, so its failure lies in the site's region (`in_site`), where a walk back from
+        an output found downstream of the anchor may start in another sublayer."""
+        deepest, saved = None, self.islands_on
+        self.islands_on, self.steps = False, 0
+        try:
+            for pa in (n for n in self.call_nodes if n.target == anchor.target):
+                st = _State()
+                try:
+                    self._match_node(pa, anchor, st)
+                    self._follow_readers(st, self.toward(anchor.target))
+                except _Fail as e:
+                    e.progress = max(e.progress, self.progress(st))
+                    if e.matched is None:  # (a budget failure)
+                        e.at(None, None, None, st.t2p)
+                    if deepest is None or e.progress > deepest.progress:
+                        deepest = e
+                    continue
+                return None
+        finally:
+            self.islands_on = saved
+        return deepest
+
+    def _follow_readers(self, st: _State, frontier: frozenset):
+        """Extend the match st forwards until every pattern op is matched: the first pattern op (in pattern order)
+        that reads a matched op is matched at a graph reader of that op's image with its op (those whose other
+        arguments equal the pattern's first: `getitem(sort, 0)` before `getitem(sort, 1)`), walking its other
+        operands backwards; raises the deepest failure of those readers, or, where the graph has no reader with
+        that op, a failure naming a reader it has (the op where the graph goes on another way; of an operand in
+        `frontier`, the pattern ops past the anchor's, first), or none. Then
+        the pattern ops that read only bound inputs (counts of the ids the anchor sorted): a graph reader of the
+        input with the op that matches, else a failure that names no graph op (the input's other readers may be
+        anywhere: a hidden state read by every sublayer). Raises a failure for pattern ops that read neither."""
+        while True:
+            u, operands = next(((u, ops) for u in self.call_nodes if u not in st.p2t
+                                if (ops := [a for a in u.all_input_nodes if _matched_op(a, st)])), (None, None))
+            inputs = False
+            if u is None:
+                u, operands = next(((u, ops) for u in self.call_nodes if u not in st.p2t
+                                    if (ops := [a for a in u.all_input_nodes
+                                                if a.op == "placeholder" and isinstance(st.p2t.get(a), fx.Node)])),
+                                   (None, None))
+                inputs = True
+            if u is None:
+                left = [n for n in self.call_nodes if n not in st.p2t]
+                if not left:
+                    return
+                raise _Fail("wrong op", f"expected {_op_name(left[0].target)}, found nothing: it reads no value the "
+                            "match around the anchor binds", None, self.progress(st), _op_name(left[0].target),
+                            None).at(left[0], None, None, st.t2p)
+            images = [st.p2t[a] for a in operands]
+            readers = [c for c in dict.fromkeys(r for g in images for r in g.users)
+                       if c.op == "call_function" and c.target == u.target and c not in st.t2p]
+            readers.sort(key=lambda c: -_same_constants(u, c))
+            deepest = None
+            for c in readers:
+                trial = st.copy()
+                try:
+                    self._match_node(u, c, trial)
+                except _Fail as e:
+                    e.progress = max(e.progress, self.progress(trial))
+                    if deepest is None or e.progress > deepest.progress:
+                        deepest = e
+                    continue
+                st.assign(trial)
+                break
+            else:
+                if inputs:
+                    raise _Fail("wrong op", f"expected {_op_name(u.target)} reading {_fmt(images[0])} (an input of the "
+                                "pattern), found none that matches", None, self.progress(st),
+                                _op_name(u.target), None).at(u, None, images[0], st.t2p)
+                if deepest is not None:
+                    raise deepest
+                # the first operand whose graph image is read by an op outside the match (those past the anchor's
+                # op first): the graph goes on there
+                ordered = [st.p2t[a] for a in sorted(operands, key=lambda a: a not in frontier)]
+                g = next((g for g in ordered if _readers_outside(g, st)), ordered[0])
+                other = (_readers_outside(g, st) or [None])[0]
+                found = _fmt(other) if other is not None else "no other op reading it"
+                raise _Fail("wrong op", f"expected {_op_name(u.target)} reading {_fmt(g)}, found {found}", other,
+                            self.progress(st),
+                            _op_name(u.target), _what(other) if other is not None else None).at(u, other, g, st.t2p)
 
     def _match_downstream(self, out: fx.Node, st: _State):
         # start from the graph images of the output's matched pattern ancestors, then from the bound inputs
@@ -673,6 +879,8 @@ class _Matcher:
                 self._close_islands(trial)
             except _Fail as e:
                 e.progress = max(e.progress, self.progress(trial))
+                if e.matched is None:  # (a budget failure)
+                    e.at(None, None, None, trial.t2p)
                 if deepest is None or e.progress > deepest.progress:
                     deepest = e
                 continue
@@ -683,7 +891,7 @@ class _Matcher:
         if best is not None:
             return best
         return deepest or _Fail("wrong op", f"no {_op_name(out.target)} downstream of the match for output {out.name}",
-                                None, self.progress(st), expected=_op_name(out.target))
+                                None, self.progress(st), expected=_op_name(out.target)).at(out, None, None, st.t2p)
 
     def _close_islands(self, st: _State):
         """Each island's graph ancestors down to bound values become part of the region; a pattern input reached
@@ -707,14 +915,16 @@ class _Matcher:
                 chosen = next(fits(), None)
                 if chosen is None:
                     raise _Fail(why.kind, f"{why.reason}; the graph's part there reaches inputs the pattern does not bind",
-                                why.blocking, self.progress(st), why.expected, why.found)
+                                why.blocking, self.progress(st), why.expected,
+                                why.found).at(why.pattern_node, why.node, why.beside, st.t2p)
                 for ph, n in zip(unbound, chosen):
                     st.p2t[ph], st.t2p[n] = n, ph
                 st.rebindings.append((unbound, t, frozenset(bound), near))
                 bound.update(chosen)
             if not _closed(t, bound):
                 raise _Fail(why.kind, f"{why.reason}; the graph's part there reaches values outside the pattern",
-                            why.blocking, self.progress(st), why.expected, why.found)
+                            why.blocking, self.progress(st), why.expected,
+                            why.found).at(why.pattern_node, why.node, why.beside, st.t2p)
 
     def fitting(self, st: _State, unbound: list, t: fx.Node, bound, choices, tries: int = _TRIES, skip=frozenset()):
         """The bindings of `unbound` (one graph node each from `choices`, in product order, the first `tries`
@@ -810,6 +1020,22 @@ def _reaches(node: fx.Node, region: set) -> bool:
         seen.add(n)
         stack.extend(n.all_input_nodes)
     return False
+
+
+def _matched_op(p: fx.Node, st: _State) -> bool:
+    """Pattern op p is matched at a graph op (not at a graph input: a weight in the pattern's layout)."""
+    t = st.p2t.get(p)
+    return p.op == "call_function" and isinstance(t, fx.Node) and t.op == "call_function"
+
+
+def _readers_outside(g: fx.Node, st: _State) -> list[fx.Node]:
+    """The graph ops that read g and are not matched in st (the graph's output is no op)."""
+    return [r for r in g.users if r.op == "call_function" and r not in st.t2p]
+
+
+def _same_constants(p: fx.Node, t: fx.Node) -> int:
+    """How many of pattern node p's arguments that are no nodes t has equal at the same position."""
+    return sum(1 for a, b in zip(p.args, t.args) if not isinstance(a, fx.Node) and type(a) is type(b) and a == b)
 
 
 def _commutes(n: fx.Node) -> bool:
@@ -1048,8 +1274,10 @@ class PatternSet:
 
     def _structural_match(self, pat: Pattern, anchor: fx.Node, islands: bool, flip: frozenset, choices: list):
         """(structural matcher, state, output index, graph output node) of the first structural match whose region
-        holds the anchor, or the deepest failure; the walks' choice points are added to `choices`."""
-        failure, best, wanted, elsewhere, total = None, None, [], None, 1
+        holds the anchor, or the deepest failure in the anchor's site (`_Matcher.in_site`); where no walk from an
+        output failed there (each started downstream in another computation, or none found an output), the deepest
+        failure of the walk from the anchor (`_Matcher.diverge`). The walks' choice points are added to `choices`."""
+        failure, best, wanted, elsewhere, total, matchers = None, None, [], None, 1, []
         for gm in self._structural[pat.name]:
             structural = _Matcher(gm, exact=False, islands=islands, traces=lambda bound: self._traces(pat, bound),
                                   optional=pat.optional_outputs, closure_cache=self.closure_cache, flip=flip)
@@ -1057,6 +1285,7 @@ class PatternSet:
             anchor_ps = [n for n in structural.call_nodes if n.target == anchor.target]
             if not anchor_ps:
                 continue
+            matchers.append(structural)
             first = self._first_output(gm, structural, anchor.target)
             wanted.append(_op_name(structural.outputs[first].target))
             for cand in _cone([anchor], structural.outputs[first].target, _OUTPUTS):
@@ -1066,6 +1295,14 @@ class PatternSet:
                 except _Fail as e:
                     _extend(choices, structural.choices)
                     progress = max(structural.progress(st), e.progress)
+                    if not structural.in_site(e, anchor):
+                        if e.pattern_node in structural.toward(anchor.target):
+                            continue  # it failed on the way to the anchor's pattern op: this output is not the site's
+                        # it failed on another branch first: walked toward the anchor, where does it fail?
+                        e = structural.run_toward(first, cand, anchor)
+                        if e is None or not structural.in_site(e, anchor):
+                            continue  # (it matches that way, or fails outside the site again: nothing of the site)
+                        progress = e.progress
                     if failure is None or progress / total > failure.progress / failure.total:
                         failure = _failure(pat.name, anchor, progress, total, e)
                     continue
@@ -1080,6 +1317,13 @@ class PatternSet:
                     best = (structural, st, first, cand)
         if best is not None:
             return best
+        if failure is not None:
+            return failure
+        for structural in matchers:
+            e = structural.diverge(anchor)
+            total = len(structural.call_nodes)
+            if e is not None and (failure is None or e.progress / total > failure.progress / failure.total):
+                failure = _failure(pat.name, anchor, e.progress, total, e)
         if failure is not None:
             return failure
         wanted = " or ".join(dict.fromkeys(wanted)) or "output"

@@ -317,7 +317,7 @@ graph 0: 2748 nodes in, 1079 out; layers 0, 2, 3; 16 passes, 10 changed
   #   pass                  result     nodes         matches  declined  attempts
   00  normalize             changed    2748 -> 2581      761         0         0
   01  mhc_coeffs            changed    2581 -> 1693        6         0         0
-  02  moe_finalize          changed    1693 -> 1678        3         0        31
+  02  moe_finalize          changed    1693 -> 1678        3         0        15
   03  allreduce_mhc         unchanged  1678                0         0         0
   04  mhc_post_pre          changed    1678 -> 1546        6         0         9
   05  qkv_norm              changed    1546 -> 1372        3         0         3

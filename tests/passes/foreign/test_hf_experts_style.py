@@ -4,6 +4,8 @@ does not fuse, outputs equal to eager (bf16 within one ulp of a reordering on at
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -47,12 +49,18 @@ def test_bf16_combine_declined_with_its_reason(compiled):
 def test_grouped_records(compiled):
     """grouped_mm: the metadata fuses (histc over [0, E - 1], token_idx[perm], the permuted ids' counts), the sort's
     indices also read by `inv_perm = argsort(perm)` served by the stable argsort of the ids left beside the op (no
-    extra user); the histc's counts are a near miss of moe_finalize's scatter_add combine (int32 counts)."""
+    extra user); that argsort, another anchor of the metadata, matches the pattern's sort and its indices and then
+    indexes where the pattern takes `order // k` (a near miss named at that index); the histc's counts are a near
+    miss of moe_finalize's scatter_add combine (int32 counts)."""
     implementation, backend, _, _ = compiled
     if implementation != "grouped_mm":
         pytest.skip("grouped_mm only")
     _, report = fused_sites(backend)
-    assert not report.declined["moe_metadata"] and not report.near_misses["moe_metadata"], report.declined
+    assert not report.declined["moe_metadata"], report.declined
+    (inverse,) = report.near_misses["moe_metadata"]
+    assert re.fullmatch(r"model at %sort_\d+ \(experts\): wrong op after 2 of 8 pattern ops: expected "
+                        r"aten::div\.Tensor_mode reading %getitem_\d+ = getitem, found %index_\d+ = index\.Tensor",
+                        inverse), inverse
     (counts,) = report.near_misses["moe_finalize"]
     assert "keyword dtype: expected torch.float32, found torch.int32" in counts, counts
 
