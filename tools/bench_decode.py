@@ -42,15 +42,17 @@ def _log(msg: str) -> None:
 
 
 @contextlib.contextmanager
-def progress(what: str, every_s: float = 30.0):
-    """Log `what` now, then every `every_s` seconds until the block ends (long compiles show they are alive)."""
+def progress(what: str, every_s: float = 30.0, log=None):
+    """Log `what` now, then every `every_s` seconds until the block ends (long compiles show they are alive), by
+    `log` (this bench's log line by default)."""
+    log = log or _log
     t0, done = time.perf_counter(), threading.Event()
 
     def tick():
         while not done.wait(every_s):
-            _log(f"{what}: {time.perf_counter() - t0:.0f} s")
+            log(f"{what}: {time.perf_counter() - t0:.0f} s")
 
-    _log(what)
+    log(what)
     thread = threading.Thread(target=tick, daemon=True)
     thread.start()
     try:

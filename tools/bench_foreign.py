@@ -55,7 +55,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,23 +81,11 @@ def _log(msg: str) -> None:
     print(f"[bench foreign {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-@contextlib.contextmanager
 def progress(what: str, every_s: float = 30.0):
-    """Log `what` now, then every `every_s` seconds until the block ends (long compiles show they are alive)."""
-    t0, done = time.perf_counter(), threading.Event()
+    """`bench_decode.progress` with this bench's log line."""
+    from dsv41.tools.bench_decode import progress as logged_progress
 
-    def tick():
-        while not done.wait(every_s):
-            _log(f"{what}: {time.perf_counter() - t0:.0f} s")
-
-    _log(what)
-    thread = threading.Thread(target=tick, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
+    return logged_progress(what, every_s, _log)
 
 
 # ---- sizes ----
