@@ -768,11 +768,7 @@ class _Matcher:
                     self._match_node(pa, anchor, st)
                     self._follow_readers(st, self.toward(anchor.target))
                 except _Fail as e:
-                    e.progress = max(e.progress, self.progress(st))
-                    if e.matched is None:  # (a budget failure)
-                        e.at(None, None, None, st.t2p)
-                    if deepest is None or e.progress > deepest.progress:
-                        deepest = e
+                    deepest = self.deeper(deepest, e, st)
                     continue
                 return None
         finally:
@@ -878,11 +874,7 @@ class _Matcher:
                 self._match_node(out, cand, trial)
                 self._close_islands(trial)
             except _Fail as e:
-                e.progress = max(e.progress, self.progress(trial))
-                if e.matched is None:  # (a budget failure)
-                    e.at(None, None, None, trial.t2p)
-                if deepest is None or e.progress > deepest.progress:
-                    deepest = e
+                deepest = self.deeper(deepest, e, trial)
                 continue
             if not trial.islands:
                 return trial
@@ -986,6 +978,14 @@ class _Matcher:
         the pattern inputs it meets inside: cos and sin in the RoPE) loses to a match of the same output that has
         only a scale computed another way."""
         return -self.progress(st) / max(len(self.call_nodes), 1), len(self.island_nodes(st))
+
+    def deeper(self, deepest: "_Fail | None", e: "_Fail", st: _State) -> "_Fail":
+        """The deeper of two failures, e (its walk state st) counted by the ops st matched, a budget failure placed
+        at st's bindings."""
+        e.progress = max(e.progress, self.progress(st))
+        if e.matched is None:  # (a budget failure)
+            e.at(None, None, None, st.t2p)
+        return e if deepest is None or e.progress > deepest.progress else deepest
 
     def progress(self, st: _State) -> int:
         """Pattern ops matched op for op (island roots not counted)."""
