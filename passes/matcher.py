@@ -780,11 +780,11 @@ class _Matcher:
         that reads a matched op is matched at a graph reader of that op's image with its op (those whose other
         arguments equal the pattern's first: `getitem(sort, 0)` before `getitem(sort, 1)`), walking its other
         operands backwards; raises the deepest failure of those readers, or, where the graph has no reader with
-        that op, a failure naming a reader it has (the op where the graph goes on another way; of an operand in
-        `frontier`, the pattern ops past the anchor's, first), or none. Then
-        the pattern ops that read only bound inputs (counts of the ids the anchor sorted): a graph reader of the
-        input with the op that matches, else a failure that names no graph op (the input's other readers may be
-        anywhere: a hidden state read by every sublayer). Raises a failure for pattern ops that read neither."""
+        that op, a failure naming a reader it has (the op where the graph goes on another way; readers of an
+        operand in `frontier`, the pattern ops past the anchor's, first), or none. Then the pattern ops that read
+        only bound inputs (counts of the ids the anchor sorted): a graph reader of the input with the op that
+        matches, else a failure that names no graph op (the input's other readers may be anywhere: a hidden state
+        read by every sublayer). Raises a failure for pattern ops that read neither."""
         while True:
             u, operands = next(((u, ops) for u in self.call_nodes if u not in st.p2t
                                 if (ops := [a for a in u.all_input_nodes if _matched_op(a, st)])), (None, None))
