@@ -27,15 +27,21 @@ blocks=${BLOCKS:-export,megatron,ref,jax,sglang}
 replays=${REPLAYS:-100}
 limit=${BENCH_TIMEOUT:-450}
 start=$SECONDS
-pack() { for f in "$work"/out/foreign.json "$work"/out/foreign.png "$work"/out/foreign.log; do
+pack() { for f in "$work"/out/foreign*.json "$work"/out/foreign*.png "$work"/out/foreign.log; do
   [ -f "$f" ] && cp "$f" "$OUT/"; done; }
 ( while sleep 30; do pack; done ) & packer=$!
 
 echo "[run_h200_foreign] bench foreign: blocks $blocks, $replays replays, limit $limit s"
-TORCHINDUCTOR_CACHE_DIR=$work/inductor DSV41_CACHE_DIR=$work/kernels timeout "$limit" \
-  python3 -m dsv41.cli bench foreign --sizes flash --device cuda --blocks "$blocks" --replays "$replays" \
-  --budget-s $((limit - 30)) --out "$work/out" --tag foreign > "$work/out/foreign.log" 2>&1
-echo "exit $? after $((SECONDS - start)) s" >> "$work/out/foreign.log"
+# one process a block: a block's parameters and compiled graphs are gone with its process (in one process the
+# first Flash block's 26 GiB stayed allocated and the next build ran out of an H100's memory)
+for block in ${blocks//,/ }; do
+  left=$((limit - (SECONDS - start)))
+  [ "$left" -gt 60 ] || { echo "$block: not run (no time left)" >> "$work/out/foreign.log"; continue; }
+  TORCHINDUCTOR_CACHE_DIR=$work/inductor_$block DSV41_CACHE_DIR=$work/kernels timeout "$left" \
+    python3 -m dsv41.cli bench foreign --sizes flash --device cuda --blocks "$block" --replays "$replays" \
+    --budget-s $((left - 10)) --out "$work/out" --tag "foreign_$block" >> "$work/out/foreign.log" 2>&1
+  echo "$block: exit $? after $((SECONDS - start)) s" >> "$work/out/foreign.log"
+done
 kill $packer; pack
 grep "^\[bench foreign" "$work/out/foreign.log" | grep -v ": [0-9]* s$"
 sed -n '/^foreign blocks at /,$p' "$work/out/foreign.log"

@@ -107,6 +107,9 @@ class StreamExecutor:
                 with torch._guards.tracing(torch._guards.TracingContext(mode)):  # per-segment output strides
                     self.compiled[idx] = compile_segment(sub, fake)
         self.placeholders = [n for n in self.parent.graph.nodes if n.op == "placeholder"]
+        # a constant the graph holds (a tensor literal of the user's code) that split_module passes to a segment
+        self.constants = {n: operator.attrgetter(n.target)(self.parent) for n in self.parent.graph.nodes
+                          if n.op == "get_attr"}
         self.output = next(n for n in self.parent.graph.nodes if n.op == "output")
         self.getitems = {}
         for node in self.parent.graph.nodes:
@@ -115,7 +118,7 @@ class StreamExecutor:
         self._events: dict[int, torch.cuda.Event] = {}
 
     def __call__(self, args: list):
-        env = dict(zip(self.placeholders, args))
+        env = {**self.constants, **dict(zip(self.placeholders, args))}
         args.clear()
         cuda = not _serialized and any(isinstance(v, torch.Tensor) and v.is_cuda for v in env.values())
         main = torch.cuda.current_stream() if cuda else None

@@ -220,3 +220,32 @@ def test_serialized_streams_nests_and_restores():
     except KeyError:
         pass
     assert not stream_executor._serialized
+
+
+def layer_with_a_constant(x, fn_w, base, scale, w1, w2, y):
+    """`layer` whose shared-expert branch (the side stream's) scales by a tensor literal, held by the graph as a
+    constant (`get_attr`), which split_module hands the segment as an argument."""
+    pre, post, comb = ops.mhc_coeffs(x, fn_w, base, scale, 1e-20, 1e-6, 20)
+    h = torch.mm(y, w1)
+    scale_literal = torch.tensor([0.5, 2.0], dtype=torch.bfloat16)
+    shared = torch.mm(torch.relu(torch.mm(y, w2)), w2.t()[:, :D].t()) * scale_literal.repeat(D // 2)
+    routed = torch.mm(h, w1.t())
+    out = ops.moe_finalize(routed, torch.arange(T), shared, T)
+    return ops.mhc_post_pre(out, x, post, comb, pre, torch.ones(D, dtype=torch.bfloat16), 1e-20)
+
+
+def test_executor_passes_the_graphs_constants_to_its_segments():
+    """A tensor constant of the graph reaches the segment that reads it (the executor ran only placeholders and
+    segment outputs, so a constant split_module passes as a segment argument was missing: a KeyError at Flash
+    sizes on a GPU, where a paged-KV block's literal sat on a side stream)."""
+    args = inputs()
+    gm = make_fx(layer_with_a_constant, tracing_mode="fake")(*args)
+    want = gm(*args)
+    assert gm.graph.find_nodes(op="get_attr")
+    schedule_streams(gm.graph, max_tokens=16)
+    gm.recompile()
+    executor = StreamExecutor(gm, lambda sub, fake: (lambda a: sub(*a)))
+    assert executor.constants
+    got = executor(list(args))
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
