@@ -5,8 +5,9 @@ a node that a pass writes afterwards (a replacement's derived offsets, `ones_lik
 spelling) has not been through that table. Inductor then meets an op it has a decomposition for but no lowering,
 makes an implicit fallback of it and stops: "both a fallback and a decomp for same op" (and under CI=1 any op with a
 registered decomposition). `DecomposePass` traces every node whose op is in the table, and has no Inductor
-lowering, through the table, as AOT would have, and splices the result in place (`inline_traced`, which `lower_references` uses for the fused ops'
-references too). It runs in both modes, so `fx` mode runs the graph Inductor would compile.
+lowering, through the table, as AOT would have, and splices the result in place (`inline_traced`, which
+`lower_references` uses for the fused ops' references too). It runs in both modes, so `fx` mode runs the graph
+Inductor would compile.
 
 Inductor rounds a bf16 / fp16 value where eager would only at the nodes AOT's trace marked as low-precision
 barriers (under `emulate_precision_casts`, which the backend sets): the pass manager marks the nodes the passes
@@ -145,7 +146,7 @@ def unlowerable(nodes) -> list[str]:
             continue
         if not isinstance(t, torch._ops.OpOverload):
             bad.append(f"%{n.name}: {t} is not an ATen op overload")
-        elif _decomposed_not_lowered(t) or get_decompositions([t]):
+        elif t in select_decomp_table() or get_decompositions([t]):  # (t has no lowering: checked above)
             bad.append(f"%{n.name} = {_op_name(t)}: Inductor has a decomposition for it and no lowering")
     return bad
 
