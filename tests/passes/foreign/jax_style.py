@@ -191,7 +191,7 @@ def attention(params, cfg, h, positions, keys, n_c):
     w_idx = torch.einsum("bld,dh->blh", h, params["index_w"]).to(F32) * cfg["index_scale"]
     s = torch.einsum("blhd,bnd->blhn", q_idx.to(F32), keys.to(F32))
     s = torch.einsum("blhn,blh->bln", torch.maximum(s, torch.zeros_like(s)), w_idx)
-    visible = torch.arange(keys.shape[1])[None, None, :] < n_c[:, None, None]
+    visible = torch.arange(keys.shape[1], device=keys.device)[None, None, :] < n_c[:, None, None]
     s = torch.where(visible, s, torch.finfo(s.dtype).min)
     _, sel = torch.topk(s, min(cfg["index_topk"], keys.shape[1]), dim=-1)
     sel = torch.sort(sel, dim=-1).values
@@ -231,7 +231,7 @@ def moe(params, cfg, h):
     flat = torch.ravel(ids)
     order = torch.argsort(flat, stable=True)
     token = order // k
-    group_sizes = (flat[:, None] == torch.arange(n_experts)[None, :]).to(torch.int32).sum(0)
+    group_sizes = (flat[:, None] == torch.arange(n_experts, device=flat.device)[None, :]).to(torch.int32).sum(0)
     offsets = torch.cumsum(group_sizes, dim=0).to(torch.int32)
     xq = fp8_fake_quant(x)
     rows = torch.take_along_dim(xq, token[:, None], dim=0)

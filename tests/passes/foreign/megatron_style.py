@@ -265,7 +265,7 @@ class MegatronStyleBlock(nn.Module):
         index_w = index_w.float() * (self.index_dim ** -0.5 * self.index_heads ** -0.5)
         logits = torch.bmm(index_q.float(), keys.float().transpose(1, 2)).view(b, s, self.index_heads, -1).relu_()
         index_scores = logits.mul_(index_w.transpose(0, 1).unsqueeze(-1)).sum(dim=2)
-        invisible = torch.arange(keys.shape[1]).view(1, 1, -1) >= n_c.view(-1, 1, 1)
+        invisible = torch.arange(keys.shape[1], device=keys.device).view(1, 1, -1) >= n_c.view(-1, 1, 1)
         index_scores.masked_fill_(invisible, float("-inf"))
         topk_indices = torch.topk(index_scores, min(self.index_topk, keys.shape[1]), dim=-1)[1]
         topk_indices, _ = torch.sort(topk_indices, dim=-1)
@@ -298,7 +298,7 @@ class MegatronStyleBlock(nn.Module):
         intermediate = (swiglu(fc1) * permuted_probs.unsqueeze(-1)).to(hidden.dtype)
         fc2 = torch._grouped_mm(fp8_blockwise_qdq(intermediate), self.weight2.view(e, -1, d), offs=offsets)
         # unpermute into fp32 zeros, then the shared expert
-        output = torch.zeros(num_tokens, d, dtype=torch.float32)
+        output = torch.zeros(num_tokens, d, dtype=torch.float32, device=hidden.device)
         output.scatter_add_(0, token_ids.unsqueeze(1).expand(-1, d), fc2.float())
         shared_fc1, _ = self.shared_fc1(hidden)
         shared, _ = self.shared_fc2(swiglu(shared_fc1).to(hidden.dtype))
@@ -324,6 +324,6 @@ class MaskedSelectDispatchBlock(MegatronStyleBlock):
     def permute(self, probs, routing_map, top_indices):
         num_tokens, num_experts = routing_map.shape
         routing_map = routing_map.T.contiguous()
-        token_indices = torch.arange(num_tokens).unsqueeze(0).expand(num_experts, -1)
-        routing_probs = torch.zeros(num_tokens, num_experts).scatter(1, top_indices, probs)
+        token_indices = torch.arange(num_tokens, device=probs.device).unsqueeze(0).expand(num_experts, -1)
+        routing_probs = torch.zeros(num_tokens, num_experts, device=probs.device).scatter(1, top_indices, probs)
         return token_indices.masked_select(routing_map), routing_probs.T.contiguous().masked_select(routing_map)

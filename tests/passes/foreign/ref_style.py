@@ -238,7 +238,7 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x).float() * (self.softmax_scale * a.index_n_heads ** -0.5)
         index_score = torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu_()
         index_score = (index_score * weights.unsqueeze(-1)).sum(dim=1)
-        mask = torch.where(torch.arange(n).unsqueeze(0) < n_c.unsqueeze(1), 0.0, float("-inf"))
+        mask = torch.where(torch.arange(n, device=n_c.device).unsqueeze(0) < n_c.unsqueeze(1), 0.0, float("-inf"))
         index_score = index_score + mask
         sel = index_score.topk(min(a.index_topk, n), dim=-1)[1]
         sel = torch.sort(sel, dim=-1)[0]
@@ -315,7 +315,7 @@ class MoE(nn.Module):
         flat = indices.flatten()
         order = flat.sort(stable=True)[1]
         token = torch.div(order, k, rounding_mode="floor")
-        counts = torch.zeros(e, dtype=torch.int64).scatter_reduce_(0, flat, torch.ones_like(flat), "sum")
+        counts = torch.zeros(e, dtype=torch.int64, device=x.device).scatter_reduce_(0, flat, torch.ones_like(flat), "sum")
         offsets = counts.cumsum(0).to(torch.int32)
         row_weights = torch.take(weights, order)
         xq = fp8_round_trip(x)
@@ -324,7 +324,7 @@ class MoE(nn.Module):
         act = fp8_round_trip((self.swiglu(g, u) * row_weights[:, None]).to(x.dtype))
         rows = torch._grouped_mm(act, self.w2, offs=offsets)
         shared = self.shared_w2(self.swiglu(self.shared_w1(x), self.shared_w3(x)).to(x.dtype))
-        y = torch.zeros(t, d, dtype=torch.float32)
+        y = torch.zeros(t, d, dtype=torch.float32, device=x.device)
         y.scatter_reduce_(0, token.unsqueeze(1).expand(-1, d), rows.float(), "sum")
         return (y + shared.float()).to(x.dtype)
 

@@ -164,7 +164,7 @@ class SglangStyleBlock(nn.Module):
         scores = torch.bmm(keys.float(), q_idx.float().mT)
         scores = F.relu(scores).mul_(weights.unsqueeze(1)).sum(dim=-1)
         n = keys.shape[1]
-        scores.masked_fill_(torch.arange(n).unsqueeze(0) >= n_c.unsqueeze(1), float("-inf"))
+        scores.masked_fill_(torch.arange(n, device=n_c.device).unsqueeze(0) >= n_c.unsqueeze(1), float("-inf"))
         sel = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :min(self.index_topk, n)]
         sel = torch.sort(sel, dim=-1).values
         idx = (sel + WINDOW).masked_fill_(sel >= n_c.unsqueeze(1), -1)
