@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 
 import torch
 import torch.fx as fx
@@ -141,12 +142,20 @@ class Dsv41Backend:
         log.warning("dsv41: graph %d for sizes %s %s", report.graph_id, sizes, report.fallback)
 
     def _compile(self, gm: fx.GraphModule, example_inputs, report: CompileReport):
+        seconds = report.seconds
+
         def inference_compiler(aten_gm: fx.GraphModule, inputs):
+            t0 = time.perf_counter()
             self.pass_manager.run_cached(aten_gm, report)
             aten_gm.recompile()
-            if has_schedule(aten_gm.graph):
-                return StreamExecutor(aten_gm, self._compile_graph)
-            return self._compile_graph(aten_gm, inputs)
+            t1 = time.perf_counter()
+            seconds["passes"] = t1 - t0
+            try:
+                if has_schedule(aten_gm.graph):
+                    return StreamExecutor(aten_gm, self._compile_graph)
+                return self._compile_graph(aten_gm, inputs)
+            finally:
+                seconds["codegen"] = time.perf_counter() - t1
 
         def no_training(aten_gm, inputs):
             raise NotImplementedError("dsv41 compiles inference (decode) graphs only; run under torch.no_grad()")
@@ -154,10 +163,14 @@ class Dsv41Backend:
         # v1 wrappers of mutating custom ops: the form defunctionalisation rewrites (compile anchors, pitfall 10); the
         # Inductor settings during the trace too: under emulate_precision_casts AOT's trace marks the ops whose
         # bf16 results Inductor must round as eager does (without the marks a fused chain keeps fp32 values)
-        with torch._inductor.config.patch({**INDUCTOR_PATCHES, "enable_auto_functionalized_v2": False}):
-            return aot_module_simplified(gm, example_inputs, fw_compiler=no_training, inference_compiler=inference_compiler,
-                                         decompositions=select_decomp_table(), keep_inference_input_mutations=True)
-
+        t_start = time.perf_counter()
+        try:
+            with torch._inductor.config.patch({**INDUCTOR_PATCHES, "enable_auto_functionalized_v2": False}):
+                return aot_module_simplified(gm, example_inputs, fw_compiler=no_training,
+                                             inference_compiler=inference_compiler,
+                                             decompositions=select_decomp_table(), keep_inference_input_mutations=True)
+        finally:
+            seconds["aot"] = time.perf_counter() - t_start - seconds.get("passes", 0.0) - seconds.get("codegen", 0.0)
 
     def _compile_graph(self, gm: fx.GraphModule, inputs):
         """A boxed callable for `gm`: Inductor's compiled code, or the GraphModule itself in fx mode and for a

@@ -16,7 +16,7 @@ the key hashes the kernel's source files and its static configuration. Writers e
 file and ``os.replace`` it into place under an exclusive per-key ``flock``, so concurrent processes never
 see a partial object and compile a cold key only once.
 
-``STATS`` counts compiles, disk hits and memory hits, so tests can assert that a second process finds
+``STATS`` counts compiles (and their seconds), disk hits and memory hits, so tests can assert that a second process finds
 every kernel on disk and calls ``cute.compile`` zero times.
 """
 
@@ -29,6 +29,7 @@ import hashlib
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -47,9 +48,11 @@ class CacheStats:
     compiles: int = 0
     disk_hits: int = 0
     memory_hits: int = 0
+    compile_s: float = 0.0  # wall seconds in compiling, exporting and loading cold keys
 
     def reset(self) -> None:
         self.compiles = self.disk_hits = self.memory_hits = 0
+        self.compile_s = 0.0
 
 
 STATS = CacheStats()
@@ -196,6 +199,7 @@ def cached_kernel(*sources: str) -> Callable:
                     except Exception:  # a corrupt object (killed writer of an older format): rebuild it
                         path.unlink(missing_ok=True)
                 if fn is None:
+                    t0 = time.perf_counter()
                     compiled = compile_fn(*config)
                     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
                     try:
@@ -204,6 +208,7 @@ def cached_kernel(*sources: str) -> Callable:
                     finally:
                         tmp.unlink(missing_ok=True)
                     fn = _load(path)
+                    STATS.compile_s += time.perf_counter() - t0
             memory[config] = fn
             return fn
 

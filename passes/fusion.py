@@ -141,6 +141,7 @@ class PassResult:
     narrowed: list[tuple[str, MatchFailure]] = field(default_factory=list)
     replaced: list[dict] = field(default_factory=list)  # per match: erased and created node names, provenance
     note: str | None = None  # e.g. "no candidate: ..." when the graph holds none of the fusion's distinctive ops
+    seconds: float = 0.0  # the pass's wall time (set by the pass manager)
 
 
 class GraphPass:

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +47,10 @@ class CompileReport:
     "no candidate: ..." when the graph holds none of the fusion's distinctive ops or only other computations (or a
     graph-break note), `passes` = per-pass results in order, `fallback` = why the backend handed the graph to plain
     Inductor (None when it did not), `cache` = what the pass cache did (on a hit `passes` stays empty: no pass ran),
-    `sizes` = the values of Dynamo's size symbols this compile of a symbolic graph is for (None: as Dynamo gave it)."""
+    `sizes` = the values of Dynamo's size symbols this compile of a symbolic graph is for (None: as Dynamo gave it),
+    `seconds` = wall time by phase: "aot" (AOTAutograd's trace and decompositions), "passes" (this manager, or the
+    pass cache's load), "codegen" (Inductor's compile of the rewritten graph or its stream segments; fx mode: none).
+    CuTe kernels compile when a fused op first runs, after these (`dsv41.kernels.compile_cache.STATS.compile_s`)."""
 
     graph_id: int
     matches: dict[str, int] = field(default_factory=dict)
@@ -59,6 +63,7 @@ class CompileReport:
     fallback: str | None = None
     cache: str | None = None  # the pass cache: "hit", "miss" (stored), "off: <why>"
     sizes: dict[str, int] | None = None  # a graph with symbolic sizes compiled for these (`dsv41.size_specialization`)
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 class NormalizePass(GraphPass):
@@ -141,7 +146,9 @@ class PassManager:
         for index, p in enumerate(self.passes):
             befores = [r.capture(graph) for r in recorders]
             anchors = [n.name for n in p.anchors(graph)] if self.config.debug and isinstance(p, FusionPass) else None
+            t0 = time.perf_counter()
             result = p(graph)
+            result.seconds = time.perf_counter() - t0
             report.passes.append(result)
             if p.name in self.config.fusions:
                 report.matches[p.name] = result.matches

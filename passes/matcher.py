@@ -1244,16 +1244,17 @@ class PatternSet:
         return [n for n in graph.nodes if n in found]
 
     def _traces(self, pat: Pattern, bound: list) -> bool:
-        """pat's search runs on fake inputs shaped like `bound` (default free scalars; no graph is built); cached.
-        Never at a symbolic size: the patterns trace at static shapes."""
+        """pat's search runs on meta tensors shaped like `bound` (default free scalars; no graph is built); cached.
+        Never at a symbolic size: the patterns trace at static shapes. Meta tensors, not fake ones: the same meta
+        kernels decide, without a fake mode's set-up and dispatch cache (most bindings tried do not fit, and a
+        fake mode made each failure several times dearer); a pattern's search names its tensors' device."""
         keys = tuple(_meta_key(b) for b in bound)
         if _has_symbols(keys):
             return False
         key = (pat.name, keys)
         if key not in self._shape_ok:
             try:
-                with quiet_fake_tensor(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                    pat.search(*[_to_fake(mode, _fake_like(b)) for b in bound], **pat.free_defaults)
+                pat.search(*[_fake_like(b) for b in bound], **pat.free_defaults)
                 self._shape_ok[key] = True
             except Exception:
                 self._shape_ok[key] = False
