@@ -106,7 +106,7 @@ def load(key: str, gm: fx.GraphModule, report) -> bool:
 def store(key: str, gm: fx.GraphModule, report) -> str | None:
     """Write the rewritten `gm` and `report` under `key`; the reason when the graph cannot be stored."""
     try:
-        nodes = [_node_record(n) for n in gm.graph.nodes]
+        nodes = [node_record(n) for n in gm.graph.nodes]
     except Uncacheable as e:
         return str(e)
     entry = {"nodes": nodes, "report": {name: getattr(report, name) for name in _REPORT_FIELDS}}
@@ -125,7 +125,7 @@ def store(key: str, gm: fx.GraphModule, report) -> str | None:
     return None
 
 
-def _node_record(n: fx.Node) -> tuple:
+def node_record(n: fx.Node) -> tuple:
     target = n.target if n.op in ("placeholder", "get_attr", "output") else _target_name(n.target)
     return (n.op, n.name, target, _encode(n.args), _encode(n.kwargs), {k: n.meta[k] for k in _KEPT_META if k in n.meta})
 
@@ -193,18 +193,12 @@ def _decode(a, env: dict):
     return v
 
 
-def _rebuild(records: list, gm: fx.GraphModule) -> fx.Graph:
-    """A new graph from `records` whose placeholders carry `gm`'s placeholders' values, with fake values for all."""
-    old = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    graph, env = fx.Graph(owning_module=gm), {}
-    placeholders = iter(old)
+def graph_of_records(records: list, owning_module: fx.GraphModule | None = None) -> fx.Graph:
+    """The graph of `node_record`s (no values): LookupError where a target is gone or a name comes back changed."""
+    graph, env = fx.Graph(owning_module=owning_module), {}
     for op, name, target, args, kwargs, kept in records:
         if op == "placeholder":
             node = graph.placeholder(target)
-            original = next(placeholders)
-            if original.target != target:
-                raise LookupError(f"placeholder {target!r} where the graph has {original.target!r}")
-            node.meta["val"] = original.meta.get("val")
         elif op == "output":
             node = graph.output(_decode(args, env)[0])
         else:
@@ -214,8 +208,20 @@ def _rebuild(records: list, gm: fx.GraphModule) -> fx.Graph:
             raise LookupError(f"node {name!r} came back as {node.name!r}")
         node.meta.update(kept)
         env[name] = node
-    if next(placeholders, None) is not None:
-        raise LookupError("the entry has fewer placeholders than the graph")
+    return graph
+
+
+def _rebuild(records: list, gm: fx.GraphModule) -> fx.Graph:
+    """A new graph from `records` whose placeholders carry `gm`'s placeholders' values, with fake values for all."""
+    old = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    graph = graph_of_records(records, gm)
+    new = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(new) != len(old):
+        raise LookupError(f"the entry has {len(new)} placeholders, the graph {len(old)}")
+    for node, original in zip(new, old):
+        if original.target != node.target:
+            raise LookupError(f"placeholder {node.target!r} where the graph has {original.target!r}")
+        node.meta["val"] = original.meta.get("val")
     _propagate_fake_values(gm, graph, [n.meta.get("val") for n in old])
     return graph
 

@@ -50,6 +50,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from dsv41.passes.matcher import (Derived, MatchFailure, MatchResult, PatternSet, evaluate, fake_value, leaves,
                                   quiet_fake_tensor)
 from dsv41.passes.normalize import view_root
+from dsv41.passes.pattern_library import entry_key
 from dsv41.passes.printing import module_path
 
 log = logging.getLogger("dsv41")
@@ -70,10 +71,16 @@ DRAW_FLOOR_BYTES = 256 * 2**20
 # dtypes torch.randn draws directly; another float dtype (float8) is drawn in fp32 and cast
 _RANDN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Traced patterns per (fusion pass class, config constants), shared by every backend of the process: a pass's
-# patterns depend on nothing else, and tracing them is most of a small graph's pass time.
+# patterns depend on nothing else (their structural traces come from the library on disk, `pattern_library`).
 _PATTERN_SETS: dict = {}
 # An op-for-op match that fails on these is a different computation (another eps, dtype, ...): not retried with islands.
 _FINAL_KINDS = ("scalar", "dtype", "extra user", "token limit", "symbolic shape")
+
+
+def forget_pattern_sets() -> None:
+    """Drop the process's traced patterns: the next fusion pass reads them from the library again, as a process's
+    first compile does (for measuring one)."""
+    _PATTERN_SETS.clear()
 
 
 @dataclass(frozen=True)
@@ -309,11 +316,12 @@ class FusionPass(GraphPass):
         return None
 
     def pattern_set(self) -> PatternSet:
-        """The pass's traced patterns (shared by the passes of the process with the same model constants)."""
+        """The pass's traced patterns (shared by the passes of the process with the same model constants; their
+        structural traces read from the traced-pattern library on disk, `dsv41.passes.pattern_library`)."""
         if self._patterns is None:
             key = (type(self), tuple(sorted(self.config.constants().items())))
             if key not in _PATTERN_SETS:
-                _PATTERN_SETS[key] = PatternSet(self.patterns())
+                _PATTERN_SETS[key] = PatternSet(self.patterns(), entry_key(self))
             self._patterns = _PATTERN_SETS[key]
         return self._patterns
 

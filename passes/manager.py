@@ -112,7 +112,7 @@ class PassManager:
         """Hash of what decides the passes' output besides the graph: dsv41's sources, the config, torch's version."""
         settings = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
         settings = {k: sorted(v) if isinstance(v, frozenset) else v for k, v in settings.items()}
-        return hashlib.sha256(f"{_sources_digest()} {settings} {torch.__version__}".encode()).hexdigest()
+        return hashlib.sha256(f"{sources_digest()} {settings} {torch.__version__}".encode()).hexdigest()
 
     def run_cached(self, gm: fx.GraphModule, report: CompileReport) -> CompileReport:
         """`run` on gm's graph behind the pass cache (`dsv41.pass_cache`); report.cache says what it did."""
@@ -202,7 +202,7 @@ def _unrelated(failures: list[MatchFailure]) -> list[str]:
 
 
 @functools.lru_cache(maxsize=1)
-def _sources_digest() -> str:
+def sources_digest() -> str:
     """Hash of every Python source of the dsv41 package (backend, passes, lowerings, kernels, models)."""
     roots = {Path(importlib.import_module(m).__file__).parent
              for m in ("dsv41", "dsv41.passes", "dsv41.lowerings", "dsv41.kernels", "dsv41.models")}

@@ -1218,9 +1218,13 @@ def _anchor_targets(pat: Pattern, gm: fx.GraphModule) -> tuple:
 class PatternSet:
     """The formulations of one fusion, traced once (structural phase) and re-traced per exact check."""
 
-    def __init__(self, patterns: Sequence[Pattern]):
+    def __init__(self, patterns: Sequence[Pattern], library_key: str | None = None):
+        """`library_key`: the entry of the traced-pattern library (`dsv41.passes.pattern_library`) the structural
+        traces are read from and written to; None: traced here, nothing stored."""
+        from dsv41.passes.pattern_library import structural_traces
+
         self.patterns = list(patterns)
-        self._structural = {p.name: [p.trace(build()) for build in (p.inputs, *p.variants)] for p in self.patterns}
+        self._structural = structural_traces(self.patterns, library_key)
         self._exact: dict[tuple, fx.GraphModule] = {}  # (pattern, input metadata, free scalars) -> exact trace
         self._shape_ok: dict[tuple, bool] = {}  # (pattern, input metadata) -> whether it traces at those shapes
         self._firsts: dict[tuple, int] = {}  # (structural trace id, anchor op) -> its first output on the anchor
