@@ -1,9 +1,11 @@
-"""`dsv41 precompile`: fill the on-disk CuTe DSL kernel cache for a model config.
+"""`dsv41 precompile`: fill the on-disk CuTe DSL kernel cache for a model config, and the traced-pattern library.
 
 Every kernel is compiled with a symbolic token count, so one binary per (kernel, static config) serves all
 batch sizes: ``--tokens`` is accepted for symmetry with the benchmarks and does not change what is built.
 Compiling needs no GPU (the target is sm_90a, or ``$CUTE_DSL_ARCH``); the cache is ``$DSV41_CACHE_DIR``
-(default ``~/.cache/dsv41/kernels``).
+(default ``~/.cache/dsv41/kernels``). The fusions' traced patterns (``dsv41.passes.pattern_library``,
+``$DSV41_PATTERN_CACHE_DIR``, default ``~/.cache/dsv41/patterns``) are written too, so a process's first compile
+reads them instead of tracing them.
 """
 
 from __future__ import annotations
@@ -79,4 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         build()
         how = "compiled" if compile_cache.STATS.compiles > before else "found on disk"
         print(f"  {label}: {how} in {time.perf_counter() - start:.2f} s")
+    from dsv41.config import Dsv41Config
+    from dsv41.passes import pattern_library
+
+    library = pattern_library.warm(Dsv41Config().with_env())
+    print(f"  pattern library {library['dir']}: {len(library['missing'])} of {library['entries']} fusion passes' "
+          f"patterns traced in {library['seconds']:.2f} s")
     return 0

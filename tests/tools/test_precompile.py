@@ -56,3 +56,20 @@ def test_a_listed_kernel_builds(monkeypatch, tmp_path):
     assert callable(gemm1) and callable(gemm2), label
     assert any(tmp_path.rglob("*")), "nothing written to the kernel cache"
     moe_experts._compile_moe_experts.cache_clear()
+
+
+def test_it_writes_the_pattern_library_once(monkeypatch, tmp_path, capsys):
+    """The traced-pattern library is written beside the kernels: every fusion pass's entry the first time, none the
+    second (they are on disk)."""
+    pytest.importorskip("cutlass.cute")
+    pytest.importorskip("tvm_ffi")
+    from dsv41.passes import registry
+
+    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path / "kernels"))
+    monkeypatch.setenv("DSV41_PATTERN_CACHE_DIR", str(tmp_path / "patterns"))
+    fusions = len(registry.FUSION_NAMES)
+    assert precompile.main(["--config", "tiny"]) == 0
+    assert f"{fusions} of {fusions} fusion passes' patterns traced" in capsys.readouterr().out
+    assert len(list((tmp_path / "patterns").glob("*.pkl"))) == fusions
+    assert precompile.main(["--config", "tiny"]) == 0
+    assert f"0 of {fusions} fusion passes' patterns traced" in capsys.readouterr().out
