@@ -140,7 +140,9 @@ def _weighted_inputs(with_shared):
 
 class MoeFinalizePass(FusionPass):
     name = "moe_finalize"
-    int_ranges = {"token": lambda metas, free: (0, free["num_tokens"])}
+    # the token count: the zeros' row count, or (accumulated into the shared output, which has no zeros) its rows
+    int_ranges = {"token": lambda metas, free: (0, free["num_tokens"] if "num_tokens" in free
+                                                else metas["shared"].shape[0])}
 
     def patterns(self):
         free, defaults = {"num_tokens": (aten.full.default, 0, (0, 0))}, {"num_tokens": T}
