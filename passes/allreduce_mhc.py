@@ -11,11 +11,13 @@ the two sites, each with the stream formulations of mhc_post_pre.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dsv41.passes.fusion import FusionPass, Replacement
 from dsv41.passes.matcher import ANY_STR, Pattern
-from dsv41.passes.mhc_post_pre import D, T, example_stream_inputs, one_token_variant, stream_formulations
+from dsv41.passes.mhc_post_pre import D, T, StreamForm, example_stream_inputs, one_token_variant, stream_formulations
 
 c10d = torch.ops._c10d_functional
 
@@ -29,22 +31,35 @@ def _ffn_inputs(t: int = T):
     return [torch.empty(t, D), y] + rest
 
 
+@dataclass(frozen=True)
+class AllReduceMhcForm:
+    """A formulation of an all-reduce + post + pre site: `shared_expert`, the MoE site (the all-reduced routed rows
+    plus the shared expert's output; else the attention site, the all-reduced output alone); `stream`, how its post,
+    collapse and norm are written."""
+
+    shared_expert: bool
+    stream: StreamForm
+
+
 class AllReduceMhcPass(FusionPass):
     name = "allreduce_mhc"
+    form_type = AllReduceMhcForm
 
     def patterns(self):
         pats = []
-        for suffix, tail in stream_formulations(self.config.norm_eps):
+        for stream, tail in stream_formulations(self.config.norm_eps):
             def attention(y, x, post, comb, pre, w, tail=tail):
                 return tail(_all_reduce(y.float()).to(y.dtype), x, post, comb, pre, w)
 
             def ffn(y, shared, x, post, comb, pre, w, tail=tail):
                 return tail((_all_reduce(y) + shared.float()).to(shared.dtype), x, post, comb, pre, w)
 
-            pats.append(Pattern("attention" + suffix, attention, example_stream_inputs,
-                                variants=one_token_variant(suffix, example_stream_inputs), anchor=c10d.all_reduce.default))
-            pats.append(Pattern("ffn" + suffix, ffn, _ffn_inputs, variants=one_token_variant(suffix, _ffn_inputs),
-                                anchor=c10d.all_reduce.default))
+            pats.append(Pattern("attention" + stream.name_suffix(), attention, example_stream_inputs,
+                                variants=one_token_variant(stream, example_stream_inputs),
+                                anchor=c10d.all_reduce.default, form=AllReduceMhcForm(False, stream)))
+            pats.append(Pattern("ffn" + stream.name_suffix(), ffn, _ffn_inputs,
+                                variants=one_token_variant(stream, _ffn_inputs), anchor=c10d.all_reduce.default,
+                                form=AllReduceMhcForm(True, stream)))
         return pats
 
     def tokens(self, m):
@@ -52,7 +67,7 @@ class AllReduceMhcPass(FusionPass):
 
     def replacement(self, m):
         group = next(n for n in m.nodes if n.target is c10d.all_reduce.default).args[2]
-        if m.pattern.name.startswith("ffn"):
+        if m.pattern.form.shared_expert:
             y, shared, *streams = m.inputs
         else:
             (y, *streams), shared = m.inputs, None

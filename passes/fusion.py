@@ -1,8 +1,10 @@
 """The base of every fusion pass: find anchors, match the fusion's patterns, check, replace, count, explain.
 
 A fusion subclass gives its `name` (a key of `report.matches`), `patterns()` (the formulations it accepts,
-built from the backend config) and `replacement(match)` (the `dsv41::` op, its arguments, and which op output
-replaces which pattern output); `tokens(match)` when the token count is not the first input's leading dim.
+built from the backend config, each with its `form`: an instance of the pass's `form_type`, a frozen dataclass
+whose fields are the axes in which the formulations differ) and `replacement(match)` (the `dsv41::` op, its
+arguments, and which op output replaces which pattern output, decided by the matched pattern's form, never by its
+name); `tokens(match)` when the token count is not the first input's leading dim.
 A match is declined above the token limit, or when the op's own validation rejects the matched values (its
 fake implementation runs on them): the error, which names the argument, is the reason.
 
@@ -169,6 +171,9 @@ class FusionPass(GraphPass):
 
         super().__init__(config)
         self._patterns: PatternSet | None = None
+
+    # the frozen dataclass of the pass's formulations: each of its patterns' `form` is one (see the module)
+    form_type: type
 
     def patterns(self) -> list:
         raise NotImplementedError

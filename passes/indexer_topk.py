@@ -30,7 +30,9 @@ widened to int64, which the comparison with the row index does anyway.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -98,16 +100,29 @@ KINDS = ("candidate_source", "reindex", "index_source")
 NARROWER_INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32)
 
 
-def formulation_name(kind: str, selection: str, sorted_topk: bool, scaled: bool) -> str:
-    return kind + SELECTIONS[selection][0] + ("_sorted" if sorted_topk else "") + ("_scaled" if scaled else "")
+@dataclass(frozen=True)
+class IndexerForm:
+    """A formulation of the indexer: `kind`, the layer kind (of KINDS: the candidate source, a re-index layer, an index
+    source); `selection`, how the graph takes the selected rows (a key of SELECTIONS); `sorted_topk`, the top-k
+    sorted (else unsorted, the model's); `scaled`, a score scale applied to relu(q . k) before the head weights
+    (else folded into w, the model's)."""
+
+    kind: str
+    selection: str
+    sorted_topk: bool
+    scaled: bool
+
+    def pattern_name(self) -> str:
+        """The formulation's name in reports."""
+        return self.kind + SELECTIONS[self.selection][0] + ("_sorted" if self.sorted_topk else "") + \
+            ("_scaled" if self.scaled else "")
 
 
-# every formulation by name: (layer kind, selection form, top-k sorted, score scale applied before the head weights),
-# in the order the pass tries them: the raw selections last, as the narrowest regions
-FORMULATIONS = {formulation_name(kind, selection, sorted_topk, scaled): (kind, selection, sorted_topk, scaled)
-                for last in (False, True) for scaled in (False, True)
-                for selection in SELECTIONS if (selection == "raw") == last
-                for sorted_topk in (False, True) for kind in KINDS}
+# every formulation, in the order the pass tries them: the raw selections last, as the narrowest regions
+FORMULATIONS = tuple(IndexerForm(kind, selection, sorted_topk, scaled)
+                     for last in (False, True) for scaled in (False, True)
+                     for selection in SELECTIONS if (selection == "raw") == last
+                     for sorted_topk in (False, True) for kind in KINDS)
 
 
 def make_patterns(sorted_topk: bool, selection_form: str, scaled: bool):
@@ -141,38 +156,42 @@ def make_patterns(sorted_topk: bool, selection_form: str, scaled: bool):
 
     anchor = aten.scatter.value if mask else (aten.sort.default, aten.sort.stable)
 
-    def name(kind):
-        return formulation_name(kind, selection_form, sorted_topk, scaled)
+    def pattern(kind, search, inputs, free, free_defaults, optional_outputs):
+        form = IndexerForm(kind, selection_form, sorted_topk, scaled)
+        return Pattern(form.pattern_name(), search, inputs, free, free_defaults, anchor=anchor,
+                       optional_outputs=optional_outputs, form=form)
 
     return [
-        Pattern(name("candidate_source"), candidates, _inputs(False),
+        pattern("candidate_source", candidates, _inputs(False),
                 {**sel_free, "cand_topk": (aten.topk.default, 0, 1), "cand_block": (aten.view.default, 2, (1, 2))},
-                {**defaults, "cand_block": 4, "cand_topk": 2}, anchor=anchor),
-        Pattern(name("reindex"), reindex, _inputs(True), sel_free, defaults, anchor=anchor, optional_outputs=1),
-        Pattern(name("index_source"), plain, _inputs(False), sel_free, defaults, anchor=anchor, optional_outputs=1),
+                {**defaults, "cand_block": 4, "cand_topk": 2}, 0),
+        pattern("reindex", reindex, _inputs(True), sel_free, defaults, 1),
+        pattern("index_source", plain, _inputs(False), sel_free, defaults, 1),
     ]
 
 
 class IndexerTopkPass(FusionPass):
     name = "indexer_topk"
+    form_type = IndexerForm
     int_ranges = {"n_c": lambda metas, free: (0, metas["keys"].shape[1] + 1)}  # valid rows: 0 .. Ncap
 
     def patterns(self):
         made = {}
-        for _, selection, sorted_topk, scaled in FORMULATIONS.values():
-            if (selection, sorted_topk, scaled) not in made:
-                made[selection, sorted_topk, scaled] = {p.name: p for p in make_patterns(sorted_topk, selection, scaled)}
-        return [made[form[1:]][name] for name, form in FORMULATIONS.items()]
+        for form in FORMULATIONS:
+            if form not in made:
+                made.update((p.form, p) for p in make_patterns(form.sorted_topk, form.selection, form.scaled))
+        return [made[form] for form in FORMULATIONS]
 
     def wider(self, index):
         """A raw selection is widened by the index selection of the same kind, top-k and scale: the validity and
         offset after the sort, which the graph may write with other ops."""
-        names = [p.name for p in self._patterns.patterns]
-        kind, selection, sorted_topk, scaled = FORMULATIONS[names[index]]
-        return (names.index(formulation_name(kind, "indices", sorted_topk, scaled)),) if selection == "raw" else ()
+        forms = [p.form for p in self._patterns.patterns]
+        if forms[index].selection != "raw":
+            return ()
+        return (forms.index(dataclasses.replace(forms[index], selection="indices")),)
 
     def replacement(self, m):
-        kind, selection, _, _ = FORMULATIONS[m.pattern.name]
+        kind, selection = m.pattern.form.kind, m.pattern.form.selection
         q, w, keys, n_c = m.inputs[:4]
         if n_c.meta["val"].dtype in NARROWER_INTEGERS:  # the same comparisons with the row index, widened
             n_c = Derived(torch.ops.prims.convert_element_type.default, (n_c, torch.int64))

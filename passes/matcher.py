@@ -117,6 +117,9 @@ class Pattern:
     scale: an int or a float, as its default is): name -> (op, occurrence, argument path) of the pattern node that
     carries it, the path an index or a tuple of indices into the node's args; `free_defaults` are their values for
     the structural trace. `variants` are further example-input builders, each traced as another structural form.
+    `form` says which formulation of its fusion this is, as a frozen dataclass of the pass's own
+    (`FusionPass.form_type`, one field per axis in which its formulations differ): what the pass's replacement,
+    check, token count and draws read. `name` only names the formulation in reports; nothing depends on its spelling.
     """
 
     name: str
@@ -131,6 +134,7 @@ class Pattern:
     # where the graph reads one outside the region it is an output of the match (`MatchResult.exposed`), else
     # not, and any other interior value read outside is an extra user
     optional_outputs: int = 0
+    form: object = None  # an instance of the fusion pass's `form_type` (None for a pattern outside a fusion pass)
 
     def trace(self, args: Sequence, free: dict | None = None) -> fx.GraphModule:
         kwargs = dict(self.free_defaults if free is None else free)

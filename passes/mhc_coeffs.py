@@ -12,6 +12,7 @@ multiplication by the reciprocal of the sum or as the model's division.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -52,19 +53,31 @@ def hc_mixes_prenorm_div(x, fn_w, base, scale, norm_eps, hc_eps, iters):
     return hc_mixes_prenorm(x, fn_w, base, scale, norm_eps, hc_eps, iters, reciprocal=False)
 
 
+@dataclass(frozen=True)
+class CoeffsForm:
+    """A formulation of the coefficients: `normalised_first`, x normalised before the GEMM (else the GEMM's output
+    scaled by r, the model's); `reciprocal`, the Sinkhorn normalisations as products with the reciprocal of the sum
+    (else divisions, the model's)."""
+
+    normalised_first: bool
+    reciprocal: bool
+
+
 class MhcCoeffsPass(FusionPass):
     name = "mhc_coeffs"
+    form_type = CoeffsForm
     tolerance = {torch.float32: (1e-5, 1e-4)}  # pre, post, comb in [0, 2], summed in another fp32 order
 
     def patterns(self):
         c = self.config
         out = []
-        for name, mixes in (("hc_mixes", fn.hc_mixes), ("hc_mixes_prenorm", hc_mixes_prenorm),
-                            ("hc_mixes_prenorm_div", hc_mixes_prenorm_div)):
+        for name, mixes, form in (("hc_mixes", fn.hc_mixes, CoeffsForm(False, False)),
+                                  ("hc_mixes_prenorm", hc_mixes_prenorm, CoeffsForm(True, True)),
+                                  ("hc_mixes_prenorm_div", hc_mixes_prenorm_div, CoeffsForm(True, False))):
             def search(x, fn_w, base, scale, mixes=mixes):
                 return mixes(x, fn_w, base, scale, c.norm_eps, c.hc_eps, c.sinkhorn_iters)
 
-            out.append(Pattern(name, search, _inputs, anchor=aten.sigmoid.default))
+            out.append(Pattern(name, search, _inputs, anchor=aten.sigmoid.default, form=form))
         return out
 
     def explain(self, failure, graph):

@@ -64,8 +64,11 @@ and offsets over those, so the check's memory is a few experts' weights, not all
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import inspect
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -79,9 +82,35 @@ T, D, I, E, K = 3, 32, 32, 4, 6
 # the experts the semantic check draws in place of all E (a wrong expert index among four still shows)
 REDUCED_EXPERTS = 4
 aten, prims = torch.ops.aten, torch.ops.prims
-# the gathered formulations' name prefix; w1 and w3 held apart; GEMM1's input rows given (not x[token]);
+# name parts: the gathered formulations' prefix; w1 and w3 held apart; GEMM1's input rows given (not x[token]);
 # the gathered pairs flattened; each row x[token[m]] on its own gathered expert weights
 GATHERED, SPLIT, ROWS, FLAT, PER_ROW = "gathered", "split", "rows", "flat", "per_row"
+
+
+class Layout(enum.Enum):
+    """Which rows the experts run on and how each finds its expert's weights (see the module)."""
+
+    SORTED = "sorted"          # the expert-sorted rows x[token], grouped GEMMs over offsets
+    PAIRS = "pairs"            # the (token, slot) pairs of expert_idx [T, k] on gathered weights -> [T, k, D]
+    FLAT_PAIRS = "flat_pairs"  # those pairs flattened first (HF's `batched_mm`) -> [T * k, D] rows
+    PER_ROW = "per_row"        # M rows x[token[m]], each on its own expert's gathered weights -> [M, D]
+
+
+@dataclass(frozen=True)
+class ExpertsForm:
+    """A formulation of the routed experts: `layout`, the rows it runs on; `fp8`, with the FP8 fake quantisation of
+    the activation; `weighted`, the activation times the routing weight (else the rows are weighted after w2);
+    `split`, w1 and w3 held apart (else one w13); `rows_given`, GEMM1's input rows computed outside the region (else
+    x[token]; sorted only); `products`, the spelling of the pairs' batched products ("einsum" or "matmul"; pairs
+    only); `joined`, w1's and w3's gathers joined by a cat before one product (pairs with w1 and w3 apart only)."""
+
+    layout: Layout
+    fp8: bool
+    weighted: bool
+    split: bool = False
+    rows_given: bool = False
+    products: str | None = None
+    joined: bool = False
 
 
 def _sorted_example(name):
@@ -94,22 +123,25 @@ def _sorted_example(name):
             "w2": lambda: torch.empty(E, D, I, dtype=bf)}[name]()
 
 
-def _sorted_pattern(name, limit, quant_block, split, rows_given, weighted):
-    """The sorted formulation `name`: `experts` on inputs named x, token (or rows: GEMM1's input rows given, computed
-    outside the region, e.g. FP8-rounded after the gather as a float8 grouped GEMM's input), row_weights (if
+def _sorted_pattern(form, limit, quant_block):
+    """The sorted formulation of `form`: `experts` on inputs named x, token (or rows: GEMM1's input rows given,
+    computed outside the region, e.g. FP8-rounded after the gather as a float8 grouped GEMM's input), row_weights (if
     weighted), offsets, w13 (or w1, w3: held apart), w2."""
-    names = [*(("rows",) if rows_given else ("x", "token")), *(("row_weights",) if weighted else ()), "offsets",
-             *(("w1", "w3") if split else ("w13",)), "w2"]
+    names = [*(("rows",) if form.rows_given else ("x", "token")), *(("row_weights",) if form.weighted else ()),
+             "offsets", *(("w1", "w3") if form.split else ("w13",)), "w2"]
 
     def search(*tensors):
         t = dict(zip(names, tensors, strict=True))
-        x, token = (t["rows"], None) if rows_given else (t["x"], t["token"])
-        return experts(x, token, t.get("row_weights"), t["offsets"], t["w1"] if split else t["w13"], t["w2"], limit,
-                       quant_block, w3=t.get("w3"))
+        x, token = (t["rows"], None) if form.rows_given else (t["x"], t["token"])
+        return experts(x, token, t.get("row_weights"), t["offsets"], t["w1"] if form.split else t["w13"], t["w2"],
+                       limit, quant_block, w3=t.get("w3"))
 
     search.__signature__ = inspect.Signature(
         [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
-    return Pattern(name, search, lambda: [_sorted_example(n) for n in names], anchor=aten._grouped_mm.default)
+    name = (f"experts{f'_{SPLIT}' if form.split else ''}{f'_{ROWS}' if form.rows_given else ''}"
+            f"{'_fp8' if form.fp8 else ''}{'' if form.weighted else '_unweighted'}")
+    return Pattern(name, search, lambda: [_sorted_example(n) for n in names], anchor=aten._grouped_mm.default,
+                   form=form)
 
 
 def _gathered_inputs(tokens=T):
@@ -232,6 +264,7 @@ def _row_products(rows, ids, row_weights, w13, w2, limit, quant_block):
 
 class MoeExpertsPass(FusionPass):
     name = "moe_experts"
+    form_type = ExpertsForm
     int_ranges = {"token": lambda metas, free: (0, metas["x"].shape[0]),
                   "expert_idx": lambda metas, free: (0, metas["w2"].shape[0])}
     reductions = {"E": Reduction({"w13": 0, "w1": 0, "w3": 0, "w2": 0, "offsets": 0}, REDUCED_EXPERTS)}
@@ -240,10 +273,10 @@ class MoeExpertsPass(FusionPass):
 
     def patterns(self):
         c = self.config
-        pats = [_sorted_pattern(f"experts{split}{rows}{fp8}{unweighted}", c.swiglu_limit, quant_block, bool(split),
-                                bool(rows), not unweighted)
-                for rows in ("", f"_{ROWS}") for split in ("", f"_{SPLIT}")
-                for quant_block, fp8 in ((c.fp8_block, "_fp8"), (0, "")) for unweighted in ("", "_unweighted")]
+        pats = [_sorted_pattern(ExpertsForm(Layout.SORTED, fp8, weighted, split, rows_given), c.swiglu_limit,
+                                c.fp8_block if fp8 else 0)
+                for rows_given in (False, True) for split in (False, True) for fp8 in (True, False)
+                for weighted in (True, False)]
         for spelling in GATHERED_PRODUCTS:
             for quant_block, fp8 in ((c.fp8_block, "_fp8"), (0, "")):
                 def gathered(x, expert_idx, weights, w13, w2, quant_block=quant_block, spelling=spelling):
@@ -252,9 +285,14 @@ class MoeExpertsPass(FusionPass):
                 def gathered_unweighted(x, expert_idx, w13, w2, quant_block=quant_block, spelling=spelling):
                     return gathered_experts(x, expert_idx, None, w13, w2, c.swiglu_limit, quant_block, spelling)
 
-                weighted_forms = [(f"{GATHERED}_{spelling}{fp8}", gathered, _gathered_inputs)]
+                def form(layout, weighted, split=False, joined=False):
+                    return ExpertsForm(layout, bool(fp8), weighted, split,
+                                       products=spelling if layout is Layout.PAIRS else None, joined=joined)
+
+                weighted_forms = [(f"{GATHERED}_{spelling}{fp8}", gathered, _gathered_inputs,
+                                   form(Layout.PAIRS, True))]
                 unweighted_forms = [(f"{GATHERED}_{spelling}{fp8}_unweighted", gathered_unweighted,
-                                     _without_weights(_gathered_inputs))]
+                                     _without_weights(_gathered_inputs), form(Layout.PAIRS, False))]
                 for joined, cat in ((False, ""), (True, "_cat")):
                     def split(x, expert_idx, weights, w1, w3, w2, quant_block=quant_block, spelling=spelling,
                               joined=joined):
@@ -266,9 +304,10 @@ class MoeExpertsPass(FusionPass):
                         return gathered_split_experts(x, expert_idx, None, w1, w3, w2, c.swiglu_limit, quant_block,
                                                       spelling, joined)
 
-                    weighted_forms.append((f"{GATHERED}_{spelling}_{SPLIT}{cat}{fp8}", split, _split_inputs))
+                    weighted_forms.append((f"{GATHERED}_{spelling}_{SPLIT}{cat}{fp8}", split, _split_inputs,
+                                           form(Layout.PAIRS, True, True, joined)))
                     unweighted_forms.append((f"{GATHERED}_{spelling}_{SPLIT}{cat}{fp8}_unweighted", split_unweighted,
-                                             _without_weights(_split_inputs)))
+                                             _without_weights(_split_inputs), form(Layout.PAIRS, False, True, joined)))
                 if spelling == "einsum":  # the flat pairs' form has one spelling (bmm; matmul normalises to it)
                     def flat(x, expert_idx, weights, w13, w2, quant_block=quant_block):
                         return flat_pair_experts(x, expert_idx, weights, w13, w2, c.swiglu_limit, quant_block)
@@ -276,9 +315,10 @@ class MoeExpertsPass(FusionPass):
                     def flat_unweighted(x, expert_idx, w13, w2, quant_block=quant_block):
                         return flat_pair_experts(x, expert_idx, None, w13, w2, c.swiglu_limit, quant_block)
 
-                    weighted_forms.append((f"{GATHERED}_{FLAT}{fp8}", flat, _gathered_inputs))
+                    weighted_forms.append((f"{GATHERED}_{FLAT}{fp8}", flat, _gathered_inputs,
+                                           form(Layout.FLAT_PAIRS, True)))
                     unweighted_forms.append((f"{GATHERED}_{FLAT}{fp8}_unweighted", flat_unweighted,
-                                             _without_weights(_gathered_inputs)))
+                                             _without_weights(_gathered_inputs), form(Layout.FLAT_PAIRS, False)))
 
                     def per_row(x, token, expert_idx, row_weights, w13, w2, quant_block=quant_block):
                         return per_row_experts(x, token, expert_idx, row_weights, w13, w2, c.swiglu_limit,
@@ -287,13 +327,14 @@ class MoeExpertsPass(FusionPass):
                     def per_row_unweighted(x, token, expert_idx, w13, w2, quant_block=quant_block):
                         return per_row_experts(x, token, expert_idx, None, w13, w2, c.swiglu_limit, quant_block)
 
-                    weighted_forms.append((f"{GATHERED}_{PER_ROW}{fp8}", per_row, _per_row_inputs))
+                    weighted_forms.append((f"{GATHERED}_{PER_ROW}{fp8}", per_row, _per_row_inputs,
+                                           form(Layout.PER_ROW, True)))
                     unweighted_forms.append((f"{GATHERED}_{PER_ROW}{fp8}_unweighted", per_row_unweighted,
-                                             _without_row_weights(_per_row_inputs)))
-                for name, search, inputs in weighted_forms + unweighted_forms:
+                                             _without_row_weights(_per_row_inputs), form(Layout.PER_ROW, False)))
+                for name, search, inputs, pattern_form in weighted_forms + unweighted_forms:
                     # at one token the batched product's broadcast x needs no contiguous copy: another form
                     pats.append(Pattern(name, search, inputs, variants=(lambda inputs=inputs: inputs(1),),
-                                        anchor=aten.bmm.default))
+                                        anchor=aten.bmm.default, form=pattern_form))
         return pats
 
     def check(self, m):
@@ -304,9 +345,10 @@ class MoeExpertsPass(FusionPass):
 
     def wider(self, index):
         """A formulation on given rows is widened by the same one on x[token] (the gather inside the op)."""
-        names = [p.name for p in self._patterns.patterns]
-        wide = names[index].replace(f"_{ROWS}", "", 1)
-        return (names.index(wide),) if f"_{ROWS}" in names[index] else ()
+        forms = [p.form for p in self._patterns.patterns]
+        if not forms[index].rows_given:
+            return ()
+        return (forms.index(dataclasses.replace(forms[index], rows_given=False)),)
 
     def sample_inputs(self, m, draws):
         """As the base class, with the first token's routing weights zero, so its activation rows are all-zero FP8
@@ -317,7 +359,7 @@ class MoeExpertsPass(FusionPass):
         weights = named.get("row_weights", named.get("weights"))
         if weights is not None and leaves([weights])[0] in values:
             values[leaves([weights])[0]][0] = 0
-        if m.pattern.name.startswith(GATHERED):
+        if m.pattern.form.layout is not Layout.SORTED:
             return values
         offsets = values[named["offsets"]]  # [E] at the drawn experts' count
         rows = named.get("token", named.get("rows")).meta["val"].shape[0]
@@ -326,21 +368,21 @@ class MoeExpertsPass(FusionPass):
         return values
 
     def replacement(self, m):
-        quant_block = self.config.fp8_block if "_fp8" in m.pattern.name else 0
+        form = m.pattern.form
+        quant_block = self.config.fp8_block if form.fp8 else 0
         tail, kernel = (self.config.swiglu_limit, quant_block), self.config.kernel
-        if not m.pattern.name.startswith(GATHERED):
+        if form.layout is Layout.SORTED:
             return _sorted_formulation_replacement(dict(zip(m.pattern.input_names(), m.inputs)), tail, kernel)
-        weighted = not m.pattern.name.endswith("_unweighted")
         inputs = list(m.inputs)
-        if f"_{PER_ROW}" in m.pattern.name:
-            return _per_row_replacement(inputs, weighted, tail, kernel)
+        if form.layout is Layout.PER_ROW:
+            return _per_row_replacement(inputs, form.weighted, tail, kernel)
         w3 = None
-        if f"_{SPLIT}" in m.pattern.name:  # the inputs end in w1, w3, w2
+        if form.split:  # the inputs end in w1, w3, w2
             w1, w3, w2 = inputs[-3:]
             w13 = _stacked_halves(w1, w3)
             w13, w3 = (w1, w3) if w13 is None else (w13, None)  # apart: the op takes both as stored
             inputs[-3:] = [w13, w2]
-        return _sorted_replacement(inputs, weighted, tail, kernel, w3, rows_out=f"_{FLAT}" in m.pattern.name)
+        return _sorted_replacement(inputs, form.weighted, tail, kernel, w3, rows_out=form.layout is Layout.FLAT_PAIRS)
 
 
 def _sorted_formulation_replacement(named, tail, kernel):

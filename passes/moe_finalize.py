@@ -43,6 +43,9 @@ row, so the op would not compute what the program promises (`BF16_ACCUMULATION`)
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
+
 import torch
 
 from dsv41.passes.fusion import Derived, FusionPass, Replacement
@@ -52,11 +55,42 @@ from dsv41.passes.normalize import sort_permutation
 
 M, T, D = 6, 3, 32
 aten = torch.ops.aten
+# name parts
 UNPERMUTE = "unpermute"
 UNWEIGHTED = f"{UNPERMUTE}_unweighted"
-INTO_SHARED = "into_shared"
 PER_SLOT = "slots"
 BF16_ACCUMULATION = "index_add_bf16_shared"
+
+
+class Rows(enum.Enum):
+    """How the combine finds each row's token (see the module)."""
+
+    AT_TOKENS = "at_tokens"  # rows [M, D] added at token[m] (index_add, or scatter_add over the expanded index)
+    UNPERMUTE = "unpermute"  # expert-sorted rows put back in (token, slot) order by argsort(order), summed per token
+    PER_SLOT = "per_slot"    # rows [T, k, D] already in (token, slot) order, summed per token
+
+
+class Shared(enum.Enum):
+    """Where the shared expert's output enters the sum."""
+
+    NONE = "none"    # not at all (the TP combine: fp32 out, the shared add after the all-reduce)
+    ADDED = "added"  # added to the combined rows in fp32, rounded once
+    INTO = "into"    # the rows accumulated into it (the shared row first)
+
+
+@dataclass(frozen=True)
+class FinalizeForm:
+    """A formulation of the combine: `rows`, how each row finds its token; `weighted`, the rows times their [T, k]
+    or [M] routing weights in fp32 (else weighted before w2); `shared`, where the shared expert's output enters;
+    `method`, the op the sum is written with where formulations differ only in it (index_add or scatter_add at the
+    tokens; einsum or mul_sum for the weighted per-slot sums; else None); `bf16_accumulation`, the combine
+    accumulated in bf16 (declined: another function)."""
+
+    rows: Rows
+    weighted: bool
+    shared: Shared
+    method: str | None = None
+    bf16_accumulation: bool = False
 
 
 def _inputs(with_shared):
@@ -140,7 +174,10 @@ def _weighted_inputs(with_shared):
 
 class MoeFinalizePass(FusionPass):
     name = "moe_finalize"
-    int_ranges = {"token": lambda metas, free: (0, free["num_tokens"])}
+    form_type = FinalizeForm
+    # the token count: the zeros' row count, or (accumulated into the shared output, which has no zeros) its rows
+    int_ranges = {"token": lambda metas, free: (0, free["num_tokens"] if "num_tokens" in free
+                                                else metas["shared"].shape[0])}
 
     def patterns(self):
         free, defaults = {"num_tokens": (aten.full.default, 0, (0, 0))}, {"num_tokens": T}
@@ -166,70 +203,86 @@ class MoeFinalizePass(FusionPass):
             def into_shared(out, token, shared, method=name):
                 return accumulate_into(shared.float(), out.float(), token, method).to(shared.dtype)
 
+            def at_tokens(weighted, shared, method=name):
+                return FinalizeForm(Rows.AT_TOKENS, weighted, shared, method)
+
             pats.append(Pattern(f"{name}_weighted_into_shared", weighted_into_shared, _weighted_inputs(True),
-                                anchor=combine_op))
-            pats.append(Pattern(f"{name}_into_shared", into_shared, _inputs(True), anchor=combine_op))
-            pats.append(Pattern(f"{name}_weighted_shared", weighted_shared, _weighted_inputs(True), free, defaults, anchor=combine_op))
-            pats.append(Pattern(f"{name}_weighted_only", weighted_only, _weighted_inputs(False), free, defaults, anchor=combine_op))
-            pats.append(Pattern(f"{name}_shared", with_shared, _inputs(True), free, defaults, anchor=combine_op))
-            pats.append(Pattern(f"{name}_only", combine_only, _inputs(False), free, defaults, anchor=combine_op))
+                                anchor=combine_op, form=at_tokens(True, Shared.INTO)))
+            pats.append(Pattern(f"{name}_into_shared", into_shared, _inputs(True), anchor=combine_op,
+                                form=at_tokens(False, Shared.INTO)))
+            pats.append(Pattern(f"{name}_weighted_shared", weighted_shared, _weighted_inputs(True), free, defaults,
+                                anchor=combine_op, form=at_tokens(True, Shared.ADDED)))
+            pats.append(Pattern(f"{name}_weighted_only", weighted_only, _weighted_inputs(False), free, defaults,
+                                anchor=combine_op, form=at_tokens(True, Shared.NONE)))
+            pats.append(Pattern(f"{name}_shared", with_shared, _inputs(True), free, defaults, anchor=combine_op,
+                                form=at_tokens(False, Shared.ADDED)))
+            pats.append(Pattern(f"{name}_only", combine_only, _inputs(False), free, defaults, anchor=combine_op,
+                                form=at_tokens(False, Shared.NONE)))
 
         def bf16_rows_inputs():
             out, token, shared = _inputs(True)()
             return [out.float(), token, shared]
 
-        pats.append(Pattern(BF16_ACCUMULATION, bf16_accumulation, bf16_rows_inputs, anchor=combine_op))
+        pats.append(Pattern(BF16_ACCUMULATION, bf16_accumulation, bf16_rows_inputs, anchor=combine_op,
+                            form=FinalizeForm(Rows.AT_TOKENS, False, Shared.ADDED, "index_add", True)))
 
         def unpermute_shared(out, order, weights, shared):
             return (unpermute(out, order, weights) + shared.float()).to(shared.dtype)
 
         inverse = aten.sort.default  # argsort of the permutation
-        pats.append(Pattern(f"{UNPERMUTE}_shared", unpermute_shared, _unpermute_inputs(True), anchor=inverse))
-        pats.append(Pattern(f"{UNPERMUTE}_only", unpermute, _unpermute_inputs(False), anchor=inverse))
+        pats.append(Pattern(f"{UNPERMUTE}_shared", unpermute_shared, _unpermute_inputs(True), anchor=inverse,
+                            form=FinalizeForm(Rows.UNPERMUTE, True, Shared.ADDED)))
+        pats.append(Pattern(f"{UNPERMUTE}_only", unpermute, _unpermute_inputs(False), anchor=inverse,
+                            form=FinalizeForm(Rows.UNPERMUTE, True, Shared.NONE)))
 
         def unpermute_unweighted_shared(out, order, shared, topk):
             return (unpermute_unweighted(out, order, topk) + shared.float()).to(shared.dtype)
 
         k_free, k_default = {"topk": (aten.view.default, 0, (1, 1))}, {"topk": M // T}
         pats.append(Pattern(f"{UNWEIGHTED}_shared", unpermute_unweighted_shared, _inputs(True), k_free,
-                            k_default, anchor=inverse))
+                            k_default, anchor=inverse, form=FinalizeForm(Rows.UNPERMUTE, False, Shared.ADDED)))
         pats.append(Pattern(f"{UNWEIGHTED}_only", unpermute_unweighted, _inputs(False), k_free, k_default,
-                            anchor=inverse))
+                            anchor=inverse, form=FinalizeForm(Rows.UNPERMUTE, False, Shared.NONE)))
         # after the unpermutes, which take rows put back by a sort's inverse without that gather
         for spelling, (slot_sum, anchor) in SLOT_SUMS.items():
             def slots_shared(rows, weights, shared, slot_sum=slot_sum):
                 return (slot_sum(rows, weights) + shared.float()).to(shared.dtype)
 
-            pats.append(Pattern(f"{PER_SLOT}_{spelling}_shared", slots_shared, _slot_inputs(True), anchor=anchor))
+            pats.append(Pattern(f"{PER_SLOT}_{spelling}_shared", slots_shared, _slot_inputs(True), anchor=anchor,
+                                form=FinalizeForm(Rows.PER_SLOT, True, Shared.ADDED, spelling)))
 
         def slots_unweighted_shared(rows, shared):
             return (unweighted_slot_sum(rows) + shared.float()).to(shared.dtype)
 
         pats.append(Pattern(f"{PER_SLOT}_unweighted_shared", slots_unweighted_shared, _slot_inputs(False),
-                            anchor=aten.sum.dim_IntList))
+                            anchor=aten.sum.dim_IntList, form=FinalizeForm(Rows.PER_SLOT, False, Shared.ADDED)))
         return pats
 
     def tokens(self, m):
-        if m.pattern.name.startswith(PER_SLOT):
+        form = m.pattern.form
+        if form.rows is Rows.PER_SLOT:
             return m.inputs[0].meta["val"].shape[0]
-        if m.pattern.name.startswith(UNWEIGHTED):
+        if form.rows is Rows.UNPERMUTE and not form.weighted:
             return m.inputs[0].meta["val"].shape[0] // m.free["topk"]
-        if m.pattern.name.endswith(INTO_SHARED) or m.pattern.name == BF16_ACCUMULATION:
+        if form.rows is Rows.UNPERMUTE:
+            return m.inputs[2].meta["val"].shape[0]
+        if form.shared is Shared.INTO or form.bf16_accumulation:
             return m.inputs[-1].meta["val"].shape[0]
-        return m.inputs[2].meta["val"].shape[0] if m.pattern.name.startswith(UNPERMUTE) else m.free["num_tokens"]
+        return m.free["num_tokens"]
 
     def check(self, m):
-        if m.pattern.name == BF16_ACCUMULATION:
+        if m.pattern.form.bf16_accumulation:
             return ("the combine accumulates in bf16 (index_add_ into a bf16 zeros_like, then the shared expert added "
                     "in bf16: a rounding per row and per step), the op in fp32 with one rounding: another function, "
                     "not fused")
-        if m.pattern.name.startswith(UNPERMUTE) and not sort_permutation(m.inputs[1]):
+        if m.pattern.form.rows is Rows.UNPERMUTE and not sort_permutation(m.inputs[1]):
             return (f"%{m.inputs[1].name} is not the indices of a sort of {m.inputs[0].meta['val'].shape[0]} values, so "
                     "its argsort need not be its inverse permutation: the unpermute is not the op's combine")
         return None
 
     def replacement(self, m):
-        if m.pattern.name.startswith(PER_SLOT):
+        form = m.pattern.form
+        if form.rows is Rows.PER_SLOT:
             rows, *weights, shared = m.inputs
             t, k, dim = rows.meta["val"].shape
             pair_rows = Derived(aten.reshape.default, (rows, [t * k, dim]))
@@ -237,13 +290,13 @@ class MoeFinalizePass(FusionPass):
             token = pair_tokens(Derived(aten.select.int, (pair_rows, 1, 0)), k)
             args = (pair_rows, token, shared, t, pair_weights, self.config.kernel)
             return Replacement(torch.ops.dsv41.moe_finalize.default, args, (None,))
-        if m.pattern.name.startswith(UNWEIGHTED):
+        if form.rows is Rows.UNPERMUTE and not form.weighted:
             out, order, *shared = m.inputs
             k = m.free["topk"]
             token = Derived(aten.div.Tensor_mode, (order, k), (("rounding_mode", "floor"),))
             args = (out, token, shared[0] if shared else None, self.tokens(m), None, self.config.kernel)
             return Replacement(torch.ops.dsv41.moe_finalize.default, args, (None,))
-        if m.pattern.name.startswith(UNPERMUTE):
+        if form.rows is Rows.UNPERMUTE:
             out, order, weights, *shared = m.inputs
             t, k = weights.meta["val"].shape
             token = Derived(aten.div.Tensor_mode, (order, k), (("rounding_mode", "floor"),))
@@ -251,8 +304,7 @@ class MoeFinalizePass(FusionPass):
             args = (out, token, shared[0] if shared else None, t, row_weights, self.config.kernel)
             return Replacement(torch.ops.dsv41.moe_finalize.default, args, (None,))
         out, token = m.inputs[:2]
-        weighted = "_weighted" in m.pattern.name
-        weights = m.inputs[2] if weighted else None
-        shared = m.inputs[3 if weighted else 2] if m.pattern.name.endswith("_shared") else None
+        weights = m.inputs[2] if form.weighted else None
+        shared = m.inputs[3 if form.weighted else 2] if form.shared is not Shared.NONE else None
         args = (out, token, shared, self.tokens(m), weights, self.config.kernel)
         return Replacement(torch.ops.dsv41.moe_finalize.default, args, (None,))

@@ -26,6 +26,8 @@ holds each pair's row and could write it out instead, saving that sort.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +37,18 @@ from dsv41.passes.matcher import Pattern
 M, E = 18, 8
 aten, prims = torch.ops.aten, torch.ops.prims
 UNSTABLE = "unstable_argsort"
+
+
+@dataclass(frozen=True)
+class MetadataForm:
+    """A formulation of the routing metadata: `counts`, how the per-expert counts are written ("scatter_add",
+    "index_add": ones accumulated into zeros; "one_hot": one_hot(...).sum(0)); `int32_counts`, int32 counts summed by
+    cumsum(dtype=int32), the model's (else int64 counts whose cumsum is cast); `stable`, the argsort stable (else
+    declined: equal ids in any order)."""
+
+    counts: str
+    int32_counts: bool
+    stable: bool = True
 
 
 def _inputs():
@@ -70,6 +84,10 @@ def _one_hot(flat_experts, num_experts, dtype):
     return F.one_hot(flat_experts, num_experts).sum(0)
 
 
+# the counts of each MetadataForm.counts
+COUNTS = {"scatter_add": _scatter_add, "index_add": _index_add, "one_hot": _one_hot}
+
+
 def unstable_argsort(flat_experts, flat_weights, topk, num_experts):
     """The model's metadata with an unstable argsort (declined: equal ids in any order)."""
     order = torch.argsort(flat_experts)
@@ -79,6 +97,7 @@ def unstable_argsort(flat_experts, flat_weights, topk, num_experts):
 
 class MoeMetadataPass(FusionPass):
     name = "moe_metadata"
+    form_type = MetadataForm
     int_ranges = {"flat_experts": lambda metas, free: (0, free["num_experts"])}
 
     def patterns(self):
@@ -86,21 +105,22 @@ class MoeMetadataPass(FusionPass):
         by_full = {"topk": topk, "num_experts": (aten.full.default, 0, (0, 0))}
         by_iota = {"topk": topk, "num_experts": (prims.iota.default, 0, 0)}
         defaults = {"topk": 6, "num_experts": E}
-        stable = aten.sort.stable
-        forms = [("model", _formulation(_scatter_add, True), by_full, stable),
-                 ("index_add", _formulation(_index_add, True), by_full, stable),
-                 ("scatter_add_int64", _formulation(_scatter_add, False), by_full, stable),
-                 ("index_add_int64", _formulation(_index_add, False), by_full, stable),
-                 ("one_hot", _formulation(_one_hot, False), by_iota, stable),
-                 (UNSTABLE, unstable_argsort, by_full, aten.sort.default)]
-        return [Pattern(name, search, _inputs, free, defaults, anchor=anchor, optional_outputs=1)
-                for name, search, free, anchor in forms]
+        forms = [("model", MetadataForm("scatter_add", True), by_full),
+                 ("index_add", MetadataForm("index_add", True), by_full),
+                 ("scatter_add_int64", MetadataForm("scatter_add", False), by_full),
+                 ("index_add_int64", MetadataForm("index_add", False), by_full),
+                 ("one_hot", MetadataForm("one_hot", False), by_iota),
+                 (UNSTABLE, MetadataForm("scatter_add", False, stable=False), by_full)]
+        return [Pattern(name, _formulation(COUNTS[form.counts], form.int32_counts) if form.stable else unstable_argsort,
+                        _inputs, free, defaults, anchor=aten.sort.stable if form.stable else aten.sort.default,
+                        optional_outputs=1, form=form)
+                for name, form, free in forms]
 
     def tokens(self, m):
         return m.inputs[0].meta["val"].shape[0] // m.free["topk"]
 
     def check(self, m):
-        if m.pattern.name == UNSTABLE:
+        if not m.pattern.form.stable:
             return ("an unstable argsort orders the pairs of one expert in any order, so its rows (token, "
                     "row_weights) are not the stable order's: a different computation, not fused")
         return None

@@ -13,6 +13,8 @@ call is; the op computes on the weight's fp32 values either way (`dsv41.lowering
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -39,8 +41,17 @@ def route_no_temperature(h, gate_w, bias, topk, route_scale):
     return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * route_scale, experts
 
 
+@dataclass(frozen=True)
+class RouteForm:
+    """A formulation of the router: `temperature`, the router logits divided by gate_temp (else no division: a model
+    that has none, valid when gate_temp == 1)."""
+
+    temperature: bool
+
+
 class MoeRoutePass(FusionPass):
     name = "moe_route"
+    form_type = RouteForm
     tolerance = {torch.float32: (1e-7, 1e-6)}  # the weights, normalised in another fp32 order
 
     def patterns(self):
@@ -54,10 +65,11 @@ class MoeRoutePass(FusionPass):
             return route_no_temperature(h, gate_w, bias, topk, c.route_scale)
 
         variants = (_fp32_weight_inputs,)
-        pats = [Pattern("route", route, _inputs, free, defaults, variants, anchor=aten.topk.default)]
+        pats = [Pattern("route", route, _inputs, free, defaults, variants, anchor=aten.topk.default,
+                        form=RouteForm(temperature=True))]
         if c.gate_temp == 1.0:
             pats.append(Pattern("route_no_temperature", route_plain, _inputs, free, defaults, variants,
-                                anchor=aten.topk.default))
+                                anchor=aten.topk.default, form=RouteForm(temperature=False)))
         return pats
 
     def replacement(self, m):

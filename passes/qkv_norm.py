@@ -14,6 +14,10 @@ the op's qkv input.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
 
@@ -21,9 +25,27 @@ from dsv41.models import functional as fn
 from dsv41.passes.complex_arith import left_after, per_token, restate_failure
 from dsv41.passes.fusion import Derived, FusionPass, Replacement
 from dsv41.passes.matcher import Pattern, same_value
-from dsv41.passes.mhc_post_pre import BF16_NORM, norm_rounding, rms_norm_bf16_then_weight, rms_norm_functional
+from dsv41.passes.mhc_post_pre import NORMS, Norm
 
 T, QD, KVD, RD = 3, 32, 64, 16
+
+
+class KvTail(enum.Enum):
+    """What follows kv's RMSNorm in the fused chain: nothing, the RoPE, or the RoPE and the FP8 fake quantisation."""
+
+    NONE = "none"
+    ROPE = "rope"
+    ROPE_FP8 = "rope_fp8"
+
+
+@dataclass(frozen=True)
+class QkvNormForm:
+    """A formulation of the q and kv norms: `tail`, what follows kv's norm; `split`, q and kv from two GEMM outputs
+    (else slices of the merged one); `norm`, how both RMSNorms are written."""
+
+    tail: KvTail
+    split: bool
+    norm: Norm
 
 
 def _inputs():
@@ -50,13 +72,13 @@ def _split_inputs():
 
 class QkvNormPass(FusionPass):
     name = "qkv_norm"
+    form_type = QkvNormForm
     tolerance = {torch.bfloat16: (1e-6, 2.0**-7)}  # one bf16 ulp (a norm whose weight product rounds differently)
 
     def patterns(self):
         eps, block = self.config.norm_eps, self.config.fp8_block
         out = []
-        for norm_name, norm in (("", fn.rms_norm), ("_F_rms_norm", rms_norm_functional),
-                                (BF16_NORM, rms_norm_bf16_then_weight)):
+        for norm_form, (norm_name, norm) in NORMS.items():
             def bare(qkv, q_w, kv_w, norm=norm):
                 q_dim = q_w.shape[0]
                 return norm(qkv[:, :q_dim], q_w, eps), norm(qkv[:, q_dim:], kv_w, eps)
@@ -80,15 +102,15 @@ class QkvNormPass(FusionPass):
                 qr, kv = split_rope(q, kv, q_w, kv_w, cos, sin)
                 return qr, fn.fp8_fake_quant(kv, block)
 
-            rsqrt = torch.ops.aten.rsqrt.default
-            out += [Pattern(f"q_kv_norm_rope_fp8{norm_name}", rope_fp8, _inputs, anchor=rsqrt),
-                    Pattern(f"q_kv_norm_rope{norm_name}", rope, _inputs, anchor=rsqrt),
-                    Pattern(f"q_kv_norm_none{norm_name}", bare, lambda: _inputs()[:3], anchor=rsqrt),
-                    Pattern(f"q_kv_norm_rope_fp8_split{norm_name}", split_rope_fp8, _split_inputs, anchor=rsqrt,
-                            guard=_one_activation),
-                    Pattern(f"q_kv_norm_rope_split{norm_name}", split_rope, _split_inputs, anchor=rsqrt, guard=_one_activation),
-                    Pattern(f"q_kv_norm_none_split{norm_name}", split_bare, lambda: _split_inputs()[:4], anchor=rsqrt,
-                            guard=_one_activation)]
+            forms = ((KvTail.ROPE_FP8, False, rope_fp8, _inputs), (KvTail.ROPE, False, rope, _inputs),
+                     (KvTail.NONE, False, bare, lambda: _inputs()[:3]),
+                     (KvTail.ROPE_FP8, True, split_rope_fp8, _split_inputs),
+                     (KvTail.ROPE, True, split_rope, _split_inputs),
+                     (KvTail.NONE, True, split_bare, lambda: _split_inputs()[:4]))
+            out += [Pattern(f"q_kv_norm_{tail.value}{'_split' if split else ''}{norm_name}", search, inputs,
+                            anchor=torch.ops.aten.rsqrt.default, guard=_one_activation if split else None,
+                            form=QkvNormForm(tail, split, norm_form))
+                    for tail, split, search, inputs in forms]
         return out
 
     def sample_inputs(self, m, draws):
@@ -103,24 +125,23 @@ class QkvNormPass(FusionPass):
 
     def wider(self, index):
         """A RoPE formulation is widened by its RoPE + FP8 one (same norm, same layout)."""
-        names = [p.name for p in self._patterns.patterns]
-        wide = names[index].replace("q_kv_norm_rope", "q_kv_norm_rope_fp8", 1)
-        return (names.index(wide),) if "_fp8" not in names[index] and wide in names else ()
+        forms = [p.form for p in self._patterns.patterns]
+        if forms[index].tail is not KvTail.ROPE:
+            return ()
+        return (forms.index(dataclasses.replace(forms[index], tail=KvTail.ROPE_FP8)),)
 
     def replacement(self, m):
-        tail = m.pattern.name.split("q_kv_norm_")[1].removesuffix("_F_rms_norm").removesuffix(BF16_NORM)
-        split = tail.endswith("_split")
-        tail = tail.removesuffix("_split")
-        if split:
+        form = m.pattern.form
+        if form.split:
             q, kv, q_w, kv_w = m.inputs[:4]
             qkv, rest = Derived(torch.ops.aten.cat.default, ([q, kv], 1)), m.inputs[4:6]
         else:
             (qkv, q_w, kv_w), rest = m.inputs[:3], m.inputs[3:5]
         tokens = qkv.meta["val"].shape[0]
-        cos, sin = (per_token(table, tokens) for table in rest) if tail != "none" else (None, None)
-        block = self.config.fp8_block if tail == "rope_fp8" else 0
+        cos, sin = (per_token(table, tokens) for table in rest) if form.tail is not KvTail.NONE else (None, None)
+        block = self.config.fp8_block if form.tail is KvTail.ROPE_FP8 else 0
         op = torch.ops.dsv41.qkv_norm.default
-        args = (qkv, q_w, kv_w, cos, sin, self.config.norm_eps, block, norm_rounding(m.pattern.name), self.config.kernel)
+        args = (qkv, q_w, kv_w, cos, sin, self.config.norm_eps, block, form.norm.rounding, self.config.kernel)
         return Replacement(op, args, (0, 1))
 
     def explain(self, failure, graph):

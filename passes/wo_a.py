@@ -12,6 +12,8 @@ table's sin): the same rotation, bit for bit (a negation is exact).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dsv41.models import functional as fn
@@ -63,20 +65,33 @@ def wo_a_bmm_negated_angle(o, cos, sin_negated, w):
     return grouped_bmm(fn.apply_rope_tail(o, cos, sin_negated), w)
 
 
+@dataclass(frozen=True)
+class WoAForm:
+    """A formulation of the inverse RoPE + grouped projection: `contraction`, the grouped product's spelling
+    ("einsum" or "bmm"); `negated_angle`, the inverse rotation as a forward one by a table of the negated angle
+    (else the model's `inverse=True`)."""
+
+    contraction: str
+    negated_angle: bool
+
+
 class WoAPass(FusionPass):
     name = "wo_a"
+    form_type = WoAForm
     tolerance = {torch.bfloat16: (1e-2, 2.0**-7)}  # a bf16 GEMM summed in another order: one bf16 ulp
 
     def patterns(self):
         variants = (_inputs(1, G), _inputs(T, 1), _inputs(1, 1))
         contraction = (torch.ops.aten.bmm.default, torch.ops.aten.mm.default)
-        return [Pattern(f.__name__, f, _inputs(T, G), variants=variants, anchor=contraction)
-                for f in (wo_a_einsum, wo_a_bmm, wo_a_einsum_negated_angle, wo_a_bmm_negated_angle)]
+        forms = ((wo_a_einsum, WoAForm("einsum", False)), (wo_a_bmm, WoAForm("bmm", False)),
+                 (wo_a_einsum_negated_angle, WoAForm("einsum", True)), (wo_a_bmm_negated_angle, WoAForm("bmm", True)))
+        return [Pattern(f.__name__, f, _inputs(T, G), variants=variants, anchor=contraction, form=form)
+                for f, form in forms]
 
     def replacement(self, m):
         o, cos, sin, w = m.inputs
         cos, sin = (per_token(table, o.meta["val"].shape[0]) for table in (cos, sin))
-        if m.pattern.name.endswith("_negated_angle"):
+        if m.pattern.form.negated_angle:
             sin = Derived(torch.ops.aten.neg.default, (sin,))
         groups = _groups(o.meta["val"], w.meta["val"])
         return Replacement(torch.ops.dsv41.wo_a.default, (o, cos, sin, w, groups, self.config.kernel), (None,))
