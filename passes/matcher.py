@@ -1262,7 +1262,8 @@ class PatternSet:
         key = (pat.name, keys)
         if key not in self._shape_ok:
             try:
-                pat.search(*[_fake_like(b) for b in bound], **pat.free_defaults)
+                with quiet_fake_tensor():  # (the compile's fake mode is active: it would log each refused op)
+                    pat.search(*[_fake_like(b) for b in bound], **pat.free_defaults)
                 self._shape_ok[key] = True
             except Exception:
                 self._shape_ok[key] = False

@@ -118,6 +118,8 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -1380,67 +1382,104 @@ def _erase_unused(graph: fx.Graph, nodes) -> None:
             graph.erase_node(n)
 
 
-def _local_forms(graph: fx.Graph) -> int:
-    changed = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
-        if _rotate_every_two(graph, node) or _copies_as_repeat(graph, node) or _pointwise_above_repeat(graph, node):
-            changed += 1
-            continue
-        changed += _scalar_overload(node) + _fused_arith(graph, node) + _gemm_plus_input(graph, node)
-        changed += _scatter_reduce_sum(node) + _gather_1d(node) + _ldexp(graph, node)
-        if _tensor_literal(graph, node):
-            changed += 1
-            continue
-        changed += _clamp_by_constants(graph, node)
-        changed += _extremum_with_constant(graph, node) + _one_sided_clamp(node)
-        changed += _sum_of_widening_cast(graph, node) + _gather_of_broadcast_rows(graph, node)
-        if _remainder_in_range(node) or _clone_of_contiguous(node):
-            graph.erase_node(node)
-            changed += 1
-            continue
-        if _integer_round_trip(graph, node):
-            changed += 1
-            continue
-        changed += _sort_of_lossless_narrowing(graph, node)
-        if _slice_update_as_cat(graph, node) or _sorted_prefix_as_topk(graph, node) \
-                or _scatter_by_permutation(graph, node) or _copy_as_value(graph, node):
-            changed += 1
-            continue
-        changed += _piece_of_split(graph, node) + _implicit_promotion(graph, node)
-        changed += _fill_defaults(node)
-        if node.target is aten._unsafe_view.default:
-            node.target = aten.view.default
-            changed += 1
-        changed += _canonical_args(node)
-        changed += _view_of_full(node)
-        changed += _add_of_neg(node) + _square(node) + _negation(node) + _max_values(graph, node) + _keepdim(graph, node)
-        changed += _keepdim_dropped(graph, node) + _clamp_before_e4m3(graph, node) + _times_reciprocal(graph, node)
-        if _narrow_product_of_casts(graph, node):
-            changed += 1
-            continue
-        if _times_one(node):
-            graph.erase_node(node)
-            changed += 1
-            continue
-        if _is_noop(node):
-            node.replace_all_uses_with(node.args[0])
-            graph.erase_node(node)
-            changed += 1
-    return changed
-
-
-def normalize_graph(graph: fx.Graph) -> int:
-    """Rewrite `graph` in place (to a fixed point); returns the number of nodes changed."""
-    total = 0
+def normalize_graph(graph: fx.Graph, phases: Sequence[Sequence["Rule"]] | None = None) -> int:
+    """Rewrite `graph` in place by the rules of `PHASES` (or `phases`): per sweep each phase's rules on every node in
+    graph order, sweep after sweep until none applies (at most `_SWEEPS`); returns the rewrites made. The local
+    rewrites run before the canonical ones: some local rules (the GPT-J RoPE) read the spelling the canonical layout
+    rules would change (`docs/matching.md`: the rules are not yet confluent)."""
     setattr(graph, _SEQ_FIRST, _seq_first_batches(graph))
-    for _ in range(4):
-        changed = _local_forms(graph) + _canonical_forms(graph)
+    total = 0
+    for _ in range(_SWEEPS):
+        changed = 0
+        for rules in PHASES if phases is None else phases:
+            applicable = _by_op(rules)
+            changed += sum(_rewrite_node(graph, node, applicable) for node in list(graph.nodes))
+        _erase_dead_layout(graph)
         total += changed
         if not changed:
             break
     return total
+
+
+_SWEEPS = 8  # sweeps until no rule applies: the model and the foreign blocks need at most 4
+
+
+def _by_op(rules: Sequence["Rule"]) -> Callable:
+    """op -> the rules that may apply at it, in table order (cached)."""
+    cache: dict = {}
+
+    def applicable(target) -> tuple:
+        if target not in cache:
+            cache[target] = tuple(r for r in rules if (not r.roots or target in r.roots) and target not in r.skip)
+        return cache[target]
+    return applicable
+
+
+def _rewrite_node(graph: fx.Graph, node: fx.Node, applicable: Callable) -> int:
+    """The rules that may apply at node's op, in order, each that applies: until one says the node is done (`last`),
+    or the node is erased or becomes another op (the rules for that op run in the next sweep). A layout op without
+    users is left to be erased."""
+    if node._erased or node.op != "call_function" or not node.users and node.target in _LAYOUT_OPS:
+        return 0
+    target, changed = node.target, 0
+    for rule in applicable(target):
+        done = rule.rewrite(graph, node)
+        changed += int(done)
+        if done and rule.last or node._erased or node.target is not target:
+            break
+    return changed
+
+
+def _erase_dead_layout(graph: fx.Graph) -> None:
+    """Layout ops and negations the rules left without users."""
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and not node.users and node.target in (*_LAYOUT_OPS, *_NOTS, aten.neg.default):
+            graph.erase_node(node)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rewrite, declared once: at a node whose op is in `roots` (any op where `roots` is empty, but those in
+    `skip`), `rewrite(graph, node)` rewrites the graph and returns True (or how many operands it rewrote), or returns
+    False and changes nothing. The rule's function states in its docstring the equality it uses and why it is exact;
+    its unit tests are in tests/passes/test_normalize.py."""
+
+    name: str
+    rewrite: Callable[[fx.Graph, fx.Node], bool | int]
+    roots: tuple = ()
+    skip: tuple = ()
+    last: bool = False  # where it applies, no later rule of its phase runs at the node in that sweep
+
+
+def _at(test: Callable[[fx.Node], bool | int]) -> Callable[[fx.Graph, fx.Node], bool | int]:
+    """A rule of a function of the node alone."""
+    return lambda graph, node: test(node)
+
+
+def _erasing(test: Callable[[fx.Node], bool]) -> Callable[[fx.Graph, fx.Node], bool]:
+    """A rule of a test that a node equals its input (its users already moved there): the node erased."""
+    def rewrite(graph: fx.Graph, node: fx.Node) -> bool:
+        if not test(node):
+            return False
+        graph.erase_node(node)
+        return True
+    return rewrite
+
+
+def _noop(graph: fx.Graph, node: fx.Node) -> bool:
+    """A view or expand to the input's own shape, a full-range slice, a cast to the input's own dtype, an alias: the
+    input itself."""
+    if not _is_noop(node):
+        return False
+    node.replace_all_uses_with(node.args[0])
+    graph.erase_node(node)
+    return True
+
+
+def _reshape_form(graph: fx.Graph, node: fx.Node) -> bool:
+    """`_unsafe_view` is `view` (the same op on a functional graph)."""
+    node.target = aten.view.default
+    return True
 
 
 # ---- exact canonical rewrites: layout chains, broadcast-only unsqueezes, negated where ---------------
@@ -1637,9 +1676,19 @@ def _permute_without_units(graph: fx.Graph, node: fx.Node) -> bool:
 
 def _drop_broadcast_views(node: fx.Node) -> bool:
     """An operand of a broadcasting op viewed only to add leading size-1 dims is the operand itself."""
+    args = _without_broadcast_views(node)
+    if args is None:
+        return False
+    node.args = args
+    return True
+
+
+def _without_broadcast_views(node: fx.Node) -> tuple | None:
+    """node's args with each operand viewed only to add leading size-1 dims (that the others' broadcasting adds
+    anyway) replaced by the view's input; None where there is none."""
     out = _val(node)
     if not _static(out):
-        return False
+        return None
     args, changed = list(node.args), False
     for i, a in enumerate(args):
         if not (isinstance(a, fx.Node) and a.op == "call_function" and a.target is aten.view.default):
@@ -1655,9 +1704,7 @@ def _drop_broadcast_views(node: fx.Node) -> bool:
         if list(torch.broadcast_shapes(*others, sv.shape)) != list(out.shape):
             continue
         args[i], changed = src, True
-    if changed:
-        node.args = tuple(args)
-    return changed
+    return tuple(args) if changed else None
 
 
 def _swap_operand(graph: fx.Graph, node: fx.Node, i: int, new: fx.Node) -> bool:
@@ -2773,63 +2820,84 @@ def _counts_in_cumsum_dtype(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
-def _canonical_forms(graph: fx.Graph) -> int:
-    changed = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.graph is not graph or not node.users and node.target in _LAYOUT_OPS:
-            continue
-        if node.target in _LAYOUT_OPS:
-            if _canonicalise_layout(graph, node) or _cast_below_merge(graph, node) or _permute_without_units(graph, node) \
-                    or _pointwise_between_views(graph, node):
-                changed += 1
-                continue
-        elif node.target is aten.neg.default and _neg_before_view(graph, node):
-            changed += 1
-        elif node.target is prims.convert_element_type.default and (_cast_of_merge_with_units(graph, node)
-                                                                     or _cast_above_expand(graph, node)):
-            changed += 1
-            continue
-        elif _view_below_pointwise(graph, node):
-            changed += 1
-        elif _split_rows(graph, node):
-            changed += 1
-            continue
-        elif node.target is aten.select.int and _select_as_strided_slice(graph, node):
-            changed += 1
-            continue
-        elif node.target is aten.slice.Tensor and _cast_after_slice(graph, node):
-            changed += 1
-            continue
-        elif _sink_units(graph, node):
-            changed += 1
-            continue
-        elif node.target is aten.bmm.default and (_single_batch_bmm(graph, node) or _vector_on_the_left(graph, node)):
-            changed += 1
-            continue
-        elif node.target is aten.add.Tensor and _add_of_constant_where(graph, node):
-            changed += 1
-            continue
-        elif node.target is aten.sum.dim_IntList and (_routing_map_counts(graph, node)
-                                                      or _reduced_over_columns(graph, node)):
-            changed += 1
-            continue
-        elif (node.target is aten.histc.default and _histc_of_indices(graph, node)
-              or node.target is aten.cumsum.default and (_cumsum_of_exact_cast(graph, node)
-                                                         or _counts_in_cumsum_dtype(graph, node))
-              or node.target in _SEARCHES and _searchsorted_as_counts(graph, node)
-              or node.target is aten.scatter_add.default and _counts_of_permuted(graph, node)
-              or node.target is aten.index.Tensor and (_lookup_by_iota_as_slice(graph, node)
-                                                       or _lookup_of_lookup(graph, node)
-                                                       or _lookup_of_pair_tokens(graph, node)
-                                                       or _lookup_by_pair_tokens(graph, node))):
-            changed += 1
-            continue
-        elif node.target in _BROADCASTING:
-            changed += _drop_broadcast_views(node) + _full_as_scalar(graph, node) + _unit_slice_as_select(graph, node)
-            changed += _drop_broadcast_expands(graph, node)
-            if node.target is aten.where.self:
-                changed += _where_not(graph, node)
-    for node in reversed(list(graph.nodes)):  # layout ops and negations left without users
-        if node.op == "call_function" and not node.users and node.target in (*_LAYOUT_OPS, *_NOTS, aten.neg.default):
-            graph.erase_node(node)
-    return changed
+
+# ---- the rules, by the op they rewrite at ----------------------------------------------------------------------
+# first, per sweep: spellings of single ops and small local forms
+LOCAL_RULES: tuple[Rule, ...] = (
+    Rule("rotate_every_two", _rotate_every_two, (aten.add.Tensor,), last=True),
+    Rule("copies_as_repeat", _copies_as_repeat, (aten.cat.default,), last=True),
+    Rule("pointwise_above_repeat", _pointwise_above_repeat, _ABOVE_REPEAT, last=True),
+    Rule("scalar_overload", _at(_scalar_overload)),
+    Rule("fused_arith", _fused_arith),
+    Rule("gemm_plus_input", _gemm_plus_input),
+    Rule("scatter_reduce_sum", _at(_scatter_reduce_sum), (aten.scatter_reduce.two,)),
+    Rule("gather_1d", _at(_gather_1d), (aten.gather.default,)),
+    Rule("ldexp", _ldexp, (aten.ldexp.Tensor,)),
+    Rule("tensor_literal", _tensor_literal, last=True),
+    Rule("clamp_by_constants", _clamp_by_constants),
+    Rule("extremum_with_constant", _extremum_with_constant),
+    Rule("one_sided_clamp", _at(_one_sided_clamp), (aten.clamp.default,)),
+    Rule("sum_of_widening_cast", _sum_of_widening_cast, (aten.sum.dim_IntList,)),
+    Rule("gather_of_broadcast_rows", _gather_of_broadcast_rows, (aten.gather.default,)),
+    Rule("remainder_in_range", _erasing(_remainder_in_range), (aten.remainder.Scalar,)),
+    Rule("clone_of_contiguous", _erasing(_clone_of_contiguous), (aten.clone.default,)),
+    Rule("integer_round_trip", _integer_round_trip, (prims.convert_element_type.default,), last=True),
+    Rule("sort_of_lossless_narrowing", _sort_of_lossless_narrowing),
+    Rule("slice_update_as_cat", _slice_update_as_cat, (aten.slice_scatter.default,), last=True),
+    Rule("sorted_prefix_as_topk", _sorted_prefix_as_topk, (aten.slice.Tensor,), last=True),
+    Rule("scatter_by_permutation", 
+         _scatter_by_permutation, (aten.index_put.default, aten.index_put_.default), last=True),
+    Rule("copy_as_value", _copy_as_value, (aten.copy.default,), last=True),
+    Rule("piece_of_split", _piece_of_split),
+    Rule("implicit_promotion", _implicit_promotion, _PROMOTING),
+    Rule("fill_defaults", _at(_fill_defaults), _DEFAULTS_FILLED),
+    Rule("reshape_form", _reshape_form, (aten._unsafe_view.default,)),
+    Rule("canonical_args", _at(_canonical_args)),
+    Rule("view_of_full", _at(_view_of_full), (aten.view.default,)),
+    Rule("add_of_neg", _at(_add_of_neg), (aten.add.Tensor,)),
+    Rule("square", _at(_square), (aten.mul.Tensor,)),
+    Rule("negation", _at(_negation)),
+    Rule("max_values", _max_values),
+    Rule("keepdim", _keepdim, (aten.unsqueeze.default,)),
+    Rule("keepdim_dropped", _keepdim_dropped, (aten.view.default,)),
+    Rule("clamp_before_e4m3", _clamp_before_e4m3),
+    Rule("times_reciprocal", _times_reciprocal, (aten.mul.Tensor,)),
+    Rule("narrow_product_of_casts", _narrow_product_of_casts, (aten.mul.Tensor,), last=True),
+    Rule("times_one", _erasing(_times_one), (aten.mul.Tensor,)),
+    Rule("noop", _noop),
+)
+# then, per sweep: layout chains, broadcast-only views, casts and counts in canonical form
+CANONICAL_RULES: tuple[Rule, ...] = (
+    Rule("canonical_layout", _canonicalise_layout, _LAYOUT_OPS, last=True),
+    Rule("cast_below_merge", _cast_below_merge, _LAYOUT_OPS, last=True),
+    Rule("permute_without_units", _permute_without_units, _LAYOUT_OPS, last=True),
+    Rule("pointwise_between_views", _pointwise_between_views, _LAYOUT_OPS, last=True),
+    Rule("neg_before_view", _neg_before_view, (aten.neg.default,), last=True),
+    Rule("cast_of_merge_with_units", _cast_of_merge_with_units, (prims.convert_element_type.default,), last=True),
+    Rule("cast_above_expand", _cast_above_expand, (prims.convert_element_type.default,), last=True),
+    Rule("view_below_pointwise", _view_below_pointwise, skip=_LAYOUT_OPS, last=True),
+    Rule("split_rows", _split_rows, skip=_LAYOUT_OPS, last=True),
+    Rule("select_as_strided_slice", _select_as_strided_slice, (aten.select.int,), last=True),
+    Rule("cast_after_slice", _cast_after_slice, (aten.slice.Tensor,), last=True),
+    Rule("sink_units", _sink_units, skip=_LAYOUT_OPS, last=True),
+    Rule("single_batch_bmm", _single_batch_bmm, (aten.bmm.default,), last=True),
+    Rule("vector_on_the_left", _vector_on_the_left, (aten.bmm.default,), last=True),
+    Rule("add_of_constant_where", _add_of_constant_where, (aten.add.Tensor,), last=True),
+    Rule("routing_map_counts", _routing_map_counts, (aten.sum.dim_IntList,), last=True),
+    Rule("reduced_over_columns", _reduced_over_columns, (aten.sum.dim_IntList,), last=True),
+    Rule("histc_of_indices", _histc_of_indices, (aten.histc.default,), last=True),
+    Rule("cumsum_of_exact_cast", _cumsum_of_exact_cast, (aten.cumsum.default,), last=True),
+    Rule("counts_in_cumsum_dtype", _counts_in_cumsum_dtype, (aten.cumsum.default,), last=True),
+    Rule("searchsorted_as_counts", _searchsorted_as_counts, _SEARCHES, last=True),
+    Rule("counts_of_permuted", _counts_of_permuted, (aten.scatter_add.default,), last=True),
+    Rule("lookup_by_iota_as_slice", _lookup_by_iota_as_slice, (aten.index.Tensor,), last=True),
+    Rule("lookup_of_lookup", _lookup_of_lookup, (aten.index.Tensor,), last=True),
+    Rule("lookup_of_pair_tokens", _lookup_of_pair_tokens, (aten.index.Tensor,), last=True),
+    Rule("lookup_by_pair_tokens", _lookup_by_pair_tokens, (aten.index.Tensor,), last=True),
+    Rule("drop_broadcast_views", _at(_drop_broadcast_views), _BROADCASTING),
+    Rule("full_as_scalar", _full_as_scalar, _BROADCASTING),
+    Rule("unit_slice_as_select", _unit_slice_as_select, _BROADCASTING),
+    Rule("drop_broadcast_expands", _drop_broadcast_expands, _BROADCASTING),
+    Rule("where_not", _where_not, (aten.where.self,)),
+)
+PHASES = (LOCAL_RULES, CANONICAL_RULES)
