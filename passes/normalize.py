@@ -9,7 +9,7 @@
 - dims: negative dimension arguments become non-negative (`unsqueeze(-2)` on a 2-d input is `unsqueeze(1)`), and
   so do slice bounds (`x[:, :-1]` is `x[:, :n - 1]`; an end at or past the size is "to the end");
 - defaults: trailing positional defaults of reductions, top-k and sort are written out (`topk(x, k)` is
-  `topk(x, k, -1, True, True)`), and an unsorted top-k is the sorted one (its order is unspecified);
+  `topk(x, k, -1, True, True)`);
 - layout chains: a chain of views, unsqueezes, squeezes and permutes is at most one permute and one view of its
   root (one-step and two-step reshapes, `x[:, None]` and `x.unsqueeze(1)` are one form);
 - broadcasting: an operand viewed only to add leading size-1 dims is the operand itself, an operand `expand`ed to
@@ -1466,21 +1466,6 @@ def _erasing(test: Callable[[fx.Node], bool]) -> Callable[[fx.Graph, fx.Node], b
     return rewrite
 
 
-def _unsorted_topk(node: fx.Node) -> bool:
-    """topk(x, k, d, largest, sorted=False) leaves the order of its k picks unspecified (each index with its value);
-    the sorted order is one such order, so topk(..., sorted=True) is a value of it (TensorRT-LLM's routing and
-    indexer select so). Exact up to that order, which nothing may rely on."""
-    if node.target is not aten.topk.default:
-        return False
-    if len(node.args) >= 5 and node.args[4] is False:
-        node.args = (*node.args[:4], True)
-        return True
-    if node.kwargs.get("sorted") is False:
-        node.kwargs = {**node.kwargs, "sorted": True}
-        return True
-    return False
-
-
 def _noop(graph: fx.Graph, node: fx.Node) -> bool:
     """A view or expand to the input's own shape, a full-range slice, a cast to the input's own dtype, an alias: the
     input itself."""
@@ -2865,7 +2850,6 @@ LOCAL_RULES: tuple[Rule, ...] = (
     Rule("copy_as_value", _copy_as_value, (aten.copy.default,), last=True),
     Rule("piece_of_split", _piece_of_split),
     Rule("implicit_promotion", _implicit_promotion, _PROMOTING),
-    Rule("unsorted_topk", _at(_unsorted_topk), (aten.topk.default,)),
     Rule("fill_defaults", _at(_fill_defaults), _DEFAULTS_FILLED),
     Rule("reshape_form", _reshape_form, (aten._unsafe_view.default,)),
     Rule("canonical_args", _at(_canonical_args)),

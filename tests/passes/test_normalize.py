@@ -1616,20 +1616,3 @@ def test_sort_of_a_lossless_narrowing_is_the_sort_of_the_wide_values(stable):
             else:
                 assert torch.equal(g, w)
 
-
-def test_an_unsorted_topk_is_the_sorted_one():
-    """topk(..., sorted=False) becomes topk(..., sorted=True): the same picks, each index with its value, in the
-    descending order the unsorted form leaves open; a sorted top-k is left as it is."""
-    def f(s, b):
-        w, i = torch.topk(s + b, 4, dim=-1, sorted=False)
-        return w, i, torch.topk(s, 2, dim=-1).indices
-
-    g = gen(3)
-    x = (torch.randn(3, 16, generator=g), torch.randn(16, generator=g))
-    gm = normalized(f, *x)
-    topks = [n for n in gm.graph.nodes if n.target is aten.topk.default]
-    assert len(topks) == 2 and all(tuple(n.args[2:]) == (1, True, True) for n in topks)
-    (w, i, i2), (w_e, i_e, i2_e) = gm(*x), f(*x)
-    order = torch.argsort(w_e, dim=-1, descending=True)
-    assert torch.equal(w, torch.gather(w_e, -1, order)) and torch.equal(i, torch.gather(i_e, -1, order))
-    assert torch.equal(i2, i2_e)
