@@ -38,7 +38,8 @@ dsv41 backend (its default settings), each
 and for dsv41: the sites fused per fusion (`reports[...].matches`, with the formulation that fused) against the
 sites the block's test module declares, every decline / near-miss / narrowed record and note, the `dsv41::` op
 calls of one profiled compiled step (torch.profiler events whose name starts with `dsv41::`; ops lowered to their
-references by Inductor run as Triton kernels and are not counted), and whether a graph fell back.
+references by Inductor run as Triton kernels and are not counted), and whether a graph fell back. On a GPU both
+variants' profiled step also gives its device-kernel time and longest kernels (`kernel_us`, `kernels`).
 
 Writes `<out>/<tag>.json` and `<out>/<tag>.png` (step-time and compile-time ratio dsv41 / Inductor per block) after
 each block, and prints a table last. Exit status 1 when a variant failed or dsv41 disagreed with eager (plain Inductor's
@@ -351,6 +352,14 @@ BLOCKS: tuple[ForeignBlock, ...] = (
                      o_groups=s.o_groups, o_rank=s.o_rank, n_experts=s.experts, topk=s.topk, inter=s.inter,
                      index_heads=s.index_heads, index_dim=s.index_dim, index_topk=s.index_topk),
                  _cos_sin_block(_with_length, _batch_length), _sites("tutorial_style", "T_SITES"), _window),
+    ForeignBlock("trtllm", "trtllm_style",
+                 lambda m, s: m.TrtllmStyleBlock(dim=s.dim, hc=s.hc, heads=s.heads, head_dim=s.head_dim,
+                                                 rope_dim=s.rope_dim, q_rank=s.q_lora, groups=s.o_groups,
+                                                 o_rank=s.o_rank, window=s.window, index_heads=s.index_heads,
+                                                 index_dim=s.index_dim, index_topk=s.index_topk, experts=s.experts,
+                                                 topk=s.topk, inter=s.inter, max_position=s.max_position),
+                 lambda m, block, s, b, g: list(m.inputs(INPUT_SEED, block, b=b, max_rows=s.context)),
+                 _sites("test_trtllm_style", "ONE_REQUEST_SITES")),
     ForeignBlock("vllm", "vllm_style",
                  lambda m, s: m.VllmStyleBlock(d=s.dim, kv_dim=s.head_dim, **_attention_kwargs(s)),
                  _vllm_inputs, _sites("vllm_style", "T_SITES"), _window),
@@ -491,8 +500,13 @@ def call_us(step: Callable, inputs: list, calls: int) -> float:
     return statistics.median(times)
 
 
-def dsv41_op_calls(step: Callable, inputs: list, device: torch.device) -> int:
-    """`dsv41::` op calls in one profiled step: host events whose name starts with `dsv41::`."""
+TOP_KERNELS = 12
+
+
+def profile_step(step: Callable, inputs: list, device: torch.device) -> dict:
+    """One profiled step: its `dsv41::` op calls (host events whose name starts with `dsv41::`) and, on a GPU, its
+    device kernels: their summed time (`kernel_us`, one eager-launched step, so it excludes launch gaps a CUDA graph
+    removes) and the `TOP_KERNELS` longest kernel names with their time and launches (`kernels`)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -501,7 +515,20 @@ def dsv41_op_calls(step: Callable, inputs: list, device: torch.device) -> int:
         step(*inputs)
         if device.type == "cuda":
             torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == DeviceType.CPU and e.name.startswith("dsv41::"))
+    events = prof.events()
+    row: dict = {"dsv41_op_calls": sum(1 for e in events
+                                       if e.device_type == DeviceType.CPU and e.name.startswith("dsv41::"))}
+    if device.type == "cuda":
+        per_name: dict[str, list] = {}
+        for e in events:
+            if e.device_type == DeviceType.CUDA:
+                entry = per_name.setdefault(e.name[:160], [0.0, 0])
+                entry[0] += e.device_time
+                entry[1] += 1
+        top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+        row["kernel_us"] = round(sum(us for us, _ in per_name.values()), 1)
+        row["kernels"] = [{"name": n, "us": round(us, 1), "launches": k} for n, (us, k) in top]
+    return row
 
 
 def _kernel_stats() -> dict | None:
@@ -603,8 +630,8 @@ def run_variant(name: str, block: torch.nn.Module, inputs: list, eager_out, devi
                 row["kernel_cache"] = {k: round(kernels_after[k] - kernels_before[k], 2) for k in kernels_after}
             if name == "dsv41":
                 row.update(fusion_summary(backend.reports))
-                _log(f"  {name}: profiling a step")
-                row["dsv41_op_calls"] = dsv41_op_calls(step, inputs, device)
+            _log(f"  {name}: profiling a step")
+            row.update(profile_step(step, inputs, device))
             with progress(f"  {name}: {'capturing and replaying' if cuda else 'timing plain calls'} ({replays})"):
                 if cuda:
                     from dsv41.cuda_graphs import replay_us
