@@ -294,6 +294,18 @@ def _jax_config(s):
     return cfg
 
 
+def _engine_kwargs(s: BlockSizes) -> dict:
+    """The constructor arguments of the serving-engine-style blocks (paged, trtllm)."""
+    return dict(dim=s.dim, hc=s.hc, heads=s.heads, head_dim=s.head_dim, rope_dim=s.rope_dim, q_rank=s.q_lora,
+                groups=s.o_groups, o_rank=s.o_rank, window=s.window, index_heads=s.index_heads,
+                index_dim=s.index_dim, index_topk=s.index_topk, experts=s.experts, topk=s.topk, inter=s.inter,
+                max_position=s.max_position)
+
+
+def _engine_inputs(m, block, s, b, g):
+    return list(m.inputs(INPUT_SEED, block, b=b, max_rows=s.context))
+
+
 def _batch(b):
     return (b,)
 
@@ -331,12 +343,7 @@ BLOCKS: tuple[ForeignBlock, ...] = (
                  lambda m, s: m.ModuleStyleBlock(d=s.dim, kv_dim=s.head_dim, **_attention_kwargs(s)),
                  _complex_inputs, _sites("module_style", "T_SITES"), _window),
     ForeignBlock("paged", "paged_style",
-                 lambda m, s: m.PagedStyleBlock(dim=s.dim, hc=s.hc, heads=s.heads, head_dim=s.head_dim,
-                                                rope_dim=s.rope_dim, q_rank=s.q_lora, groups=s.o_groups,
-                                                o_rank=s.o_rank, window=s.window, index_heads=s.index_heads,
-                                                index_dim=s.index_dim, index_topk=s.index_topk, experts=s.experts,
-                                                topk=s.topk, inter=s.inter, max_position=s.max_position),
-                 lambda m, block, s, b, g: list(m.inputs(INPUT_SEED, block, b=b, max_rows=s.context)),
+                 lambda m, s: m.PagedStyleBlock(**_engine_kwargs(s)), _engine_inputs,
                  _sites("test_paged_style", "SITES")),
     ForeignBlock("ref", "ref_style", lambda m, s: m.RefStyleBlock(_ref_args(m, s)),
                  _positions_block(_token_major, _batch), _sites("ref_style", "T_SITES")),
@@ -353,12 +360,7 @@ BLOCKS: tuple[ForeignBlock, ...] = (
                      index_heads=s.index_heads, index_dim=s.index_dim, index_topk=s.index_topk),
                  _cos_sin_block(_with_length, _batch_length), _sites("tutorial_style", "T_SITES"), _window),
     ForeignBlock("trtllm", "trtllm_style",
-                 lambda m, s: m.TrtllmStyleBlock(dim=s.dim, hc=s.hc, heads=s.heads, head_dim=s.head_dim,
-                                                 rope_dim=s.rope_dim, q_rank=s.q_lora, groups=s.o_groups,
-                                                 o_rank=s.o_rank, window=s.window, index_heads=s.index_heads,
-                                                 index_dim=s.index_dim, index_topk=s.index_topk, experts=s.experts,
-                                                 topk=s.topk, inter=s.inter, max_position=s.max_position),
-                 lambda m, block, s, b, g: list(m.inputs(INPUT_SEED, block, b=b, max_rows=s.context)),
+                 lambda m, s: m.TrtllmStyleBlock(**_engine_kwargs(s)), _engine_inputs,
                  _sites("test_trtllm_style", "ONE_REQUEST_SITES")),
     ForeignBlock("vllm", "vllm_style",
                  lambda m, s: m.VllmStyleBlock(d=s.dim, kv_dim=s.head_dim, **_attention_kwargs(s)),
