@@ -9,7 +9,10 @@ import operator
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, const_expr
+
+FP8_MAX = 448.0  # the largest e4m3 value
+FP8_AMAX_FLOOR = 1e-4  # the amax clamp of the model's ``fp8_fake_quant``
 
 
 @cute.jit
@@ -169,3 +172,44 @@ def mma_m16n8k16(acc: list, a: list, b: list) -> list:
         "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
         write_only_types=[Float32] * 4, read_only_args=[*a, *b, *acc])
     return list(d)
+
+
+@cute.jit
+def bf16_round(v: Float32) -> Float32:
+    """v rounded to bf16 (round to nearest even) and back."""
+    return Float32(BFloat16(v))
+
+
+@cute.jit
+def exponent_up(x: Float32) -> Int32:
+    """The biased exponent of 2^ceil(log2(x)) for a positive normal fp32 x (the model's ``_pow2_ceil``)."""
+    bits = float_bits(x)
+    return ((bits >> 23) & Int32(0xFF)) + Int32((bits & Int32(0x7FFFFF)) != 0)
+
+
+@cute.jit
+def pow2(exponent: Int32) -> Float32:
+    """The fp32 2^(exponent - 127) (a biased exponent in [1, 254])."""
+    t = cute.make_rmem_tensor((1,), Int32)
+    t[0] = exponent << 23
+    return cute.recast_tensor(t, Float32)[0]
+
+
+@cute.jit
+def fp8_fake_quant(vals: cute.Tensor, lanes: cutlass.Constexpr[int]) -> cute.TensorSSA:
+    """The model's ``fp8_fake_quant`` of one quantisation block held by ``lanes`` aligned lanes (a power of two),
+    each holding the fp32 register tensor ``vals`` [n] (overwritten): amax over the block (butterfly over the
+    lanes), s = 2^ceil(log2(max(amax, 1e-4) / 448)) from the bit pattern, and e4m3(clamp(v / s, +-448)) * s as
+    fp32 (v / s computed as v * 2^-e, the same exact value). Every lane of the warp must call it."""
+    amax = cute.math.absf(vals[0])
+    for i in cutlass.range_constexpr(1, cute.size(vals)):
+        amax = cute.arch.fmax(amax, cute.math.absf(vals[i]))
+    for level in cutlass.range_constexpr(lanes.bit_length() - 1):
+        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << level))
+    scaled = cute.arch.fmax(amax, Float32(FP8_AMAX_FLOOR)) * Float32(1.0 / FP8_MAX)
+    exponent = exponent_up(scaled)
+    scale = pow2(exponent)
+    inv_scale = pow2(Int32(254) - exponent)
+    for i in cutlass.range_constexpr(cute.size(vals)):
+        vals[i] = cute.arch.fmin(cute.arch.fmax(vals[i] * inv_scale, Float32(-FP8_MAX)), Float32(FP8_MAX))
+    return vals.load().to(cutlass.Float8E4M3FN).to(Float32) * scale

@@ -58,8 +58,6 @@ _CHUNK = 32  # columns per k-chunk: 4 lanes x one 16-byte vector
 _VEC = 8  # bf16 per 16-byte vector
 _MAX_WARPS = 8
 _MAX_GROUP = 4  # chunks of loads in flight per warp
-_FP8_MAX = 448.0
-_AMAX_FLOOR = 1e-4
 
 
 def _warps(k: int) -> int:
@@ -169,8 +167,8 @@ class ExpertGemm:
                     col = i % self.cols
                     if row < end:
                         if const_expr(self.swiglu):
-                            g_val = _bf16_round(self.warp_sum(sAcc, i // self.cols, col))
-                            u_val = _bf16_round(self.warp_sum(sAcc, i // self.cols, col + 8))
+                            g_val = cute_utils.bf16_round(self.warp_sum(sAcc, i // self.cols, col))
+                            u_val = cute_utils.bf16_round(self.warp_sum(sAcc, i // self.cols, col + 8))
                             g_val = cute.arch.fmin(g_val, limit)
                             u_val = cute.arch.fmin(cute.arch.fmax(u_val, -limit), limit)
                             silu = g_val / (Float32(1.0) + cute.math.exp(-g_val))
@@ -218,48 +216,15 @@ def _expert_slice(mW: cute.Tensor, expert: Int32) -> cute.Tensor:
 
 
 @cute.jit
-def _bf16_round(v: Float32) -> Float32:
-    """v rounded to bf16 (round to nearest even) and back: the model's bf16 GEMM output."""
-    return Float32(BFloat16(v))
-
-
-@cute.jit
 def _quantised_pairs(src: cute.Tensor, pred) -> list:
     """The lane's 8 bf16 of a row's 32-column chunk (zeros where ``pred`` is False) after the FP8 fake quantisation
     of the chunk, as 4 Int32 bf16-pair registers; the chunk's amax is shared over the lane's quad."""
     vals = cute.make_rmem_tensor((_VEC,), Float32)
     vals.store(cute_utils.load_vec(src, Float32, pred=pred))
-    amax = cute.math.absf(vals[0])
-    for i in cutlass.range_constexpr(1, _VEC):
-        amax = cute.arch.fmax(amax, cute.math.absf(vals[i]))
-    for level in cutlass.range_constexpr(2):  # over the quad's lanes 4r .. 4r + 3
-        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << level))
-    scaled = cute.arch.fmax(amax, Float32(_AMAX_FLOOR)) * Float32(1.0 / _FP8_MAX)
-    exponent = _exponent_up(scaled)
-    scale = _pow2(exponent)
-    inv_scale = _pow2(Int32(254) - exponent)
-    for i in cutlass.range_constexpr(_VEC):
-        vals[i] = cute.arch.fmin(cute.arch.fmax(vals[i] * inv_scale, Float32(-_FP8_MAX)), Float32(_FP8_MAX))
-    fp8 = vals.load().to(cutlass.Float8E4M3FN).to(Float32)
     out = cute.make_rmem_tensor((_VEC,), BFloat16)
-    out.store((fp8 * scale).to(BFloat16))
+    out.store(cute_utils.fp8_fake_quant(vals, 4).to(BFloat16))
     pairs = cute.recast_tensor(out, Int32)
     return [pairs[i] for i in range(_VEC // 2)]
-
-
-@cute.jit
-def _exponent_up(x: Float32) -> Int32:
-    """The biased exponent of 2^ceil(log2(x)) for a positive normal fp32 x (the model's ``_pow2_ceil``)."""
-    bits = cute_utils.float_bits(x)
-    return ((bits >> 23) & Int32(0xFF)) + Int32((bits & Int32(0x7FFFFF)) != 0)
-
-
-@cute.jit
-def _pow2(exponent: Int32) -> Float32:
-    """The fp32 2^(exponent - 127) (a biased exponent in [1, 254])."""
-    t = cute.make_rmem_tensor((1,), Int32)
-    t[0] = exponent << 23
-    return cute.recast_tensor(t, Float32)[0]
 
 
 def config_reason(dim: int, inter: int, experts: int, quant_block: int) -> str | None:

@@ -34,6 +34,36 @@ def _validate(qkv, q_weight, kv_weight, cos, sin, eps, quant_block, norm_roundin
     return device, dims
 
 
+# A kernel's outputs against the reference on the same inputs (`_kernels.checking`): the kernels sum the squares in
+# another order and take an approximate rsqrt, so a bf16 output may round to a neighbour (two roundings under
+# "bf16_then_weight": up to 2^-6 relative). Through the RoPE a neighbour moves a rotated element by up to 2^-7 of its
+# pair's magnitude (which cancellation may make large against the element), and through the FP8 step by one e4m3
+# step (2^-3 relative, or 2^-9 of the block's scale <= 2^-7 of the row's largest entry below the normal range).
+# Only a few elements may differ at all: a wrong rounding mode moves about half of them.
+KERNEL_TOL = {"qr": (2.0**-6, 1e-5, 0.01), "kv": (2.0**-3, 2.0**-6, 0.02)}  # name -> (rtol, atol x row max, fraction)
+
+
+def compare_kernel(got, want) -> str | None:
+    """None when qr and kv of a kernel are within KERNEL_TOL of the reference's (NaN only where it has NaN), else
+    why not: |got - want| <= rtol |want| + atol (for kv: atol x the row's largest |want|), at most the fraction (or
+    4) of elements differing at all."""
+    for (name, (rtol, atol, frac)), g, w in zip(KERNEL_TOL.items(), got, want, strict=True):
+        if g.dtype != w.dtype or g.shape != w.shape:
+            return f"{name}: {g.dtype}{list(g.shape)} vs the reference's {w.dtype}{list(w.shape)}"
+        g32, w32 = g.float(), w.float()
+        bound = atol * (w32.abs().amax(dim=-1, keepdim=True).nan_to_num(0.0) if name == "kv" and w32.numel() else 1.0)
+        if not torch.equal(g32.isnan(), w32.isnan()):
+            return f"{name}: NaN at {(g32.isnan() != w32.isnan()).sum().item()} entries where the reference has none"
+        err = (g32 - w32).abs().nan_to_num(0.0)
+        if bool((err > bound + rtol * w32.abs().nan_to_num(0.0)).any()):
+            return (f"{name}: max |kernel - reference| {err.max().item():.3g} beyond rtol={rtol:g} "
+                    f"atol={atol:g}{' x row max' if name == 'kv' else ''}")
+        differing = ((g32 != w32) & ~w32.isnan()).sum().item()
+        if differing > max(4, frac * g.numel()):
+            return f"{name}: {differing} of {g.numel()} elements differ (at most {frac:.0%})"
+    return None
+
+
 def reference(qkv, q_weight, kv_weight, cos, sin, eps, quant_block, norm_rounding="fp32_weight"):
     """Plain torch, the model's own functions in the model's order (the RMSNorms rounded as `norm_rounding` says)."""
     q_dim = q_weight.shape[0]

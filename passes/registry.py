@@ -29,7 +29,7 @@ FUSIONS = (
     Fusion("moe_finalize", kernel="moe_finalize"),
     Fusion("allreduce_mhc", kernel="mhc_post_pre"),
     Fusion("mhc_post_pre", kernel="mhc_post_pre"),
-    Fusion("qkv_norm"),
+    Fusion("qkv_norm", kernel="qkv_norm"),
     Fusion("wo_a"),
     Fusion("indexer_topk", kernel="indexer_topk"),
     Fusion("moe_route", kernel="moe_route"),

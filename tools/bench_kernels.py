@@ -1,7 +1,8 @@
 """`dsv41 bench kernels`: time each CuTe DSL kernel against its reference subgraph, eager and Inductor-compiled.
 
 For every op and token count T, each variant -- ``dsv41`` (the kernel), ``inductor`` (the reference functions of
-``dsv41.models.functional``, or the op's reference for ``moe_experts``, ``moe_metadata`` and ``moe_finalize``, under
+``dsv41.models.functional``, or the op's reference for ``qkv_norm``, ``moe_experts``, ``moe_metadata`` and
+``moe_finalize``, under
 ``torch.compile(mode="max-autotune-no-cudagraphs", fullgraph=True)``, in the
 default mode for ``moe_experts`` and ``indexer_topk``: see their ops) and
 ``eager`` (the same functions, uncompiled) -- is captured in one CUDA graph that calls it once per input set, round
@@ -117,6 +118,31 @@ def _post_pre_op(cfg) -> Op:
         reference=reference,
         kernel=lambda y, x, post, comb, pre, w, pdl=True, cluster_n=None: mhc_post_pre(
             y, x, post, comb, pre, w, eps=cfg.norm_eps, pdl=pdl, cluster_n=cluster_n),
+    )
+
+
+def _qkv_norm_op(cfg) -> Op:
+    """The q and kv norms of one layer as the decode has them: the KV RoPE on the trailing rd dims and the FP8 fake
+    quantisation per fp8_block; the Inductor and eager variants are the op's reference (the model's functions)."""
+    from dsv41.kernels.qkv_norm import qkv_norm
+    from dsv41.lowerings.qkv_norm import reference
+
+    q_dim, kv_dim, rd = cfg.q_lora_rank, cfg.head_dim, cfg.rope_head_dim
+    scalars = dict(eps=cfg.norm_eps, quant_block=cfg.fp8_block)
+
+    def make_inputs(t, g):
+        angle = torch.rand(t, rd // 2, generator=g) * 6.283
+        return [(3 * torch.randn(t, q_dim + kv_dim, generator=g)).bfloat16(),
+                (1 + 0.1 * torch.randn(q_dim, generator=g)).bfloat16(),
+                (1 + 0.1 * torch.randn(kv_dim, generator=g)).bfloat16(), angle.cos(), angle.sin()]
+
+    return Op(
+        name="qkv_norm",
+        make_inputs=make_inputs,
+        # read qkv, both weights, cos and sin; write qr and kv
+        nbytes=lambda t: t * (q_dim + kv_dim) * 2 + (q_dim + kv_dim) * 2 + t * rd * 4 + t * (q_dim + kv_dim) * 2,
+        reference=lambda qkv, qw, kvw, cos, sin: reference(qkv, qw, kvw, cos, sin, **scalars),
+        kernel=lambda qkv, qw, kvw, cos, sin, pdl=True: qkv_norm(qkv, qw, kvw, cos, sin, **scalars, pdl=pdl),
     )
 
 
@@ -271,8 +297,9 @@ def _indexer_op(cfg, columns: int, visible: float = 1.0) -> Op:
     )
 
 
-OPS = {"mhc_coeffs": _coeffs_op, "mhc_post_pre": _post_pre_op, "moe_route": _route_op, "moe_experts": _experts_op,
-       "moe_metadata": _metadata_op, "moe_finalize": _finalize_op, "indexer_topk": _indexer_op}
+OPS = {"mhc_coeffs": _coeffs_op, "mhc_post_pre": _post_pre_op, "qkv_norm": _qkv_norm_op, "moe_route": _route_op,
+       "moe_experts": _experts_op, "moe_metadata": _metadata_op, "moe_finalize": _finalize_op,
+       "indexer_topk": _indexer_op}
 COLUMN_OPS = ("indexer_topk",)  # built per --columns width
 DEFAULT_COLUMNS = "4096,65536,524288,1048576"
 

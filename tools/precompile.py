@@ -20,14 +20,18 @@ def kernels_for(cfg, max_context: int | None = None) -> list[tuple[str, object]]
     """(label, thunk that compiles or loads it) for every kernel a decode step of ``cfg`` uses; the indexer's top-K
     launches depend on the key-cache length, so they are listed only with the model's ``max_context``."""
     from dsv41.kernels import (indexer_topk, mhc_coeffs, mhc_post_pre, moe_experts, moe_finalize, moe_metadata,
-                               moe_route)
+                               moe_route, qkv_norm)
     route = (cfg.dim, cfg.n_routed_experts, cfg.n_activated_experts)
     experts = (cfg.dim, cfg.moe_inter_dim, cfg.n_routed_experts, cfg.fp8_block)
+    norms = (cfg.q_lora_rank, cfg.head_dim, cfg.rope_head_dim, cfg.fp8_block)
     builds = [
         (f"mhc_coeffs(D={cfg.dim}, iters={cfg.hc_sinkhorn_iters})",
          lambda: mhc_coeffs.compile_for(cfg.dim, cfg.hc_sinkhorn_iters)),
         *[(f"mhc_post_pre(D={cfg.dim}, {n} CTA per token)", lambda n=n: mhc_post_pre.compile_for(cfg.dim, cluster_n=n))
           for n in sorted({mhc_post_pre.cluster_for(cfg.dim, t) for t in (1, mhc_post_pre.LARGE_TOKENS)})],
+        # the q/kv norms with the window KV's RoPE and FP8 step, as the model has them
+        *([(f"qkv_norm(q={norms[0]}, kv={norms[1]}, rd={norms[2]}, quant_block={norms[3]})",
+            lambda: qkv_norm.compile_for(*norms))] if not isinstance(qkv_norm.layout(*norms), str) else []),
         # a kernel without a build for the config (the tiny one) leaves its op on the reference
         *([(f"moe_route(D={route[0]}, E={route[1]}, k={route[2]})", lambda: moe_route.compile_for(*route))]
           if moe_route.config_reason(*route) is None else []),

@@ -13,8 +13,8 @@ def _labels(config, max_context=None):
 
 def test_flash_lists_every_kernel_and_the_indexer_only_with_a_context():
     without = _labels("flash")
-    assert [label.split("(")[0] for label in without] == ["mhc_coeffs", "mhc_post_pre", "mhc_post_pre", "moe_route",
-                                                           "moe_metadata", "moe_experts", "moe_finalize",
+    assert [label.split("(")[0] for label in without] == ["mhc_coeffs", "mhc_post_pre", "mhc_post_pre", "qkv_norm",
+                                                           "moe_route", "moe_metadata", "moe_experts", "moe_finalize",
                                                            "moe_finalize"]
     cfg = get_config("flash")
     max_context = 4224
@@ -32,8 +32,9 @@ def test_flash_lists_every_kernel_and_the_indexer_only_with_a_context():
 
 def test_tiny_leaves_out_what_has_no_build():
     # the router kernel needs D % 1024 == 0 and the indexer kernel 32 heads of 128: the tiny config has neither
-    assert [label.split("(")[0] for label in _labels("tiny", 4224)] == ["mhc_coeffs", "mhc_post_pre", "moe_metadata",
-                                                                         "moe_experts", "moe_finalize", "moe_finalize"]
+    assert [label.split("(")[0] for label in _labels("tiny", 4224)] == ["mhc_coeffs", "mhc_post_pre", "qkv_norm",
+                                                                         "moe_metadata", "moe_experts", "moe_finalize",
+                                                                         "moe_finalize"]
 
 
 def test_bad_max_context_is_a_usage_error(capsys):
