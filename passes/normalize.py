@@ -1744,10 +1744,13 @@ def _drop_broadcast_expands(graph: fx.Graph, node: fx.Node) -> bool:
 def _cast_above_expand(graph: fx.Graph, node: fx.Node) -> bool:
     """`convert_element_type(expand(a, shape), d)` is `expand(convert_element_type(a, d), shape)`: a cast is
     elementwise and expand repeats elements, so the two commute (exact); the cast then reads the unexpanded value,
-    whose expand a broadcasting user may drop (`_drop_broadcast_expands`)."""
+    whose expand a broadcasting user may drop (`_drop_broadcast_expands`). Only where the cast has such a user:
+    otherwise the cast keeps reading the expanded value, as a pattern's cast of an input reads it (the residual
+    streams of a model's first layer are its embedding expanded over the streams)."""
     ex = node.args[0]
     if not (isinstance(ex, fx.Node) and ex.op == "call_function" and ex.target is aten.expand.default
-            and isinstance(ex.args[0], fx.Node) and _static(_val(ex.args[0])) and _static(_val(node))):
+            and isinstance(ex.args[0], fx.Node) and _static(_val(ex.args[0])) and _static(_val(node))
+            and any(u.target in _BROADCASTING for u in node.users)):
         return False
     cast = _insert(graph, node, node.target, (ex.args[0], *node.args[1:]), node.kwargs, source=node)
     expanded = _insert(graph, node, aten.expand.default, (cast, list(_val(node).shape)), source=node)

@@ -235,10 +235,26 @@ def op_group(key: str, input_shapes: list, weights: dict[tuple, str], on_device:
     return key
 
 
-def profile_breakdown(step, tokens, positions, model, top=8) -> list[dict]:
+# the op groups (`op_group`) whose kernels stream the weights that set the floor, besides each linear's GEMM
+WEIGHT_STREAMING_OPS = ("dsv41::moe_experts", "dsv41::wo_a", "gemm routed experts")
+
+
+def fixed_cost(totals: dict[str, float], weights: dict[tuple, str], n_layers: int) -> dict:
+    """The step's kernel time outside the weight-streaming kernels, per layer: every group of `totals` (us per step,
+    `op_group`'s groups) but the linears' GEMMs (`gemm <module>` of `weights`, the head's included) and
+    `WEIGHT_STREAMING_OPS`, divided by the layers (what lies outside the layers, the embedding's gather and the final
+    norm, is counted in with them)."""
+    streaming = set(WEIGHT_STREAMING_OPS) | {f"gemm {name}" for name in weights.values()}
+    weight_us = sum(us for g, us in totals.items() if g in streaming)
+    other_us = sum(us for g, us in totals.items() if g not in streaming)
+    return {"weight_streaming_us": round(weight_us, 2), "other_us": round(other_us, 2),
+            "other_us_per_layer": round(other_us / n_layers, 2)}
+
+
+def profile_breakdown(step, tokens, positions, model, n_layers: int, top=8) -> tuple[list[dict], dict]:
     """Self CUDA time of the dsv41 step's ops, grouped by model module (dsv41 ops by fusion name, GEMMs by the
     weight they read, Inductor kernels as glue), from direct calls (which keep the op that launched each
-    kernel)."""
+    kernel): the `top` groups, and the time outside the weight-streaming kernels (`fixed_cost`)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -260,7 +276,7 @@ def profile_breakdown(step, tokens, positions, model, top=8) -> list[dict]:
         if group is not None:
             totals[group] += cuda_us / 5
     rows = sorted(totals.items(), key=lambda kv: -kv[1])
-    return [{"group": g, "us": round(us, 2)} for g, us in rows[:top]]
+    return [{"group": g, "us": round(us, 2)} for g, us in rows[:top]], fixed_cost(totals, weights, n_layers)
 
 
 @contextlib.contextmanager
@@ -386,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             return lambda f: torch.compile(f, mode=mode, fullgraph=True, dynamic=False)
         return lambda f: torch.compile(f, backend=make_backend(**variant_config(name)), fullgraph=True, dynamic=False)
 
-    rows, floors, breakdown, overlap = [], {}, {}, {}
+    rows, floors, breakdown, fixed, overlap = [], {}, {}, {}, {}
 
     def save() -> dict:
         """Write the JSON and plot so far (a long run that is cut short keeps what it measured)."""
@@ -396,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                   "tier1_gate_layers": agreement.TIER1_GATE_LAYERS, "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
                   "rows": rows, "floors": {str(k): v for k, v in floors.items()},
                   "breakdown": {str(k): v for k, v in breakdown.items()},
+                  "fixed_cost": {str(k): v for k, v in fixed.items()},
                   "stream_overlap": {str(k): v for k, v in overlap.items()}}
         write_result(result, args.out, args.tag)
         return result
@@ -468,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"(layer {check.forced_layer}), {check.kernel_calls} fused-op calls checked; start "
                          f"{row['start_s']:.0f} s {row['cache_counters']}")
                     if name == "dsv41" and not args.no_profile:
-                        breakdown[batch] = profile_breakdown(step, tokens_pool[0], positions, model)
+                        breakdown[batch], fixed[batch] = profile_breakdown(step, tokens_pool[0], positions, model,
+                                                                           n_layers)
                         if batch in (1, 8):
                             trace = os.path.join(args.out, f"{args.tag}_trace_b{batch}.json")
                             os.makedirs(args.out, exist_ok=True)
@@ -513,10 +531,10 @@ def merge(parts: list[dict]) -> dict:
     result["copy_bandwidth_GBps_by_part"] = [{"pairs": sorted({(r["batch"], r["variant"]) for r in p["rows"]}),
                                               "GBps": p["copy_bandwidth_GBps"]} for p in parts]
     result["rows"] = sorted((r for p in parts for r in p["rows"]), key=lambda r: r["batch"])
-    for key in ("floors", "breakdown", "stream_overlap"):
+    for key in ("floors", "breakdown", "fixed_cost", "stream_overlap"):
         result[key] = {}
         for p in parts:
-            for b, v in p[key].items():
+            for b, v in p.get(key, {}).items():
                 result[key].setdefault(b, v)
     return result
 
@@ -552,6 +570,9 @@ def print_table(result: dict) -> None:
         print(f"\ndsv41 step at batch {b}: top op groups (us per step)")
         for r in rows[:5]:
             print(f"  {r['us']:>9.1f}  {r['group']}")
+        fixed = result.get("fixed_cost", {}).get(b)
+        if fixed is not None:
+            print(f"  outside the weight-streaming kernels: {fixed['other_us_per_layer']:.1f} us per layer")
 
 
 def _plot(result: dict, path: str) -> None:

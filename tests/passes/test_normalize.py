@@ -1538,6 +1538,21 @@ def test_a_cast_of_an_expand_is_the_expand_of_the_cast():
     assert torch.equal(gm(*args), f(*args))
 
 
+def test_a_cast_of_an_expand_without_a_broadcasting_user_stays():
+    """A model's first layer: its residual streams are the embedding expanded over them, `e[:, None].expand(T, hc,
+    D)`, and `.float()` of them feeds a bmm (no broadcasting op could drop the expand), so the cast keeps reading the
+    expanded value, as a fusion pattern's cast of its streams input reads it; bit for bit."""
+    def f(e, comb):
+        return torch.bmm(comb, e.unsqueeze(1).expand(-1, 4, -1).to(torch.float32))
+
+    g = gen(0)
+    args = (torch.randn(3, 8, generator=g).to(torch.bfloat16), torch.rand(3, 4, 4, generator=g))
+    gm = normalized(f, *args)
+    (cast,) = [n for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default]
+    assert cast.args[0].target is aten.expand.default and tuple(cast.meta["val"].shape) == (3, 4, 8), gm.code
+    assert torch.equal(gm(*args), f(*args))
+
+
 def test_a_lookup_by_a_strided_arange_is_a_slice():
     """index_select(x, d, arange(start, stop, step)) in range is the strided slice of the same elements: to the
     end where that slice holds them all (x[..., 0::2], x[..., 1::2]), else ending one past the last (1, 3, 5 of 8);

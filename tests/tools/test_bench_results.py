@@ -6,7 +6,7 @@ import json
 import pytest
 
 from dsv41.models import TINY, DSV41Model
-from dsv41.tools.bench_decode import merge, module_groups, op_group, stream_overlap
+from dsv41.tools.bench_decode import fixed_cost, merge, module_groups, op_group, stream_overlap
 
 
 def _kernel(stream, ts, dur):
@@ -115,6 +115,17 @@ def test_each_kernel_is_counted_once():
     assert op_group("triton_poi_fused_add_0", [], {}, on_device=False) is None
     assert op_group("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", [], {}, on_device=True) is None
     assert op_group("## Call CompiledFxGraph fabc ##", [], {}, on_device=False) is None
+
+def test_fixed_cost_leaves_out_the_weight_streaming_kernels():
+    """The time outside the weight-streaming kernels: every group but the linears' GEMMs (by the weights they read,
+    the head's included) and the expert / wo_a ops, per layer; an activation GEMM (attention's bmm) is fixed cost."""
+    weights = {(4096, 1024): "attn.wq_a", (4096, 129280): "head"}
+    totals = {"gemm attn.wq_a": 10.0, "gemm head": 300.0, "dsv41::moe_experts": 40.0, "dsv41::wo_a": 20.0,
+              "gemm routed experts": 5.0, "gemm [(1, 64, 512), (1, 512, 640)]": 3.0, "dsv41::mhc_coeffs": 12.0,
+              "inductor glue kernels": 25.0}
+    assert fixed_cost(totals, weights, n_layers=4) == {"weight_streaming_us": 375.0, "other_us": 40.0,
+                                                        "other_us_per_layer": 10.0}
+
 
 def test_decode_variant_names():
     from dsv41.tools.bench_decode import variant_config
