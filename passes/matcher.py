@@ -322,6 +322,10 @@ class _Matcher:
             occurrences[n.target] += 1
         self.flip = flip  # keys of the commutative ops at which the walk takes the order it would not take
         self.choices: list = []  # keys of the commutative ops where the other order could also have matched
+        # the same keys, gathered since the caller last emptied it, from every walk (`run_toward`'s too, whose choice
+        # points `choices` drops): a walk that met none of `flip` here with another order that fits walks the same
+        # way under that flip (`PatternSet._structural_match` replays it)
+        self.touched: set = set()
         self.islands_on = islands
         self.steps = 0
         self.fp32_scalars = False  # the node being compared computes in fp32: its numbers compare as fp32 values
@@ -701,6 +705,8 @@ class _Matcher:
         if t.args[0] is t.args[1]:
             orders = orders[:1]
         chosen, trial, other_fits = self._pick_order(p, t, st, orders)
+        if other_fits:
+            self.touched.add(self.keys[p])
         if self.keys[p] in self.flip and other_fits:
             with contextlib.suppress(_Fail):  # (the inputs bound before may fix the order: the exact phase's)
                 _, trial, _ = self._pick_order(p, t, st, [ta for ta in orders if ta is not chosen])
@@ -1282,13 +1288,21 @@ class PatternSet:
                                       if anchor_ps & set(_ancestors(o, stop=lambda n: False))), 0)
         return self._firsts[key]
 
-    def _structural_match(self, pat: Pattern, anchor: fx.Node, islands: bool, flip: frozenset, choices: list):
+    def _structural_match(self, pat: Pattern, anchor: fx.Node, islands: bool, flip: frozenset, choices: list,
+                          walks: dict | None = None):
         """(structural matcher, state, output index, graph output node) of the first structural match whose region
         holds the anchor, or the deepest failure in the anchor's site (`_Matcher.in_site`); where no walk from an
         output failed there (each started downstream in another computation, or none found an output), the deepest
-        failure of the walk from the anchor (`_Matcher.diverge`). The walks' choice points are added to `choices`."""
+        failure of the walk from the anchor (`_Matcher.diverge`). The walks' choice points are added to `choices`.
+
+        `walks` (one `_match_one`'s): without `flip`, each walk's outcome is kept there, per structural trace and
+        output candidate, with the commutative ops it met where another order also fits (`_Matcher.touched`) and
+        the comparisons it made; with `flip`, a kept walk that met none of the flipped ops so is replayed rather than
+        walked, where the comparison budget left covers it: the walk is deterministic and takes its first
+        different step only at such an op, so it would make the same comparisons to the same outcome. (A walk that
+        ran out of budget is not kept: its outcome depends on the comparisons made before it.)"""
         failure, best, wanted, elsewhere, total, matchers = None, None, [], None, 1, []
-        for gm in self._structural[pat.name]:
+        for index, gm in enumerate(self._structural[pat.name]):
             structural = _Matcher(gm, exact=False, islands=islands, traces=lambda bound: self._traces(pat, bound),
                                   optional=pat.optional_outputs, closure_cache=self.closure_cache, flip=flip)
             total = len(structural.call_nodes)
@@ -1299,27 +1313,27 @@ class PatternSet:
             first = self._first_output(gm, structural, anchor.target)
             wanted.append(_op_name(structural.outputs[first].target))
             for cand in _cone([anchor], structural.outputs[first].target, _OUTPUTS):
-                st = _State()
-                try:
-                    st = structural.run(first, cand, st)
-                except _Fail as e:
+                kept = walks.get((index, cand)) if walks is not None and flip else None
+                if kept is not None and not kept.touched & flip and structural.steps + kept.steps <= _STEPS:
+                    structural.steps += kept.steps
+                    kind, value = kept.outcome
+                    if kind == "failure" and value is not None:
+                        value = dataclasses.replace(value)
+                else:
+                    start, structural.touched = structural.steps, set()
+                    kind, value = self._walk(structural, pat, anchor, first, cand, total)
                     _extend(choices, structural.choices)
-                    progress = max(structural.progress(st), e.progress)
-                    if not structural.in_site(e, anchor):
-                        if e.pattern_node in structural.toward(anchor.target):
-                            continue  # it failed on the way to the anchor's pattern op: this output is not the site's
-                        # it failed on another branch first: walked toward the anchor, where does it fail?
-                        e = structural.run_toward(first, cand, anchor)
-                        if e is None or not structural.in_site(e, anchor):
-                            continue  # (it matches that way, or fails outside the site again: nothing of the site)
-                        progress = e.progress
-                    if failure is None or progress / total > failure.progress / failure.total:
-                        failure = _failure(pat.name, anchor, progress, total, e)
+                    if walks is not None and not flip and structural.steps <= _STEPS:
+                        walks[index, cand] = _Walk(frozenset(structural.touched), structural.steps - start,
+                                                   (kind, value))
+                if kind == "failure":
+                    if value is not None and (failure is None or value.progress / value.total > failure.progress / failure.total):
+                        failure = value
                     continue
-                _extend(choices, structural.choices)
-                if anchor not in st.t2p and anchor not in structural.island_nodes(st):
+                if kind == "elsewhere":
                     elsewhere = elsewhere or cand
                     continue
+                st = value
                 if not st.islands:
                     return structural, st, first, cand
                 # (each match costed by its own trace's matcher: another trace's counts none of its pattern ops)
@@ -1343,6 +1357,28 @@ class PatternSet:
         return MatchFailure(pat.name, anchor.name, 0, total, "wrong op", f"no {wanted} (the pattern's output) downstream "
                             "of the anchor", None, wanted, None)
 
+    def _walk(self, structural: _Matcher, pat: Pattern, anchor: fx.Node, first: int, cand: fx.Node, total: int):
+        """One structural walk of `_structural_match`, from output candidate `cand`: ("match", state) where it
+        matches with the anchor in its region, ("elsewhere", None) where it matches without it, ("failure", the
+        MatchFailure to weigh, or None where it failed outside the anchor's site)."""
+        st = _State()
+        try:
+            st = structural.run(first, cand, st)
+        except _Fail as e:
+            progress = max(structural.progress(st), e.progress)
+            if not structural.in_site(e, anchor):
+                if e.pattern_node in structural.toward(anchor.target):
+                    return "failure", None  # it failed on the way to the anchor's pattern op: not the site's output
+                # it failed on another branch first: walked toward the anchor, where does it fail?
+                e = structural.run_toward(first, cand, anchor)
+                if e is None or not structural.in_site(e, anchor):
+                    return "failure", None  # (it matches that way, or fails outside the site again: nothing of it)
+                progress = e.progress
+            return "failure", _failure(pat.name, anchor, progress, total, e)
+        if anchor not in st.t2p and anchor not in structural.island_nodes(st):
+            return "elsewhere", None
+        return "match", st
+
     def _match_one(self, pat: Pattern, anchor: fx.Node, islands: bool) -> MatchResult | MatchFailure:
         """The match of pat at anchor, or its failure. Where the walk chose the order of a commutative op's operands
         and the other order could also have matched (a choice point), the match is retried with the other order at
@@ -1353,8 +1389,9 @@ class PatternSet:
         to choose among. So a match costs at most 1 + _FLIPS walks, not one per combination of orders; a site that
         needs the other order at two ops at once is not found."""
         choices: list = []
-        result = self._match_flipped(pat, anchor, islands, frozenset(), choices)
-        retries = (self._match_flipped(pat, anchor, islands, frozenset({key}), []) for key in choices[:_FLIPS])
+        walks: dict = {}  # the first match's walks, which a retry replays where they did not meet its flip
+        result = self._match_flipped(pat, anchor, islands, frozenset(), choices, walks)
+        retries = (self._match_flipped(pat, anchor, islands, frozenset({key}), [], walks) for key in choices[:_FLIPS])
         if isinstance(result, MatchFailure):
             retry = next((r for r in retries if isinstance(r, MatchResult)), None)
             return result if retry is None else dataclasses.replace(retry, instead=result)
@@ -1371,10 +1408,10 @@ class PatternSet:
         return result
 
     def _match_flipped(self, pat: Pattern, anchor: fx.Node, islands: bool, flip: frozenset,
-                       choices: list) -> MatchResult | MatchFailure:
+                       choices: list, walks: dict | None = None) -> MatchResult | MatchFailure:
         """The match of pat at anchor with the other operand order at the commutative ops `flip`; the walks' choice
-        points are added to `choices`."""
-        found = self._structural_match(pat, anchor, islands, flip, choices)
+        points are added to `choices` (`walks`: see `_structural_match`)."""
+        found = self._structural_match(pat, anchor, islands, flip, choices, walks)
         if isinstance(found, MatchFailure):
             return found
         structural, st, first, out_node = found
@@ -1478,6 +1515,16 @@ def _input_layouts_read_outside(inside: set, inputs_bound: set) -> frozenset:
         if t.target in _LAYOUT_OPS and all(a in inputs_bound or a in layouts for a in t.all_input_nodes):
             layouts.add(t)
     return frozenset(t for t in layouts if any(u not in inside for u in t.users))
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """A structural walk kept for retries to replay (`PatternSet._structural_match`): the commutative ops (keys)
+    it met where another order also fits, the comparisons it made, and its outcome (`PatternSet._walk`)."""
+
+    touched: frozenset
+    steps: int
+    outcome: tuple
 
 
 def _extend(keys: list, more: list) -> None:
