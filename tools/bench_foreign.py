@@ -34,7 +34,9 @@ dsv41 backend (its default settings), each
 - outputs against eager on the same inputs (`agreement`): a floating output within atol = rtol = 1.6e-2 on at
   least 99% of its elements (one bf16 ulp of an fp32 reordering; an FP8 round trip may move a bucket), an integer
   output equal on at least 99% (a near tie of fp32 index scores may swap a pick at the top-k boundary); any NaN
-  fails;
+  fails; dsv41 short of that still passes where it is no further from eager than plain Inductor (relative L2 per
+  floating output within 1.5x Inductor's or 2e-2; a block near discrete decisions, FP8 buckets or routed experts,
+  that compiled code's summation order flips);
 and for dsv41: the sites fused per fusion (`reports[...].matches`, with the formulation that fused) against the
 sites the block's test module declares, every decline / near-miss / narrowed record and note, the `dsv41::` op
 calls of one profiled compiled step (torch.profiler events whose name starts with `dsv41::`; ops lowered to their
@@ -77,6 +79,9 @@ BATCH = 1
 WARMUP = 5
 AGREE_ATOL = AGREE_RTOL = 1.6e-2
 AGREE_MIN_FRACTION = 0.99
+# dsv41 short of that share passes where no further from eager than plain Inductor (`as_close_as_inductor`), as
+# the foreign blocks' tests judge such blocks (`assert_no_further_from_eager_than_inductor`)
+AGREE_REL_L2_FACTOR, AGREE_REL_L2_FLOOR = 1.5, 2e-2
 CONTEXT = {"flash": 4096, "tiny": 24}  # compressed KV / index-key rows by --sizes (the tests' 24 at tiny)
 INPUT_SEED = 1  # the blocks draw their parameters from their constructors' default seed
 DEFAULT_FOREIGN_DIR = Path(__file__).resolve().parents[1] / "tests" / "passes" / "foreign"
@@ -468,12 +473,45 @@ def agreement(got, want) -> dict:
             if a.is_floating_point():
                 nan = bool(a.isnan().any() or b.isnan().any())
                 close = torch.isclose(a.float(), b.float(), atol=AGREE_ATOL, rtol=AGREE_RTOL)
+                norm = b.float().norm().item()
+                entry["rel_l2"] = round((a.float() - b.float()).norm().item() / norm, 6) if norm else None
             else:
                 nan, close = False, a == b
             share = close.float().mean().item() if close.numel() else 1.0
             entry.update(nan=nan, share_close=round(share, 6), ok=not nan and share >= AGREE_MIN_FRACTION)
         outputs.append(entry)
     return {"ok": all(o["ok"] for o in outputs), "outputs": outputs}
+
+
+def as_close_as_inductor(dsv41: dict, inductor: dict) -> bool:
+    """Whether dsv41's outputs, though short of `agreement`'s share, are no further from eager than plain Inductor's
+    (a block whose outputs sit near discrete decisions, an FP8 bucket or a routed expert, that the fp32 summation
+    order of compiled code flips, so that plain Inductor itself disagrees): no NaN, each floating output's relative
+    L2 distance to eager within max(AGREE_REL_L2_FACTOR x Inductor's, AGREE_REL_L2_FLOOR), each integer output at
+    least as often equal to eager's as Inductor's is."""
+    got, base = dsv41.get("outputs", []), inductor.get("outputs", [])
+    if not got or len(got) != len(base) or any(o.get("nan", True) or "why" in o for o in got):
+        return False
+    for g, b in zip(got, base):
+        if "rel_l2" in g:
+            if g["rel_l2"] is None or b.get("rel_l2") is None:
+                return False
+            if g["rel_l2"] > max(AGREE_REL_L2_FACTOR * b["rel_l2"], AGREE_REL_L2_FLOOR):
+                return False
+        elif g["share_close"] < min(b.get("share_close", 1.0), AGREE_MIN_FRACTION):
+            return False
+    return True
+
+
+def judge_against_inductor(variants: list[dict]) -> None:
+    """dsv41's row is `ok` where it disagrees with eager no more than plain Inductor does (`as_close_as_inductor`);
+    its agreement then says so (`rule`)."""
+    v = {r["variant"]: r for r in variants}
+    dsv, ind = v.get("dsv41"), v.get("inductor")
+    if (dsv and ind and dsv.get("status") == "disagrees with eager" and "agreement" in ind
+            and as_close_as_inductor(dsv["agreement"], ind["agreement"])):
+        dsv["agreement"]["rule"] = "no further from eager than plain Inductor"
+        dsv["status"] = "ok"
 
 
 def capture(step: Callable, inputs: list) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -705,6 +743,7 @@ def run_block(spec: ForeignBlock, load: Callable[[str], ModuleType], sizes: Bloc
                                            profile_dir / f"{spec.name}_{name}_compile.pstats"
                                            if profile_dir is not None and name == "dsv41" else None)
                                for name in ("inductor", "dsv41")]
+        judge_against_inductor(row["variants"])
         row["status"] = "ok" if all(v["status"] == "ok" for v in row["variants"]) else "see variants"
     except Exception as e:
         row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:400] if str(e) else ''}"
@@ -885,7 +924,10 @@ def main(argv: list[str] | None = None) -> int:
                   "parameters, buffers and inputs",
         "agreement": {"atol": AGREE_ATOL, "rtol": AGREE_RTOL, "min_share": AGREE_MIN_FRACTION,
                       "rule": "floating outputs within atol/rtol, integer outputs equal, on at least min_share of "
-                              "elements; any NaN fails"},
+                              "elements; any NaN fails; dsv41 short of that passes where no further from eager "
+                              "than plain Inductor: each floating output's relative L2 within max(factor x "
+                              "Inductor's, floor), integer outputs equal at least as often",
+                      "rel_l2_factor": AGREE_REL_L2_FACTOR, "rel_l2_floor": AGREE_REL_L2_FLOOR},
         "unknown_modules": unknown_modules(args.foreign_dir), "blocks": [],
     }
     from dsv41.config import Dsv41Config

@@ -115,3 +115,31 @@ def test_bad_arguments_are_refused_before_any_work(capsys):
 def test_cuda_without_a_gpu_says_so(capsys):
     assert bf.main(["--device", "cuda"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_dsv41_no_further_from_eager_than_inductor_passes():
+    """dsv41 short of the 99% share passes where each floating output's relative L2 to eager is within 1.5x plain
+    Inductor's (or 2e-2) and each integer output equals eager's at least as often; a NaN, a larger distance or a
+    less often equal selection keeps it a disagreement; a dsv41 row that agreed is left as it is."""
+    def variant(name, status, *outputs):
+        return {"variant": name, "status": status, "agreement": {"ok": False, "outputs": list(outputs)}}
+
+    def out(rel_l2=None, share=0.5, nan=False):
+        entry = {"nan": nan, "share_close": share}
+        if rel_l2 is not None:
+            entry["rel_l2"] = rel_l2
+        return entry
+
+    inductor = variant("inductor", "disagrees with eager", out(0.10), out(share=0.9))
+    cases = [((out(0.14), out(share=0.95)), "ok"), ((out(0.16), out(share=0.95)), "disagrees with eager"),
+             ((out(0.01), out(share=0.8)), "disagrees with eager"),
+             ((out(0.01, nan=True), out(share=1.0)), "disagrees with eager")]
+    for outputs, status in cases:
+        dsv41 = variant("dsv41", "disagrees with eager", *outputs)
+        bf.judge_against_inductor([inductor, dsv41])
+        assert dsv41["status"] == status, outputs
+        assert (dsv41["agreement"].get("rule") is not None) == (status == "ok")
+    small = variant("inductor", "ok", out(0.001), out(share=1.0))
+    dsv41 = variant("dsv41", "disagrees with eager", out(0.019), out(share=1.0))
+    bf.judge_against_inductor([small, dsv41])
+    assert dsv41["status"] == "ok"  # within the 2e-2 floor

@@ -125,7 +125,7 @@ def rms_norm(params, x):
 
 def sinusoids(positions, rd):
     """(sin, cos) [B, L, rd/2] fp32 of the RoPE angles positions / theta^(2i / rd), MaxText's timescale."""
-    fraction = 2 * torch.arange(0, rd // 2, dtype=F32) / rd
+    fraction = 2 * torch.arange(0, rd // 2, dtype=F32, device=positions.device) / rd
     timescale = ROPE_THETA ** fraction
     sinusoid = positions[..., None].to(F32) / timescale
     return torch.sin(sinusoid), torch.cos(sinusoid)
