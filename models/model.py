@@ -48,6 +48,9 @@ def _all_reduce(x: Tensor) -> Tensor:
     return funcol.all_reduce(x, "sum", dist.group.WORLD)
 
 
+_DRAW_CHUNK = 1 << 24  # fp32 values drawn at once for a stack of experts (64 MB)
+
+
 class _Params:
     """Deterministic random initialisation: every tensor draws from its own seed (a hash of its name), so a
     model built from a subset of layers, or a TP shard, holds exactly the values of the full model.
@@ -100,12 +103,16 @@ class _Params:
             scale = torch.empty((per, n, k // 32), dtype=torch.float8_e8m0fnu, device=self.device)
         else:
             out, scale = torch.empty((per, n, k), dtype=self.dtype, device=self.device), None
-        for i in range(per):
-            packed, s = quantize_fp4(self._draw(f"{name}.{rank * per + i}", shape, 1.0 / math.sqrt(fan_in)))
+        chunk = max(1, _DRAW_CHUNK // (n * k))  # experts drawn and quantised together (one at Flash sizes)
+        for i in range(0, per, chunk):
+            ids = range(rank * per + i, rank * per + min(per, i + chunk))
+            w = torch.cat([self._draw(f"{name}.{e}", shape, 1.0 / math.sqrt(fan_in)) for e in ids])
+            packed, s = quantize_fp4(w)  # per row along K: the experts' rows quantise independently
+            packed, s = packed.view(torch.uint8).view(len(ids), n, k // 2), s.view(len(ids), n, k // 32)
             if self.checkpoint:
-                out[i], scale[i] = packed.view(torch.uint8), s
+                out[i : i + len(ids)], scale[i : i + len(ids)] = packed, s
             else:
-                out[i] = fn.dequant_fp4(packed, s, self.dtype)
+                out[i : i + len(ids)] = fn.dequant_fp4(packed, s, self.dtype)
         return nn.Parameter(out, requires_grad=False), scale if scale is None else nn.Parameter(scale, requires_grad=False)
 
     def head(self, name, out_f, in_f) -> nn.Parameter:
