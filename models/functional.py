@@ -147,3 +147,38 @@ def route(h: Tensor, gate_w: Tensor, bias: Tensor, topk: int, route_scale: float
     w = scores.gather(1, experts)
     w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * route_scale
     return w, experts
+
+
+# The checkpoint's weight formats (spec 1.3; `dsv41.models.formats`), dequantised as a user's code writes it right
+# before the GEMM. Both products are exact in fp32 and (in range) in bf16, so the result is the value the checkpoint
+# means; a NaN code (e4m3 0x7F/0xFF, E8M0 byte 255) gives NaN, as torch's dtypes define them (the spec is silent).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # by nibble
+
+
+def dequant_fp8_blocks(w: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat16, block: int = 32) -> Tensor:
+    """FP8 weights with one E8M0 scale per block x block tile: w [..., N, K] float8_e4m3fn, scale
+    [..., N/block, K/block] float8_e8m0fnu -> w[n, k] * scale[n // block, k // block] in `dtype` (N and K
+    multiples of block)."""
+    *lead, n, k = w.shape
+    if n % block or k % block or list(scale.shape) != [*lead, n // block, k // block]:
+        raise ValueError(f"dequant_fp8_blocks: weight {list(w.shape)} needs N, K multiples of {block} and scale "
+                         f"{[*lead, n // block, k // block]}, got scale {list(scale.shape)}")
+    wf = w.float().view(*lead, n // block, block, k // block, block)
+    s = scale.float().view(*lead, n // block, 1, k // block, 1)
+    return (wf * s).view(*lead, n, k).to(dtype)
+
+
+def dequant_fp4(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat16, group: int = 32) -> Tensor:
+    """Packed FP4 (E2M1) weights with one E8M0 scale per `group` along K: packed [..., N, K/2] uint8 (element 2j in
+    the low nibble of byte j, 2j+1 in the high one; nibble bit 3 the sign), scale [..., N, K/group]
+    float8_e8m0fnu -> e2m1(code[n, k]) * scale[n, k // group] in `dtype`."""
+    *lead, n, half = packed.shape
+    k = 2 * half
+    if k % group or list(scale.shape) != [*lead, n, k // group]:
+        raise ValueError(f"dequant_fp4: packed {list(packed.shape)} needs K = {k} a multiple of {group} and scale "
+                         f"{[*lead, n, k // group]}, got scale {list(scale.shape)}")
+    b = packed.view(torch.uint8)
+    codes = torch.stack((b & 0xF, b >> 4), dim=-1).view(*lead, n, k).long()
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)[codes]
+    s = scale.float().view(*lead, n, k // group, 1)
+    return (values.view(*lead, n, k // group, group) * s).view(*lead, n, k).to(dtype)

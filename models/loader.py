@@ -11,17 +11,25 @@ Checkpoint layout: safetensors shards holding `embed.weight`, `head.weight`, `no
 - plain bf16 / fp32 tensors.
 
 E8M0 is stored as torch.float8_e8m0fnu (safetensors dtype F8_E8M0): one exponent byte b meaning 2^(b-127).
+The quantisers live in `dsv41.models.formats`.
 
 The loader dispatches on the stored dtype, not on the spec table: an F8_E4M3 tensor is FP8, an I8/U8 tensor is
 packed FP4, a float tensor is taken as is (so a checkpoint with e.g. `wo_a` already dequantised to bf16, as the
 reference's convert.py writes it, loads too). The saver follows the spec table (`_LAYER_TABLE`, column fmt).
+
+Into a `weights="bf16"` model the FP8 / FP4 tensors are dequantised (`dequantize_fp8` / `dequantize_fp4`). A
+`weights="checkpoint"` model holds them as stored (a parameter `<name>` in e4m3 or packed uint8 with its E8M0
+`<name>_scale`): the loader copies the stored bytes and scales, an expert at a time, and never makes a
+dequantised copy (a float-stored tensor, such as a bf16 `wo_a`, is quantised on load instead); the saver writes
+such a model's bytes as they are. `LoadReport.formats` / `.held` say what was read and how it is held.
 
 Model parameters that merge or rename checkpoint tensors (see `_LAYER_TABLE`): `attn.wqkv_a` = wq_a ‖ wkv and
 `ffn.shared_w13` = shared w1 ‖ w3 (rows, dim 0); `ffn.w13[e]` = experts.{e}.w1 ‖ w3 and `ffn.w2[e]` =
 experts.{e}.w2; the index-key projection `attn.indexer.wk` / `k_norm` lives in `attn.compressor`.
 
 Under TP (rank r of W) each tensor is sliced as the model's random init slices it: the full tensor is
-dequantised, then `chunk(W, dim)[r]` along dim 0 for wq_b, wo_a, attn_sink and dim 1 for wo_b; rank r holds the
+dequantised (or, held as stored, the weight and its block scales), then `chunk(W, dim)[r]` along dim 0 for wq_b,
+wo_a, attn_sink and dim 1 for wo_b; rank r holds the
 routed experts [r*E/W, (r+1)*E/W) and reads only those. Everything else is replicated.
 
 Ignored: Engram tensors, `mtp.*`, `ffn.gate.bias_vl` (image tokens only; this is text-only decode), and every
@@ -39,13 +47,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
 from dsv41.models.config import ModelConfig
-from dsv41.models.functional import FP4_MAX, FP8_MAX, e2m1_round
+from dsv41.models.formats import E2M1_VALUES, FP4_GROUP, FP8_BLOCK, quantize_fp4, quantize_fp8
 from dsv41.models.model import DSV41Model
 
 __all__ = [
@@ -58,53 +65,10 @@ __all__ = [
     "save_synthetic_checkpoint",
 ]
 
-FP8_BLOCK = 32  # FP8 weight scale block: 32 x 32
-FP4_GROUP = 32  # FP4 weight scale group: 1 x 32 along K
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of a 3-bit E2M1 code
-_E2M1_MAG = torch.tensor(E2M1_VALUES)
 _E2M1_SIGNED = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))  # indexed by the 4-bit nibble
 
 
-# ---------------------------------------------------------------- formats
-
-
-def _ceil_log2(x: Tensor) -> Tensor:
-    """ceil(log2(x)) as int32 for positive finite fp32 x, exact: x = m * 2^e with m in [0.5, 1) (frexp), so
-    ceil(log2 x) = e - 1 when m == 0.5 (x a power of two) and e otherwise."""
-    m, e = torch.frexp(x)
-    return e - (m == 0.5).to(torch.int32)
-
-
-def _e8m0(exponent: Tensor) -> Tensor:
-    """Integer exponents in [-127, 127] -> float8_e8m0fnu scales 2^exponent (byte = exponent + 127)."""
-    return (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
-
-
-def _pow2_scale_exponent(amax: Tensor, qmax: float) -> Tensor:
-    """The E8M0 exponent ceil(log2(amax / qmax)), amax floored at qmax * 2^-126 (all-zero blocks get 2^-126)."""
-    return _ceil_log2(amax.clamp_min(qmax * 2.0**-126) / qmax)
-
-
-def _check_2d_finite(w: Tensor, arg: str) -> None:
-    if not isinstance(w, Tensor) or w.dim() != 2:
-        raise ValueError(f"{arg} must be a 2-D tensor, got {getattr(w, 'shape', type(w).__name__)}")
-    if not torch.isfinite(w).all():
-        raise ValueError(f"{arg} has non-finite values; they cannot be quantised")
-
-
-def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
-    """W [N, K] -> (q [N, K] float8_e4m3fn, scale [ceil(N/32), ceil(K/32)] float8_e8m0fnu).
-
-    Per 32x32 block b (edge blocks padded with zeros): s_b = 2^ceil(log2(amax_b / 448)), amax_b floored at
-    448 * 2^-126; q = e4m3(clamp(W / s_b, -448, 448)) with round-to-nearest-even.
-    """
-    _check_2d_finite(w, "w")
-    n, k = w.shape
-    rb, cb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
-    wf = F.pad(w.float(), (0, cb * FP8_BLOCK - k, 0, rb * FP8_BLOCK - n)).view(rb, FP8_BLOCK, cb, FP8_BLOCK)
-    scale = _e8m0(_pow2_scale_exponent(wf.abs().amax(dim=(1, 3)), FP8_MAX))
-    q = (wf / scale.float()[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(rb * FP8_BLOCK, cb * FP8_BLOCK)[:n, :k].contiguous(), scale
+# ---------------------------------------------------------------- formats (quantisers: dsv41.models.formats)
 
 
 def dequantize_fp8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
@@ -118,25 +82,6 @@ def dequantize_fp8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat16
         raise ValueError(f"scale must be a float/E8M0 tensor of shape {want} for q {[n, k]}, got {scale.dtype} {list(scale.shape)}")
     s = scale.float().repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
     return (q.float() * s).to(dtype)
-
-
-def quantize_fp4(w: Tensor) -> tuple[Tensor, Tensor]:
-    """W [N, K] (K % 32 == 0) -> (packed [N, K/2] int8, scale [N, K/32] float8_e8m0fnu).
-
-    Per 1x32 group g: s_g = 2^ceil(log2(amax_g / 6)), amax_g floored at 6 * 2^-126; x = e2m1(clamp(W / s_g, -6, 6))
-    rounded to the nearest E2M1 value, ties to even mantissa; code = 8 * signbit(x) + index of |x| in
-    {0, .5, 1, 1.5, 2, 3, 4, 6}; byte j of a row = code[2j] | code[2j+1] << 4.
-    """
-    _check_2d_finite(w, "w")
-    n, k = w.shape
-    if k % FP4_GROUP:
-        raise ValueError(f"w has K={k} columns; FP4 needs a multiple of {FP4_GROUP}")
-    wf = w.float().reshape(n, k // FP4_GROUP, FP4_GROUP)
-    scale = _e8m0(_pow2_scale_exponent(wf.abs().amax(-1), FP4_MAX))
-    x = e2m1_round((wf / scale.float().unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)).view(n, k)
-    code = torch.searchsorted(_E2M1_MAG.to(x.device), x.abs().contiguous()) | (torch.signbit(x).to(torch.int64) << 3)
-    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
-    return packed, scale
 
 
 def dequantize_fp4(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
@@ -215,8 +160,25 @@ class _Entry:
     expert_stack: bool
 
 
+def _held(p: Tensor) -> str:
+    """How the model holds a parameter: "fp8" (e4m3, with a `<name>_scale` sibling), "fp4" (packed uint8, with a
+    `<name>_scale` sibling) or "float" (its values)."""
+    return "fp8" if p.dtype == torch.float8_e4m3fn else "fp4" if p.dtype == torch.uint8 else "float"
+
+
+def _logical_shape(p: Tensor) -> torch.Size:
+    """The (dequantised) shape of a parameter: packed FP4 holds two values per byte along K."""
+    return p.shape[:-1] + (2 * p.shape[-1],) if _held(p) == "fp4" else p.shape
+
+
+def _scale_of(params: dict[str, Tensor], name: str) -> bool:
+    """`name` is the E8M0 scale of a parameter the model holds quantised (loaded and saved with it)."""
+    base = name.removesuffix("_scale")
+    return name.endswith("_scale") and base in params and _held(params[base]) != "float"
+
+
 def _entry(name: str, shape: torch.Size, cfg: ModelConfig, rank: int, world: int) -> _Entry | None:
-    """The `_Entry` of model parameter `name` (local shape `shape`) for TP rank/world; None if unmapped."""
+    """The `_Entry` of model parameter `name` (local dequantised shape `shape`) for TP rank/world; None if unmapped."""
     m = _LAYER_KEY.fullmatch(name)
     prefix, local = (f"layers.{m.group(1)}.", m.group(2)) if m else ("", name)
     spec = (_LAYER_TABLE if m else _MODEL_TABLE).get(local)
@@ -315,6 +277,38 @@ def _read(ck: _Shards, key: str, dtype: torch.dtype) -> Tensor:
     return t.to(dtype)
 
 
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+_STORED = {torch.float8_e4m3fn: "fp8", torch.int8: "fp4", torch.uint8: "fp4"}
+
+
+def _stored_format(ck: _Shards, key: str) -> str:
+    """The format checkpoint tensor `key` is stored in: "fp8", "fp4" or its float dtype ("bf16", "fp32", ...)."""
+    dtype = ck.header(key)[0]
+    return {"F8_E4M3": "fp8", "I8": "fp4", "U8": "fp4", "BF16": "bf16", "F16": "fp16", "F32": "fp32",
+            "F64": "fp64", "F8_E8M0": "e8m0"}.get(dtype, dtype)
+
+
+def _read_as_stored(ck: _Shards, key: str, fmt: str) -> tuple[Tensor, Tensor, str]:
+    """Checkpoint tensor `key` for a parameter held in format `fmt` ("fp8" or "fp4"): (weight, E8M0 scale, how),
+    as stored (FP4 bytes viewed as uint8, a float-typed scale converted to E8M0: powers of two, exact); a
+    float tensor (e.g. `wo_a` dequantised by the reference's convert.py) is quantised here."""
+    t = ck.get(key)
+    stored = _STORED.get(t.dtype, "float")
+    if stored == "float":
+        q, s = (quantize_fp8 if fmt == "fp8" else quantize_fp4)(t)
+        return (q if fmt == "fp8" else q.view(torch.uint8)), s, f"quantised to {fmt} on load (stored {t.dtype})"
+    if stored != fmt:
+        raise ValueError(f"checkpoint tensor {key} is {stored.upper()}; the model holds it as {fmt.upper()}")
+    s = ck.get(key + ".scale")
+    if s.dtype != torch.float8_e8m0fnu:
+        s = s.float().to(torch.float8_e8m0fnu)
+    return (t if fmt == "fp8" else t.view(torch.uint8)), s, "as stored"
+
+
+def _cat_rows(ts: list[Tensor]) -> Tensor:
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
+
+
 def _shape_str(shape) -> str:
     return "[" + ", ".join(str(int(d)) for d in shape) + "]"
 
@@ -323,14 +317,22 @@ def _shape_str(shape) -> str:
 class LoadReport:
     """What `load_checkpoint` did.
 
-    loaded: model parameters set. keys_read: checkpoint keys read (weights and their `.scale`).
-    skipped: checkpoint key -> why it was not read. missing: model parameter -> the checkpoint keys it lacks
-    (empty list: the loader has no mapping for it). mismatched: model parameter -> the shape or layout mismatch.
-    With strict=True, missing and mismatched are empty (otherwise load_checkpoint raises).
+    weights: the model's `weights` ("bf16" or "checkpoint"). loaded: model parameters set (a parameter held
+    quantised sets its `<name>_scale` with it). keys_read: checkpoint keys read (weights and their `.scale`).
+    formats: checkpoint key read -> its stored format ("fp8", "fp4", "e8m0", "bf16", "fp32", ...). held: loaded
+    parameter -> how it came to be held: "as stored" (weights="checkpoint": the FP8 / FP4 bytes and scales
+    copied, no dequantised copy at any point), "dequantised fp8 -> bf16" (weights="bf16"), "quantised to fp8 on
+    load (stored torch.bfloat16)", or for a float parameter "bf16 -> fp32" / "bf16". skipped: checkpoint key -> why
+    it was not read. missing: model parameter -> the checkpoint keys it lacks (empty list: the loader has no mapping
+    for it). mismatched: model parameter -> the shape or layout mismatch. With strict=True, missing and mismatched
+    are empty (otherwise load_checkpoint raises).
     """
 
+    weights: str = "bf16"
     loaded: list[str] = field(default_factory=list)
     keys_read: list[str] = field(default_factory=list)
+    formats: dict[str, str] = field(default_factory=dict)
+    held: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     missing: dict[str, list[str]] = field(default_factory=dict)
     mismatched: dict[str, str] = field(default_factory=dict)
@@ -399,14 +401,16 @@ def load_checkpoint(model: DSV41Model, path_or_dir: str | os.PathLike, *, strict
     rank, world = _check_tp(cfg, (model.tp_rank, model.tp_size) if tp is None else tp)
     files = _checkpoint_files(path_or_dir)
     _refuse_shared_parameters(model)
-    report = LoadReport()
+    report = LoadReport(weights=model.weights)
     params = dict(model.named_parameters())
     with ExitStack() as stack:
         ck = _Shards(files, stack)
         plan: list[_Entry] = []
         owner: dict[str, str] = {}
         for name, p in params.items():
-            entry = _entry(name, p.shape, cfg, rank, world)
+            if _scale_of(params, name):
+                continue
+            entry = _entry(name, _logical_shape(p), cfg, rank, world)
             if entry is None:
                 report.missing[name] = []
                 continue
@@ -419,6 +423,12 @@ def load_checkpoint(model: DSV41Model, path_or_dir: str | os.PathLike, *, strict
             bad = [f"checkpoint {k} has shape {_shape_str(got)}, the model expects {_shape_str(want)}"
                    for slot in entry.slots for k, want in zip(slot, entry.key_shapes)
                    if (got := _stored_shape(ck, k)) != list(want)]
+            if _held(p) != "float":
+                bad += [f"checkpoint {k} is {f.upper()}, the model holds {_held(p).upper()}" for slot in entry.slots
+                        for k in slot if (f := _stored_format(ck, k)) in ("fp8", "fp4") and f != _held(p)]
+                if _held(p) == "fp8":
+                    bad += [f"checkpoint {k} has {r[0]} rows, not whole 32-row blocks of the merged {name}"
+                            for k, r in zip(entry.slots[0], entry.key_shapes) if len(entry.slots[0]) > 1 and r[0] % FP8_BLOCK]
             if entry.expert_stack and len(entry.slots) != p.shape[0]:
                 bad.append(f"the model holds {p.shape[0]} experts, TP rank {rank} of {world} owns {len(entry.slots)}")
             if bad:
@@ -435,11 +445,29 @@ def load_checkpoint(model: DSV41Model, path_or_dir: str | os.PathLike, *, strict
         with torch.no_grad():
             for entry in plan:
                 p = params[entry.param]
-                slots = [torch.cat([_read(ck, k, p.dtype) for k in slot]) for slot in entry.slots]
-                t = torch.stack(slots) if entry.expert_stack else slots[0]
-                if entry.shard_dim is not None:
-                    t = t.chunk(world, entry.shard_dim)[rank]
-                p.copy_(t)
+                if _held(p) == "float":
+                    slots = [torch.cat([_read(ck, k, p.dtype) for k in slot]) for slot in entry.slots]
+                    t = torch.stack(slots) if entry.expert_stack else slots[0]
+                    if entry.shard_dim is not None:
+                        t = t.chunk(world, entry.shard_dim)[rank]
+                    p.copy_(t)
+                    stored = {_stored_format(ck, k) for slot in entry.slots for k in slot}
+                    dst = _DTYPE_NAMES.get(p.dtype, str(p.dtype))
+                    report.held[entry.param] = "; ".join(
+                        f"dequantised {f} -> {dst}" if f in ("fp8", "fp4") else f if f == dst else f"{f} -> {dst}"
+                        for f in sorted(stored))
+                else:  # held as stored: copy the stored bytes and scales slot by slot (an expert at a time)
+                    scale = params[entry.param + "_scale"]
+                    hows = set()
+                    for i, slot in enumerate(entry.slots):
+                        parts = [_read_as_stored(ck, k, _held(p)) for k in slot]
+                        q, sc = _cat_rows([q for q, _, _ in parts]), _cat_rows([sc for _, sc, _ in parts])
+                        hows |= {how for _, _, how in parts}
+                        if entry.shard_dim is not None:
+                            q, sc = q.chunk(world, entry.shard_dim)[rank], sc.chunk(world, entry.shard_dim)[rank]
+                        (p[i] if entry.expert_stack else p).copy_(q)
+                        (scale[i] if entry.expert_stack else scale).copy_(sc)
+                    report.held[entry.param] = "; ".join(sorted(hows))
                 report.loaded.append(entry.param)
                 for slot in entry.slots:
                     for k in slot:
@@ -447,6 +475,7 @@ def load_checkpoint(model: DSV41Model, path_or_dir: str | os.PathLike, *, strict
                         if k + ".scale" in ck:
                             read.add(k + ".scale")
         report.keys_read = [k for k in ck.keys() if k in read]
+        report.formats = {k: _stored_format(ck, k) for k in report.keys_read}
         per = cfg.n_routed_experts // world
         local_experts = range(rank * per, (rank + 1) * per)
         for k in ck.keys():
@@ -464,8 +493,9 @@ def load_checkpoint(model: DSV41Model, path_or_dir: str | os.PathLike, *, strict
 
 
 def save_synthetic_checkpoint(model: DSV41Model, path: str | os.PathLike, shards: int = 2) -> list[Path]:
-    """Write the model's current weights to directory `path` in the checkpoint layout, quantised per spec 1.3
-    (`quantize_fp8` / `quantize_fp4` for FP8 / FP4 tensors, bf16 / fp32 casts otherwise), split over `shards`
+    """Write the model's current weights to directory `path` in the checkpoint layout per spec 1.3: FP8 / FP4
+    tensors as a weights="checkpoint" model holds them (its bytes and scales, split into the checkpoint's keys), or
+    quantised from a "bf16" model's values (`quantize_fp8` / `quantize_fp4`); bf16 / fp32 casts otherwise; split over `shards`
     files `model-0000i-of-0000n.safetensors` of about equal size (a weight and its scale share a file).
 
     Needs an unsharded model (tp_size 1) without shared routed experts; a layer-subset model writes only its
@@ -484,11 +514,26 @@ def save_synthetic_checkpoint(model: DSV41Model, path: str | os.PathLike, shards
         raise ValueError(f"path: {out} is a file or already holds .safetensors files")
     _refuse_shared_parameters(model)
     groups: list[dict[str, Tensor]] = []
-    for name, p in model.named_parameters():
-        entry = _entry(name, p.shape, model.cfg, 0, 1)
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if _scale_of(params, name):
+            continue
+        entry = _entry(name, _logical_shape(p), model.cfg, 0, 1)
         if entry is None:
             raise ValueError(f"model: the loader has no checkpoint mapping for parameter {name}")
         group: dict[str, Tensor] = {}
+        if _held(p) != "float":  # weights="checkpoint": the stored bytes and scales as the model holds them
+            scale = params[name + "_scale"]
+            rows = [r[0] for r in entry.key_shapes]
+            srows = [r // FP8_BLOCK for r in rows] if _held(p) == "fp8" else rows
+            for i, slot in enumerate(entry.slots):
+                q, sc = (p[i], scale[i]) if entry.expert_stack else (p, scale)
+                if _held(p) == "fp4":
+                    q = q.view(torch.int8)  # the checkpoint's I8
+                for key, qk, sk in zip(slot, q.detach().cpu().split(rows), sc.detach().cpu().split(srows)):
+                    group[key], group[key + ".scale"] = qk.contiguous(), sk.contiguous()
+            groups.append(group)
+            continue
         for i, slot in enumerate(entry.slots):
             full = (p[i] if entry.expert_stack else p).detach().float().cpu()
             for key, part in zip(slot, full.split([s[0] for s in entry.key_shapes])):

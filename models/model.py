@@ -9,8 +9,12 @@ Choices where the spec leaves room (documented in the README):
 - index scores are computed in fp32 (HF) rather than bf16 (the reference);
 - the indexer is replicated under TP (vLLM), so there is no all-reduce of the index scores;
 - embedding and head are replicated under TP;
-- weights are held dequantized in bf16 (fp32 where the reference promotes: mHC, sink, router bias, ratio-2
-  compressor, head); FP8/FP4 GEMM inputs go through the FP8 per-32 fake quantisation when `fake_quant` is on;
+- weights (`weights=`): "bf16" (default) holds them dequantized in bf16 (fp32 where the reference promotes: mHC,
+  sink, router bias, ratio-2 compressor, head); "checkpoint" holds the FP8 / FP4 GEMM weights as the checkpoint
+  stores them (spec 1.3: e4m3 + E8M0 per 32x32 block; packed e2m1 + E8M0 per 32 along K) and the head in bf16,
+  and dequantises them right before each GEMM (`fn.dequant_fp8_blocks`, `fn.dequant_fp4`). Both draw the same
+  random values: the bf16 model holds exactly the dequantised checkpoint values, so the two give identical logits;
+- FP8/FP4 GEMM inputs go through the FP8 per-32 fake quantisation when `fake_quant` is on;
 - `wq_a` and `wkv` are held merged as `wqkv_a` (one GEMM, as vLLM's fused_wqa_wkv), likewise w1|w3 as `w13`;
 - a selected index is valid iff it is below N_c and not masked by the candidate blocks.
 """
@@ -27,6 +31,9 @@ from torch import Tensor, nn
 
 from dsv41.models import functional as fn
 from dsv41.models.config import ModelConfig, yarn_inv_freq
+from dsv41.models.formats import quantize_fp4, quantize_fp8
+
+WEIGHTS = ("bf16", "checkpoint")  # DSV41Model(weights=...): how the FP8 / FP4 / head weights are held
 
 
 def _tp() -> tuple[int, int]:
@@ -41,12 +48,20 @@ def _all_reduce(x: Tensor) -> Tensor:
     return funcol.all_reduce(x, "sum", dist.group.WORLD)
 
 
+_DRAW_CHUNK = 1 << 24  # fp32 values drawn at once for a stack of experts (64 MB)
+
+
 class _Params:
     """Deterministic random initialisation: every tensor draws from its own seed (a hash of its name), so a
-    model built from a subset of layers, or a TP shard, holds exactly the values of the full model."""
+    model built from a subset of layers, or a TP shard, holds exactly the values of the full model.
 
-    def __init__(self, seed: int, device, dtype):
+    The checkpoint's FP8 / FP4 weights are drawn once in fp32 and quantised (`fp8`, `fp4_stack`): weights="checkpoint"
+    holds the stored formats, "bf16" their dequantised values, so both hold the same numbers. The head is drawn in
+    fp32 and rounded to bf16 (the checkpoint's dtype); "bf16" holds it in fp32."""
+
+    def __init__(self, seed: int, device, dtype, weights: str = "bf16"):
         self.seed, self.device, self.dtype = seed, torch.device(device), dtype
+        self.checkpoint = weights == "checkpoint"
 
     def _gen(self, name: str) -> torch.Generator:
         g = torch.Generator(device=self.device)
@@ -56,18 +71,83 @@ class _Params:
         g.manual_seed((self.seed * 1_000_003 + h) % (2**63 - 1))
         return g
 
+    def _draw(self, name, shape, std, mean=0.0) -> Tensor:
+        return torch.randn(shape, generator=self._gen(name), device=self.device, dtype=torch.float32) * std + mean
+
     def normal(self, name, shape, std, mean=0.0, dtype=None, shard=None) -> nn.Parameter:
-        t = torch.randn(shape, generator=self._gen(name), device=self.device, dtype=torch.float32) * std + mean
-        if shard is not None:
-            dim, rank, world = shard
-            t = t.chunk(world, dim)[rank].contiguous()
+        t = _shard(self._draw(name, shape, std, mean), shard)
         return nn.Parameter(t.to(dtype or self.dtype), requires_grad=False)
+
+    def fp8(self, name, shape, std, shard=None) -> tuple[nn.Parameter, nn.Parameter | None]:
+        """An FP8 weight (spec 1.3): (e4m3 [N, K], E8M0 scale [N/32, K/32]) with weights="checkpoint", else
+        (its dequantised values in self.dtype, None). The full tensor is quantised, then sliced for TP."""
+        q, s = quantize_fp8(self._draw(name, shape, std))
+        if shard is not None and q.shape[shard[0]] % (32 * shard[2]):
+            raise ValueError(f"{name}: TP slices of {list(q.shape)} along dim {shard[0]} are not whole 32x32 blocks")
+        q, s = _shard(q, shard), _shard(s, shard)
+        if self.checkpoint:
+            return nn.Parameter(q, requires_grad=False), nn.Parameter(s, requires_grad=False)
+        return nn.Parameter(fn.dequant_fp8_blocks(q, s, self.dtype), requires_grad=False), None
+
+    def fp8_linear(self, name, out_f, in_f, shard=None):
+        return self.fp8(name, (out_f, in_f), 1.0 / math.sqrt(in_f), shard=shard)
+
+    def fp4_stack(self, name, n_experts, shape, fan_in, rank, world) -> tuple[nn.Parameter, nn.Parameter | None]:
+        """[n_experts/world, *shape] FP4 weights of this rank's experts (expert e always draws the same values), drawn
+        and quantised one expert at a time: (packed uint8 [.., N, K/2], E8M0 [.., N, K/32]) with
+        weights="checkpoint", else (the dequantised values in self.dtype, None)."""
+        per = n_experts // world
+        n, k = shape
+        if self.checkpoint:
+            out = torch.empty((per, n, k // 2), dtype=torch.uint8, device=self.device)
+            scale = torch.empty((per, n, k // 32), dtype=torch.float8_e8m0fnu, device=self.device)
+        else:
+            out, scale = torch.empty((per, n, k), dtype=self.dtype, device=self.device), None
+        chunk = max(1, _DRAW_CHUNK // (n * k))  # experts drawn and quantised together (one at Flash sizes)
+        for i in range(0, per, chunk):
+            ids = range(rank * per + i, rank * per + min(per, i + chunk))
+            w = torch.cat([self._draw(f"{name}.{e}", shape, 1.0 / math.sqrt(fan_in)) for e in ids])
+            packed, s = quantize_fp4(w)  # per row along K: the experts' rows quantise independently
+            packed, s = packed.view(torch.uint8).view(len(ids), n, k // 2), s.view(len(ids), n, k // 32)
+            if self.checkpoint:
+                out[i : i + len(ids)], scale[i : i + len(ids)] = packed, s
+            else:
+                out[i : i + len(ids)] = fn.dequant_fp4(packed, s, self.dtype)
+        return nn.Parameter(out, requires_grad=False), scale if scale is None else nn.Parameter(scale, requires_grad=False)
+
+    def head(self, name, out_f, in_f) -> nn.Parameter:
+        """The head: bf16 values (the checkpoint's dtype), held in bf16 with weights="checkpoint", else in fp32."""
+        t = self._draw(name, (out_f, in_f), 1.0 / math.sqrt(in_f)).bfloat16()
+        return nn.Parameter(t if self.checkpoint else t.float(), requires_grad=False)
 
     def linear(self, name, out_f, in_f, dtype=None, shard=None) -> nn.Parameter:
         return self.normal(name, (out_f, in_f), 1.0 / math.sqrt(in_f), dtype=dtype, shard=shard)
 
     def norm(self, name, n) -> nn.Parameter:
         return self.normal(name, (n,), 0.1, mean=1.0)
+
+
+def _shard(t: Tensor, shard) -> Tensor:
+    if shard is None:
+        return t
+    dim, rank, world = shard
+    return t.chunk(world, dim)[rank].contiguous()
+
+
+def _set_fp8(module: nn.Module, attr: str, pair: tuple[nn.Parameter, nn.Parameter | None]) -> None:
+    """module.<attr> = the weight, module.<attr>_scale = its E8M0 block scales (None: held dequantised)."""
+    setattr(module, attr, pair[0])
+    module.register_parameter(attr + "_scale", pair[1])
+
+
+def _fp8_weight(w: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The GEMM's weight: held dequantised (scale None) or dequantised here from e4m3 + E8M0 blocks."""
+    return w if scale is None else fn.dequant_fp8_blocks(w, scale, dtype)
+
+
+def _fp4_weight(w: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The grouped GEMM's expert stack: held dequantised (scale None) or dequantised here from packed e2m1 + E8M0."""
+    return w if scale is None else fn.dequant_fp4(w, scale, dtype)
 
 
 class Compressor(nn.Module):
@@ -136,7 +216,7 @@ class Indexer(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         pre = f"layers.{layer}.attn.indexer."
-        self.wq_b = p.linear(pre + "wq_b", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
+        _set_fp8(self, "wq_b", p.fp8_linear(pre + "wq_b", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank))
         self.weights_proj = p.linear(pre + "weights_proj", cfg.index_n_heads, cfg.dim)
         self.is_candidate_source = layer == cfg.candidate_source_layer
         self.is_reindex = cfg.is_reindex(layer)
@@ -147,7 +227,7 @@ class Indexer(nn.Module):
         cfg = self.cfg
         t, n_cap = keys.shape[0], keys.shape[1]
         x = fn.fp8_fake_quant(qr) if cfg.fake_quant else qr
-        q = F.linear(x, self.wq_b).view(t, cfg.index_n_heads, cfg.index_head_dim)
+        q = F.linear(x, _fp8_weight(self.wq_b, self.wq_b_scale, x.dtype)).view(t, cfg.index_n_heads, cfg.index_head_dim)
         q = fn.fp4_fake_quant(fn.apply_rope_tail(q, cos, sin), 32, e4m3_scale=False)
         w = F.linear(h, self.weights_proj).float() * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
         s = (torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu() * w.unsqueeze(-1)).sum(dim=1)
@@ -209,12 +289,12 @@ class Attention(nn.Module):
         self.n_local_heads = cfg.n_heads // world
         self.n_local_groups = cfg.o_groups // world
         heads_per_group = cfg.n_heads // cfg.o_groups
-        self.wqkv_a = p.linear(pre + "wqkv_a", ql + hd, d)
+        _set_fp8(self, "wqkv_a", p.fp8_linear(pre + "wqkv_a", ql + hd, d))
         self.q_norm = p.norm(pre + "q_norm.weight", ql)
         self.kv_norm = p.norm(pre + "kv_norm.weight", hd)
-        self.wq_b = p.linear(pre + "wq_b", cfg.n_heads * hd, ql, shard=(0, rank, world))
-        self.wo_a = p.linear(pre + "wo_a", cfg.o_groups * cfg.o_lora_rank, heads_per_group * hd, shard=(0, rank, world))
-        self.wo_b = p.normal(pre + "wo_b", (d, cfg.o_groups * cfg.o_lora_rank), 1.0 / math.sqrt(cfg.o_groups * cfg.o_lora_rank), shard=(1, rank, world))
+        _set_fp8(self, "wq_b", p.fp8_linear(pre + "wq_b", cfg.n_heads * hd, ql, shard=(0, rank, world)))
+        _set_fp8(self, "wo_a", p.fp8_linear(pre + "wo_a", cfg.o_groups * cfg.o_lora_rank, heads_per_group * hd, shard=(0, rank, world)))
+        _set_fp8(self, "wo_b", p.fp8_linear(pre + "wo_b", d, cfg.o_groups * cfg.o_lora_rank, shard=(1, rank, world)))
         self.attn_sink = p.normal(pre + "attn_sink", (cfg.n_heads,), 1.0, dtype=torch.float32, shard=(0, rank, world))
         self.ratio = cfg.ratio(layer)
         self.compressor = Compressor(cfg, layer, p, max_batch, max_context) if layer in cfg.kv_source_layers else None
@@ -226,11 +306,11 @@ class Attention(nn.Module):
         t, ql, hd, w = h.shape[0], cfg.q_lora_rank, cfg.head_dim, cfg.window_size
         cos, sin = rope["comp" if self.ratio else "main"]
         x = fn.fp8_fake_quant(h) if cfg.fake_quant else h
-        qkv = F.linear(x, self.wqkv_a)
+        qkv = F.linear(x, _fp8_weight(self.wqkv_a, self.wqkv_a_scale, x.dtype))
         qr = fn.rms_norm(qkv[:, :ql], self.q_norm, cfg.norm_eps)
         kv = fn.rms_norm(qkv[:, ql:], self.kv_norm, cfg.norm_eps)
         xq = fn.fp8_fake_quant(qr) if cfg.fake_quant else qr
-        q = fn.apply_rope_tail(F.linear(xq, self.wq_b).view(t, self.n_local_heads, hd), cos, sin)
+        q = fn.apply_rope_tail(F.linear(xq, _fp8_weight(self.wq_b, self.wq_b_scale, xq.dtype)).view(t, self.n_local_heads, hd), cos, sin)
         kv = fn.fp8_fake_quant(fn.apply_rope_tail(kv, cos, sin), cfg.fp8_block)
         self.window_kv.index_put_((bidx, pos % w), kv)
         window_idx = (pos.unsqueeze(-1) + 1 + torch.arange(w, device=pos.device)) % w
@@ -249,9 +329,10 @@ class Attention(nn.Module):
         o = sparse_attention(q, self.window_kv[:t], compressed, idx, self.attn_sink, hd**-0.5)
         o = fn.apply_rope_tail(o, cos, sin, inverse=True)
         g = self.n_local_groups
-        z = torch.einsum("tgd,grd->tgr", o.view(t, g, -1), self.wo_a.view(g, cfg.o_lora_rank, -1)).flatten(1)
+        wo_a = _fp8_weight(self.wo_a, self.wo_a_scale, o.dtype)
+        z = torch.einsum("tgd,grd->tgr", o.view(t, g, -1), wo_a.view(g, cfg.o_lora_rank, -1)).flatten(1)
         xz = fn.fp8_fake_quant(z) if cfg.fake_quant else z
-        y = F.linear(xz, self.wo_b)
+        y = F.linear(xz, _fp8_weight(self.wo_b, self.wo_b_scale, xz.dtype))
         if self.world > 1:
             y = _all_reduce(y.float()).to(h.dtype)
         return y
@@ -271,11 +352,14 @@ class MoE(nn.Module):
         self.expert_start = rank * self.n_local
         if routed_experts is not None:  # benchmark memory saver: share expert weights, not the routing
             self.w13, self.w2 = routed_experts.w13, routed_experts.w2
+            self.w13_scale, self.w2_scale = routed_experts.w13_scale, routed_experts.w2_scale
         else:
-            self.w13 = nn.Parameter(_expert_stack(p, pre + "experts.w13", e, (2 * inter, d), d, rank, world), requires_grad=False)
-            self.w2 = nn.Parameter(_expert_stack(p, pre + "experts.w2", e, (d, inter), inter, rank, world), requires_grad=False)
-        self.shared_w13 = p.linear(pre + "shared_experts.w13", 2 * inter, d)
-        self.shared_w2 = p.linear(pre + "shared_experts.w2", d, inter)
+            self.w13, w13_scale = p.fp4_stack(pre + "experts.w13", e, (2 * inter, d), d, rank, world)
+            self.w2, w2_scale = p.fp4_stack(pre + "experts.w2", e, (d, inter), inter, rank, world)
+            self.register_parameter("w13_scale", w13_scale)
+            self.register_parameter("w2_scale", w2_scale)
+        _set_fp8(self, "shared_w13", p.fp8_linear(pre + "shared_experts.w13", 2 * inter, d))
+        _set_fp8(self, "shared_w2", p.fp8_linear(pre + "shared_experts.w2", d, inter))
 
     def forward(self, h: Tensor) -> Tensor:
         cfg = self.cfg
@@ -291,11 +375,12 @@ class MoE(nn.Module):
         token = order.div(k, rounding_mode="floor")
         counts = torch.zeros(self.n_local, dtype=torch.int32, device=h.device).scatter_add_(0, flat_e, torch.ones_like(flat_e, dtype=torch.int32))
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        gu = torch._grouped_mm(x[token], self.w13.transpose(1, 2), offs=offs)
+        w13 = _fp4_weight(self.w13, self.w13_scale, x.dtype)
+        gu = torch._grouped_mm(x[token], w13.transpose(1, 2), offs=offs)
         a = fn.swiglu_clamped(gu[:, :inter], gu[:, inter:], cfg.swiglu_limit) * flat_w[order].unsqueeze(-1)
         a = a.to(h.dtype)
         a = fn.fp8_fake_quant(a) if cfg.fake_quant else a
-        out = torch._grouped_mm(a, self.w2.transpose(1, 2), offs=offs)
+        out = torch._grouped_mm(a, _fp4_weight(self.w2, self.w2_scale, a.dtype).transpose(1, 2), offs=offs)
         y = torch.zeros(t, cfg.dim, dtype=torch.float32, device=h.device).index_add_(0, token, out.float())
         if self.world > 1:
             y = _all_reduce(y)
@@ -303,20 +388,10 @@ class MoE(nn.Module):
 
     def shared_expert(self, h: Tensor, x: Tensor) -> Tensor:
         inter = self.cfg.moe_inter_dim
-        gu = F.linear(x, self.shared_w13)
+        gu = F.linear(x, _fp8_weight(self.shared_w13, self.shared_w13_scale, x.dtype))
         a = fn.swiglu_clamped(gu[:, :inter], gu[:, inter:], self.cfg.swiglu_limit).to(h.dtype)
         a = fn.fp8_fake_quant(a) if self.cfg.fake_quant else a
-        return F.linear(a, self.shared_w2)
-
-
-def _expert_stack(p: _Params, name: str, n_experts: int, shape, fan_in: int, rank: int, world: int) -> Tensor:
-    """[n_experts/world, *shape] weights of this rank's experts; expert e always draws the same values."""
-    per = n_experts // world
-    out = torch.empty((per, *shape), dtype=p.dtype, device=p.device)
-    for i in range(per):
-        e = rank * per + i
-        out[i] = torch.randn(shape, generator=p._gen(f"{name}.{e}"), device=p.device) * (1.0 / math.sqrt(fan_in))
-    return out
+        return F.linear(a, _fp8_weight(self.shared_w2, self.shared_w2_scale, a.dtype))
 
 
 class Block(nn.Module):
@@ -359,6 +434,13 @@ class DSV41Model(nn.Module):
     forward(tokens [B] int64|int32, positions [B] int64|int32) -> logits [B, vocab] fp32, with 1 <= B <= max_batch,
     0 <= tokens < vocab_size and 0 <= positions < max_context; request b reads and writes cache row b.
 
+    weights: "bf16" (default) holds every weight as values (bf16; fp32 head, mHC, sink, router bias, ratio-2
+    compressor); "checkpoint" holds the FP8 GEMM weights (wqkv_a, wq_b, wo_a, wo_b, the indexer's wq_b, the shared
+    expert) as float8_e4m3fn with `<name>_scale` [N/32, K/32] float8_e8m0fnu, the routed experts (w13, w2) as
+    packed e2m1 uint8 [E, N, K/2] with `<name>_scale` [E, N, K/32] float8_e8m0fnu, and the head in bf16; the
+    forward dequantises them before each GEMM. Same seed, same values: the two give identical logits. (A
+    checkpoint-held model is moved with `.to(device)`; `.to(dtype)` would cast its e4m3 / E8M0 tensors too.)
+
     Bad input, checked where it costs no device->host sync:
     - types, dtypes, shapes, devices and B: at trace time (TypeError / ValueError naming the argument). Under
       `torch.compile(fullgraph=True)` Dynamo reports that error as `Unsupported: Observed exception`, with the
@@ -375,7 +457,7 @@ class DSV41Model(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_ids: Sequence[int] | None = None, *, max_batch: int = 8,
                  max_context: int = 256, device="cpu", dtype=torch.bfloat16, seed: int = 0,
-                 share_routed_experts: bool = False, value_checks: str = "cpu"):
+                 share_routed_experts: bool = False, value_checks: str = "cpu", weights: str = "bf16"):
         super().__init__()
         layer_ids = list(range(cfg.n_layers)) if layer_ids is None else sorted(layer_ids)
         _check_layer_subset(cfg, layer_ids)
@@ -385,7 +467,9 @@ class DSV41Model(nn.Module):
             raise ValueError(f"max_context={max_context!r} must be an even int >= window_size={cfg.window_size}")
         if value_checks not in VALUE_CHECKS:
             raise ValueError(f"value_checks must be one of {VALUE_CHECKS}, got {value_checks!r}")
-        self.value_checks = value_checks
+        if not isinstance(weights, str) or weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+        self.value_checks, self.weights = value_checks, weights
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={str(device)!r}: CUDA is not available on this machine")
@@ -395,9 +479,9 @@ class DSV41Model(nn.Module):
         self.tp_rank, self.tp_size = tp
         if cfg.n_heads % tp[1] or cfg.o_groups % tp[1] or cfg.n_routed_experts % tp[1]:
             raise ValueError(f"TP size {tp[1]} must divide n_heads, o_groups and n_routed_experts")
-        p = _Params(seed, device, dtype)
+        p = _Params(seed, device, dtype, weights)
         self.embed = p.normal("embed.weight", (cfg.vocab_size, cfg.dim), 1.0)
-        self.head = p.linear("head.weight", cfg.vocab_size, cfg.dim, dtype=torch.float32)
+        self.head = p.head("head.weight", cfg.vocab_size, cfg.dim)
         self.norm = p.norm("norm.weight", cfg.dim)
         self.layers = nn.ModuleDict()
         first = None
@@ -449,6 +533,8 @@ class DSV41Model(nn.Module):
         for block in self.layers.values():
             x, pre_mix = block(x, pre_mix, pos, bidx, rope, shared)
         u = fn.rms_norm(fn.hc_collapse(x, pre_mix), self.norm, cfg.norm_eps)
+        if self.weights == "checkpoint":  # a bf16 head, its GEMM in fp32 on the bf16 values
+            return u.float() @ self.head.float().T
         return F.linear(u.float(), self.head)
 
     def _clamp_inputs(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
