@@ -1,3 +1,9 @@
+#!/bin/bash
+# The device call behind benchmarks/results/kernels_s18_qkv_norm_h100.json and foreign_s18/foreign_export_h100.*:
+# `bash benchmarks/run_h200_qkv_norm_foreign.sh` on the device machine (one GPU). The qkv_norm kernel's GPU tests
+# with moe_experts' (they share the FP8 helper), the CUDA lowering and backend kernel tests (logs under $OUT/logs),
+# then `dsv41 bench kernels --op qkv_norm` (120 s at most) and `benchmarks/run_h200_foreign.sh` over $BLOCKS
+# (default export,trtllm) with the rest of a 545 s budget.
 source .device/bootstrap.sh >/dev/null 2>&1
 nvidia-smi --query-gpu=name --format=csv,noheader
 mkdir -p $OUT/logs
