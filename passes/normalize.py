@@ -56,7 +56,7 @@
 - pieces: `split(x, s, d)[i]` / `split_with_sizes` (`torch.split`, `chunk`) are the slices of x they cover, and
   `unbind(x, d)[i]` is `select(x, d, i)`;
 - FP8 spellings: a cast to float8_e4m3fn of an unclamped x / s is the cast of it clamped to +-448 (the conversion
-  saturates), `x * reciprocal(s)` is `x / s` for a scale that is a normal power of two (exponent bits, or an exp2
+  saturates, or s is the ue8m0 scale of x's own block amax), `x * reciprocal(s)` is `x / s` for a scale that is a normal power of two (exponent bits, or an exp2
   scale of a floored amax), `x * 1.0` is `x`, and a bf16/fp16 product of two casts that lose nothing (e4m3 values,
   a normal power of two scale to bf16) is the cast of their fp32 product (`y.to(bf16) * s.to(bf16)`: torch rounds a
   narrow product once from fp32);
@@ -881,17 +881,59 @@ def _saturating_e4m3_cast() -> bool:
 _SATURATES = _saturating_e4m3_cast()
 
 
+def _exact_widening_root(n):
+    """n with its exact widening casts (bf16 / fp16 -> fp32) stripped."""
+    while (isinstance(n, fx.Node) and n.op == "call_function" and n.target is prims.convert_element_type.default
+           and n.args[1] == torch.float32 and isinstance(n.args[0], fx.Node)
+           and _val(n.args[0]).dtype in (torch.bfloat16, torch.float16)):
+        n = n.args[0]
+    return n
+
+
+def _ue8m0_scale_of_block_amax(x: fx.Node, s: fx.Node) -> bool:
+    """Whether every |x / s| < 464, so that its e4m3 cast rounds to at most 448 as the clamped value's does, on any
+    torch: s is 2^ceil(log2(m / c)) (`exp2` or `torch.pow(2, ...)`), c <= 448 (`m / c` or `m * (1 / c)`),
+    m = amax(|x|, D) maybe raised by `clamp_min`, viewed to x's shape with unit dims at the reduced dims D, x and
+    abs's input one value up to exact widening casts. Then |x| <= m <= c s (1 + 2^-20) (log2's error) per block, so
+    |x / s| <= 448 (1 + 2^-10)(1 + 2^-20); a NaN or inf block gives NaN quotients with or without the clamp."""
+    if not isinstance(x, fx.Node):
+        return False
+    xv, sv = _val(x), _val(s)
+    root = view_root(s)
+    if not (isinstance(root, fx.Node) and root.op == "call_function" and sv.dim() == xv.dim()):
+        return False
+    u = _ceil_log2_operand(root)
+    if not (isinstance(u, fx.Node) and len(u.args) == 2 and isinstance(u.args[1], (int, float))):
+        return False
+    c = u.args[1] if u.target is aten.div.Tensor else 1 / u.args[1] if u.target is aten.mul.Tensor and u.args[1] else 0
+    if not 0 < c <= 448.0 * (1 + 2**-10):
+        return False
+    m = u.args[0]
+    if isinstance(m, fx.Node) and m.target is aten.clamp_min.default:
+        m = m.args[0]
+    if not (isinstance(m, fx.Node) and m.target is aten.amax.default and isinstance(a := m.args[0], fx.Node)
+            and a.target is aten.abs.default and _exact_widening_root(a.args[0]) is _exact_widening_root(x)
+            and tuple(_val(a).shape) == tuple(xv.shape)):
+        return False
+    dims = {d % xv.dim() for d in (m.args[1] if len(m.args) > 1 else range(xv.dim()))}
+    return all(sv.shape[d] == (1 if d in dims else xv.shape[d]) for d in range(xv.dim()))
+
+
 def _clamp_before_e4m3(graph: fx.Graph, node: fx.Node) -> bool:
     """A float -> float8_e4m3fn cast of an unclamped quotient x / s (s a tensor: a quantisation step, not a scale
     cast such as FP4's `(amax / 6).to(e4m3)`, which stays as it is) is the cast of it clamped to +-448 (the
-    reference's `clamp(x/s, +-448)` before the cast): exact where the conversion saturates (`_SATURATES`)."""
-    if not (_SATURATES and node.target is prims.convert_element_type.default and node.args[1:] == (_E4M3,)
+    reference's `clamp(x/s, +-448)` before the cast): exact where the conversion saturates (`_SATURATES`), and on
+    any torch where s is the ue8m0 scale of x's block amax (`_ue8m0_scale_of_block_amax`: then |x / s| < 464, which
+    rounds to at most 448; torch before 2.13 turns a larger value into NaN, where the clamp gives 448)."""
+    if not (node.target is prims.convert_element_type.default and node.args[1:] == (_E4M3,)
             and not node.kwargs and isinstance(node.args[0], fx.Node)):
         return False
     x = node.args[0]
     v = _val(x)
     if not (isinstance(v, torch.Tensor) and v.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and x.op == "call_function" and x.target is aten.div.Tensor and isinstance(x.args[1], fx.Node)):
+        return False
+    if not (_SATURATES or _ue8m0_scale_of_block_amax(x.args[0], x.args[1])):
         return False
     low = _insert(graph, node, aten.clamp_min.default, (x, -_E4M3_MAX), source=node)
     node.args = (_insert(graph, node, aten.clamp_max.default, (low, _E4M3_MAX), source=node), *node.args[1:])
@@ -931,14 +973,20 @@ def _normal_power_of_two(s) -> bool:
     if s.target is aten.view.dtype and s.args[1] == torch.float32:
         bits = s.args[0]
         return isinstance(bits, fx.Node) and bits.target is aten.__lshift__.Scalar and bits.args[1] == 23
+    u = _ceil_log2_operand(s)
+    low = None if u is None else _lower_bound(u)
+    return low is not None and low >= 2.0**-120
+
+
+def _ceil_log2_operand(s: fx.Node):
+    """u where s is 2^ceil(log2(u)), `exp2(...)` or `torch.pow(2, ...)` (the ue8m0 scale's spellings), else None."""
     exponent = s.args[0] if s.target is aten.exp2.default else \
         s.args[1] if s.target is aten.pow.Scalar and s.args[0] == 2 else None
     if isinstance(exponent, fx.Node) and exponent.target is aten.ceil.default:
         log = exponent.args[0]
         if isinstance(log, fx.Node) and log.target is aten.log2.default:
-            low = _lower_bound(log.args[0])
-            return low is not None and low >= 2.0**-120
-    return False
+            return log.args[0]
+    return None
 
 
 def _times_reciprocal(graph: fx.Graph, node: fx.Node) -> bool:

@@ -293,6 +293,38 @@ def test_fp8_cast_of_an_unclamped_value_is_the_cast_of_it_clamped():
     assert op_counts(scale)["aten.clamp_min"] == 0
 
 
+def test_fp8_cast_by_the_block_amax_scale_is_clamped_where_the_cast_does_not_saturate(monkeypatch):
+    """Where torch's e4m3 conversion does not saturate (before 2.13: 464 and above become NaN), the cast of x / s
+    still equals the clamped one when s = 2^ceil(log2(max(amax|x|, 1e-4) / 448)) over x's own blocks (then
+    |x / s| <= 448): DeepSeek's and DeepGEMM's unclamped casts get the clamp; a scale from another tensor's amax, a
+    divisor c above 448, or the amax of a part of x keeps the cast unclamped (any reduced dims the scale broadcasts
+    back over bound every element: the amax over the blocks of a column clamps too)."""
+    import dsv41.passes.normalize as normalize
+
+    monkeypatch.setattr(normalize, "_SATURATES", False)
+
+    def quant(x, other, c=448.0, dim=-1, pow_form=True):
+        blocks = x.view(*x.shape[:-1], -1, 32)
+        source = blocks if other is None else blocks[..., :16] if other == "part" else other
+        amax = source.abs().amax(dim=dim, keepdim=True).clamp(min=1e-4)
+        u = amax / c
+        scale = torch.pow(2.0, torch.ceil(torch.log2(u))) if pow_form else torch.exp2(torch.ceil(torch.log2(u)))
+        return (blocks / scale).to(torch.float8_e4m3fn).float()
+
+    g = gen(0)
+    x = (torch.randn(3, 64, generator=g) * 100).to(torch.bfloat16).float()
+    clamps = lambda gm: op_counts(gm)["aten.clamp_max"]  # noqa: E731
+    for pow_form in (True, False):
+        own = normalized(lambda a: quant(a, None, pow_form=pow_form), x)
+        assert clamps(own) == 1, own.code
+        assert torch.equal(own(x)[0] if isinstance(own(x), tuple) else own(x), quant(x, None, pow_form=pow_form))
+    other = torch.randn(3, 2, 32, generator=g)
+    assert clamps(normalized(lambda a, o: quant(a, o), x, other)) == 0
+    assert clamps(normalized(lambda a: quant(a, None, c=500.0), x)) == 0
+    assert clamps(normalized(lambda a: quant(a, "part"), x)) == 0
+    assert clamps(normalized(lambda a: quant(a, None, dim=-2), x)) == 1
+
+
 def test_times_the_reciprocal_of_a_power_of_two_scale_is_the_quotient():
     """x * (1 / s) is x / s for the FP8 scales s = exp2(ceil(log2(max(a, 1e-4) / 448))) and the bit-built
     (e << 23).view(float32) (normal powers of two, so the reciprocal is exact); a scale without the amax floor
