@@ -56,9 +56,9 @@
 - pieces: `split(x, s, d)[i]` / `split_with_sizes` (`torch.split`, `chunk`) are the slices of x they cover, and
   `unbind(x, d)[i]` is `select(x, d, i)`;
 - DeepGEMM's FP8 cast: a widening float cast (bf16 / fp16 to fp32) of abs(x) is abs of the cast of x, and of a
-  block view `x.view(..., n, k)` of a computed x [..., n k] (not a graph input's or GEMM output's layout view,
-  nor a reshape's copy: a pattern's input or output may be there) the block view of the cast of x, a new cast
-  node (`x_view.abs().float()` is `x.float().view(..., n, k).abs()`); abs of a value with a positive lower bound
+  block view `x.view(..., n, k)` of a computed x [..., n k] that a reduction over the blocks reads (the amax; not
+  a split into heads; not a graph input's or GEMM output's layout view nor a reshape's copy: a pattern's input or
+  output may be there) the block view of the cast of x, a new cast node (`x_view.abs().float()` is `x.float().view(..., n, k).abs()`); abs of a value with a positive lower bound
   (`_lower_bound`) is the value (`2 ** ceil(log2(u.abs()))` of the floored amax over 448);
 - FP8 spellings: a cast to float8_e4m3fn of an unclamped x / s is the cast of it clamped to +-448 (the conversion
   saturates), `x * reciprocal(s)` is `x / s` for a scale that is a normal power of two (exponent bits, or an exp2
@@ -2829,14 +2829,34 @@ def _counts_in_cumsum_dtype(graph: fx.Graph, node: fx.Node) -> bool:
 
 def _block_split(v: fx.Node) -> bool:
     """v views a computed value [*A, n k] into its blocks [*A, n, k] (k > 1; `x.view(*x.shape[:-1], -1, k)`, the
-    unflatten of the last dim), not a view that gives a graph input or a GEMM output its layout, nor a reshape's
-    copy (`keeps_first_view`: a pattern's input or output may be that view)."""
+    unflatten of the last dim) that a reduction over the block dim reads (`_reduced_per_block`), not a view that
+    gives a graph input or a GEMM output its layout, nor a reshape's copy (`keeps_first_view`: a pattern's input
+    or output may be that view)."""
     if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target is aten.view.default
             and isinstance(v.args[0], fx.Node) and _static(_val(v)) and _static(_val(v.args[0]))):
         return False
     src, out = list(_val(v.args[0]).shape), list(_val(v).shape)
     return (len(out) == len(src) + 1 and out[:-2] == src[:-1] and out[-1] > 1 and out[-2] * out[-1] == src[-1]
-            and not keeps_first_view(v))
+            and not keeps_first_view(v) and _reduced_per_block(v, len(out) - 1))
+
+
+def _reduced_per_block(v: fx.Node, dim: int) -> bool:
+    """A reduction over the block dim `dim` reads v's blocks, through widening casts and abs (the blockwise
+    quantisation's amax: `x.view(T, -1, k).abs().float().amax(-1)`): v is a quantisation's block view, not a split
+    into heads that other code (a RoPE, a norm's rounding just above it, where a pattern may end) reads as values."""
+    stack, seen = [v], set()
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in seen or u.op != "call_function":
+                continue
+            seen.add(u)
+            if u.target in _REDUCTIONS and len(u.args) > 1 and isinstance(u.args[1], (list, tuple)) \
+                    and [d % (dim + 1) for d in u.args[1]] == [dim]:
+                return True
+            if u.target is aten.abs.default or u.target is prims.convert_element_type.default and _widening(u):
+                stack.append(u)
+    return False
 
 
 def _widening_cast_above_block_view(graph: fx.Graph, node: fx.Node) -> bool:

@@ -1651,12 +1651,14 @@ def test_a_widening_cast_of_a_block_view_and_of_abs_moves_above_them():
 
 def test_casts_that_stay_above_a_view_or_below_abs():
     """A cast of a view of a graph input or a GEMM output (a pattern's input may be that view), of a view that is
-    no block split of the last dim, and a narrowing cast stay where they are: the rule moves only a widening cast
-    of a computed value's blocks."""
+    no block split of the last dim, of a split no per-block reduction reads (heads, which a RoPE reads as values;
+    hoisted, the JAX block's norm output met its cast back and qkv_norm fused bare), and a narrowing cast stay where
+    they are: the rule moves only a widening cast of a computed value's quantisation blocks."""
     x = torch.randn(4, 64).bfloat16()
     for f in (lambda x: x.view(4, 2, 32).float(),  # a graph input's blocks
               lambda x: (x @ x.t()).view(4, 2, 2).float(),  # a GEMM output's
               lambda x: (x * 2).view(2, 128).float(),  # not a block split
+              lambda x: (x * 2).view(4, 2, 32).float(),  # heads: no reduction over the blocks reads them
               lambda x: (x.float() * 2).view(4, 2, 32).to(torch.bfloat16)):  # narrowing
         gm = normalized(f, x)
         casts = [n for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default]
