@@ -195,6 +195,14 @@ class FusionPass(GraphPass):
     # sizes the semantic check draws reduced: name -> Reduction (see the module)
     reductions: dict = {}
 
+    def free_topk_order(self, form) -> bool:
+        """Whether the formulation `form` (an instance of `form_type`) leaves the order of its top-k free: its
+        sorted top-k then stands for a site's unsorted one (`topk(..., sorted=False)`, whose order torch leaves
+        unspecified, so the sorted order is one of its results), and the semantic check runs the site's region with
+        that top-k sorted (`unsorted_topks_fixed`). False by default: a fusion whose formulations differ in the
+        top-k's order (the indexer's sorted and unsorted ones, which its op computes differently) keeps them apart."""
+        return False
+
     def sample_inputs(self, m: MatchResult, draws: Draws) -> dict:
         """Fresh random values for the semantic check: graph input node -> tensor at its shape in `draws`, drawn on
         its device (the domain: see the module). An input the op takes reshaped (a Derived value) is drawn at its
@@ -267,7 +275,7 @@ class FusionPass(GraphPass):
     def _semantic_check(self, m: MatchResult, rep: "Replacement") -> tuple[str | None, str]:
         where = "; ".join(f"%{t.name} computes the pattern's {p} another way ({why.reason})" for p, t, why in m.islands)
         try:
-            region = _region_module(m)
+            region = _region_module(m, unsorted_topks_fixed(m) if self.free_topk_order(m.pattern.form) else ())
         except KeyError as e:
             return f"{where}: the region reads %{e.args[0]} that the match does not bind", ""
         full = Draws({n: list(n.meta["val"].shape) for n in dict.fromkeys(leaves(m.inputs))}, {})
@@ -654,8 +662,31 @@ def _op_output(spec, value, leaf):
     return value if spec is None else value[spec]
 
 
-def _region_module(m: MatchResult) -> fx.GraphModule:
-    """The matched region as a module of the graph values it reads (`.inputs`), returning the pattern outputs."""
+_TOPK_SORTED = 4  # the `sorted` argument of aten.topk.default (x, k, dim, largest, sorted)
+
+
+def unsorted_topks_fixed(m: MatchResult) -> frozenset:
+    """The region's unsorted top-ks that stand for the pattern's sorted ones: islands where the graph's
+    `topk(x, k, dim, largest, sorted=False)` is the pattern's `topk(..., sorted=True)` but for that flag (same dim
+    and largest; k is compared by the exact phase). torch leaves an unsorted top-k's order unspecified (it differs
+    between devices and sizes), and the sorted order is one of its results, so the region run with these top-ks
+    sorted computes one result the program may compute; an op that returns the sorted order returns it too."""
+    fixed = set()
+    for _, t, why in m.islands:
+        p = why.pattern_node  # the pattern's node compared with t, where the island opened at t itself
+        if not (why.node is t and isinstance(p, fx.Node) and p.target is torch.ops.aten.topk.default
+                and isinstance(t, fx.Node)
+                and t.target is torch.ops.aten.topk.default and not t.kwargs and not p.kwargs
+                and len(p.args) == len(t.args) == _TOPK_SORTED + 1):
+            continue
+        if p.args[_TOPK_SORTED] is True and t.args[_TOPK_SORTED] is False and p.args[2:4] == t.args[2:4]:
+            fixed.add(t)
+    return frozenset(fixed)
+
+
+def _region_module(m: MatchResult, sort_topks: frozenset = frozenset()) -> fx.GraphModule:
+    """The matched region as a module of the graph values it reads (`.inputs`), returning the pattern outputs; the
+    unsorted top-ks in `sort_topks` run sorted (`unsorted_topks_fixed`)."""
     g = fx.Graph()
     env: dict = {}
     inputs = list(dict.fromkeys(leaves(m.inputs)))
@@ -671,6 +702,8 @@ def _region_module(m: MatchResult) -> fx.GraphModule:
                 return viewed[a]
             raise KeyError(a.name)
         env[n] = g.node_copy(n, arg)
+        if n in sort_topks:
+            env[n].args = (*env[n].args[:_TOPK_SORTED], True)
     g.output(tuple(env[o] for o in m.outputs))
     module = fx.GraphModule(torch.nn.Module(), g)
     module.inputs = inputs

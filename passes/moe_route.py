@@ -72,6 +72,12 @@ class MoeRoutePass(FusionPass):
                                 anchor=aten.topk.default, form=RouteForm(temperature=False)))
         return pats
 
+    def free_topk_order(self, form):
+        """Every formulation: the router's top-k order is no axis of the formulations (all sort), and the op's
+        outputs are the sorted top-k, one result of a site's unsorted top-k (TensorRT-LLM's routing methods select
+        with `sorted=False`)."""
+        return True
+
     def replacement(self, m):
         h, gate_w, bias = m.inputs
         c = self.config

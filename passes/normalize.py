@@ -55,6 +55,11 @@
   and a keepdim reduction over the leading dim viewed without it is the reduction without keepdim;
 - pieces: `split(x, s, d)[i]` / `split_with_sizes` (`torch.split`, `chunk`) are the slices of x they cover, and
   `unbind(x, d)[i]` is `select(x, d, i)`;
+- DeepGEMM's FP8 cast: a widening float cast (bf16 / fp16 to fp32) of abs(x) is abs of the cast of x, and of a
+  block view `x.view(..., n, k)` of a computed x [..., n k] that a reduction over the blocks reads (the amax; not
+  a split into heads; not a graph input's or GEMM output's layout view nor a reshape's copy: a pattern's input or
+  output may be there) the block view of the cast of x, a new cast node (`x_view.abs().float()` is `x.float().view(..., n, k).abs()`); abs of a value with a positive lower bound
+  (`_lower_bound`) is the value (`2 ** ceil(log2(u.abs()))` of the floored amax over 448);
 - FP8 spellings: a cast to float8_e4m3fn of an unclamped x / s is the cast of it clamped to +-448 (the conversion
   saturates, or s is the ue8m0 scale of x's own block amax), `x * reciprocal(s)` is `x / s` for a scale that is a normal power of two (exponent bits, or an exp2
   scale of a floored amax), `x * 1.0` is `x`, and a bf16/fp16 product of two casts that lose nothing (e4m3 values,
@@ -2872,6 +2877,87 @@ def _counts_in_cumsum_dtype(graph: fx.Graph, node: fx.Node) -> bool:
 
 
 
+
+def _block_split(v: fx.Node) -> bool:
+    """v views a computed value [*A, n k] into its blocks [*A, n, k] (k > 1; `x.view(*x.shape[:-1], -1, k)`, the
+    unflatten of the last dim) that a reduction over the block dim reads (`_reduced_per_block`), not a view that
+    gives a graph input or a GEMM output its layout, nor a reshape's copy (`keeps_first_view`: a pattern's input
+    or output may be that view)."""
+    if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target is aten.view.default
+            and isinstance(v.args[0], fx.Node) and _static(_val(v)) and _static(_val(v.args[0]))):
+        return False
+    src, out = list(_val(v.args[0]).shape), list(_val(v).shape)
+    return (len(out) == len(src) + 1 and out[:-2] == src[:-1] and out[-1] > 1 and out[-2] * out[-1] == src[-1]
+            and not keeps_first_view(v) and _reduced_per_block(v, len(out) - 1))
+
+
+def _reduced_per_block(v: fx.Node, dim: int) -> bool:
+    """A reduction over the block dim `dim` reads v's blocks, through widening casts and abs (the blockwise
+    quantisation's amax: `x.view(T, -1, k).abs().float().amax(-1)`): v is a quantisation's block view, not a split
+    into heads that other code (a RoPE, a norm's rounding just above it, where a pattern may end) reads as values."""
+    stack, seen = [v], set()
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in seen or u.op != "call_function":
+                continue
+            seen.add(u)
+            if u.target in _REDUCTIONS and len(u.args) > 1 and isinstance(u.args[1], (list, tuple)) \
+                    and [d % (dim + 1) for d in u.args[1]] == [dim]:
+                return True
+            if u.target is aten.abs.default or u.target is prims.convert_element_type.default and _widening(u):
+                stack.append(u)
+    return False
+
+
+def _widening_cast_above_block_view(graph: fx.Graph, node: fx.Node) -> bool:
+    """convert(view(x, [*A, n, k]), wide) = view(convert(x, wide), [*A, n, k]) for a widening float cast (bf16 or
+    fp16 to fp32: every value held exactly) of a block view of x (`_block_split`): a cast works element by element
+    and a view renames the elements, so both are the same values bit for bit. The blocks' cast comes first, as the
+    reference's `x.float().unflatten(-1, (-1, k))` writes it (DeepGEMM's per-token-group cast views the bf16 value
+    into blocks first: `x.view(T, -1, k).abs().float()`). A cast of another view stays (a pattern's input may be the
+    view), as does a narrowing cast (the e4m3 values, whose merge view `_cast_below_merge` moves)."""
+    view = node.args[0]
+    if not (node.target is prims.convert_element_type.default and _widening(node) and _block_split(view)):
+        return False
+    cast = _insert(graph, node, node.target, (view.args[0], *node.args[1:]), node.kwargs, source=node)
+    node.replace_all_uses_with(_insert(graph, node, aten.view.default, (cast, list(_val(view).shape)), source=view))
+    graph.erase_node(node)
+    if not view.users:
+        graph.erase_node(view)
+    return True
+
+
+def _widening_cast_above_abs(graph: fx.Graph, node: fx.Node) -> bool:
+    """convert(abs(x), wide) = abs(convert(x, wide)) for a widening float cast (bf16 or fp16 to fp32): the cast is
+    exact and abs only clears the sign bit, in either type, so the two are the same values bit for bit (NaN stays
+    NaN). The cast comes first, as the reference's amax of `x.float()`'s blocks writes it (DeepGEMM's
+    `x_view.abs().float().amax(...)`); then a cast of a block view moves above the view
+    (`_widening_cast_above_block_view`)."""
+    a = node.args[0]
+    if not (node.target is prims.convert_element_type.default and _widening(node) and isinstance(a, fx.Node)
+            and a.op == "call_function" and a.target is aten.abs.default and isinstance(a.args[0], fx.Node)):
+        return False
+    cast = _insert(graph, node, node.target, (a.args[0], *node.args[1:]), node.kwargs, source=node)
+    node.replace_all_uses_with(_insert(graph, node, aten.abs.default, (cast,), source=a))
+    graph.erase_node(node)
+    if not a.users:
+        graph.erase_node(a)
+    return True
+
+
+def _abs_of_nonnegative(node: fx.Node) -> bool:
+    """abs(u) = u where every value of u is at least a positive bound (`_lower_bound`: a floored amax divided by
+    448, as DeepGEMM's `ceil_to_ue8m0(u) = 2 ** ceil(log2(u.abs()))` takes it): abs leaves a positive value as it
+    is (a NaN stays NaN), so the scale reads `u` itself, which `_normal_power_of_two` then sees through."""
+    if not (node.target is aten.abs.default and len(node.args) == 1 and not node.kwargs
+            and isinstance(node.args[0], fx.Node) and _val(node.args[0]) is not None
+            and _val(node.args[0]).dtype == _val(node).dtype and _lower_bound(node.args[0]) is not None):
+        return False
+    node.replace_all_uses_with(node.args[0])
+    return True
+
+
 # ---- the rules, by the op they rewrite at ----------------------------------------------------------------------
 # first, per sweep: spellings of single ops and small local forms
 LOCAL_RULES: tuple[Rule, ...] = (
@@ -2915,6 +3001,7 @@ LOCAL_RULES: tuple[Rule, ...] = (
     Rule("times_reciprocal", _times_reciprocal, (aten.mul.Tensor,)),
     Rule("narrow_product_of_casts", _narrow_product_of_casts, (aten.mul.Tensor,), last=True),
     Rule("times_one", _erasing(_times_one), (aten.mul.Tensor,)),
+    Rule("abs_of_nonnegative", _erasing(_abs_of_nonnegative), (aten.abs.default,)),
     Rule("noop", _noop),
 )
 # then, per sweep: layout chains, broadcast-only views, casts and counts in canonical form
@@ -2926,6 +3013,9 @@ CANONICAL_RULES: tuple[Rule, ...] = (
     Rule("neg_before_view", _neg_before_view, (aten.neg.default,), last=True),
     Rule("cast_of_merge_with_units", _cast_of_merge_with_units, (prims.convert_element_type.default,), last=True),
     Rule("cast_above_expand", _cast_above_expand, (prims.convert_element_type.default,), last=True),
+    Rule("widening_cast_above_abs", _widening_cast_above_abs, (prims.convert_element_type.default,), last=True),
+    Rule("widening_cast_above_block_view", _widening_cast_above_block_view, (prims.convert_element_type.default,),
+         last=True),
     Rule("view_below_pointwise", _view_below_pointwise, skip=_LAYOUT_OPS, last=True),
     Rule("split_rows", _split_rows, skip=_LAYOUT_OPS, last=True),
     Rule("select_as_strided_slice", _select_as_strided_slice, (aten.select.int,), last=True),

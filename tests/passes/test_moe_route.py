@@ -202,3 +202,34 @@ def test_decline_other_route_scale(name):
 def test_decline_other_temperature():
     reasons = run_declined(lambda h, g, b: route_with_temperature(h, g, b, temp=2.0), inputs(0), FUSION)
     assert_scalar_decline(reasons, 1.0, 2.0)
+
+
+def route_unsorted(h, gate_w, bias, k=K, scale=ROUTE_SCALE):
+    """TensorRT-LLM's routing methods: `topk(..., sorted=False)`, then the weights gathered by its indices."""
+    scores = torch.sqrt(F.softplus(h.float() @ gate_w.float().T))
+    experts = torch.topk(scores + bias, k, dim=-1, sorted=False).indices
+    w = torch.gather(scores, 1, experts)
+    return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scale, experts
+
+
+def test_an_unsorted_topk_takes_the_ops_sorted_one():
+    """The router's order is no formulation axis (`MoeRoutePass.free_topk_order`): a site's unsorted top-k, whose
+    order torch leaves unspecified, fuses; the semantic check ran its region with that top-k sorted (one result of
+    it), and the op's routing is the site's as per-token sets of (expert, weight) on fresh inputs."""
+    gm, report = run_passes(route_unsorted, inputs(0), FUSION)
+    assert report.matches[FUSION] == 1 and not report.declined[FUSION], report.declined
+    replaced = next(p for p in report.passes if p.name == FUSION).replaced
+    assert "argument 4: expected True, found False" in replaced[0]["verified"]  # the top-k checked as an island
+    for seed in (1, 2):
+        x = inputs(seed)
+        assert_same_routing(gm(*x), route_unsorted(*x), *x)
+
+
+def test_the_unsorted_topk_is_sorted_only_for_a_fusion_that_declares_its_order_free(monkeypatch):
+    """Without the declaration (the default, which the indexer keeps: its sorted and unsorted formulations are
+    different ops) the semantic check compares the region's unsorted top-k as it is, and the site is declined."""
+    from dsv41.passes.moe_route import MoeRoutePass
+
+    monkeypatch.setattr(MoeRoutePass, "free_topk_order", lambda self, form: False)
+    reasons = run_declined(route_unsorted, inputs(0), FUSION)
+    assert "argument 4: expected True, found False" in reasons and "differs" in reasons, reasons

@@ -1663,3 +1663,70 @@ def test_sort_of_a_lossless_narrowing_is_the_sort_of_the_wide_values(stable):
             else:
                 assert torch.equal(g, w)
 
+
+
+def _every_bf16() -> torch.Tensor:
+    """All 65536 bf16 bit patterns (NaNs, infinities, signed zeros, subnormals included) as [2048, 32] blocks."""
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(2048, 32)
+
+
+def _same_bits_or_nan(got, want) -> bool:
+    return bool(((got == want) & (torch.signbit(got) == torch.signbit(want)) | got.isnan() & want.isnan()).all())
+
+
+def test_a_widening_cast_of_a_block_view_and_of_abs_moves_above_them():
+    """DeepGEMM's per-token-group amax `x.view(T, -1, 32).abs().float()` of a computed bf16 x (here `x * 2`) is the reference's
+    `x.float().view(T, -1, 32).abs()`: the widening cast moves above abs, then above the block view (one form, no
+    abs or view below a cast). Exact on every bf16 value (each held exactly in fp32, abs only clears the sign bit,
+    a view renames elements): checked on all 65536 bit patterns, fp16 too."""
+    def deepgemm(x):
+        return (x * 2).view(x.shape[0], -1, 32).abs().float().amax(-1, keepdim=True)
+
+    def reference(x):
+        return (x * 2).float().view(x.shape[0], -1, 32).abs().amax(-1, keepdim=True)
+
+    x = _every_bf16().view(512, 128)
+    forms = [normalized(f, x) for f in (deepgemm, reference)]
+    assert _ops(forms[0]) == _ops(forms[1]), forms[0].code
+    for gm, f in zip(forms, (deepgemm, reference)):
+        assert _same_bits_or_nan(as_tuple(gm(x))[0], f(x))
+    pointwise = normalized(lambda x: (x * 2).view(512, -1, 32).abs().float(), x)  # the values themselves
+    assert _same_bits_or_nan(as_tuple(pointwise(x))[0], (x * 2).view(512, -1, 32).abs().float())
+    half = _every_bf16().view(torch.int16).view(torch.float16).view(512, 128)
+    assert _same_bits_or_nan(as_tuple(normalized(deepgemm, half)(half))[0], deepgemm(half))
+
+
+def test_casts_that_stay_above_a_view_or_below_abs():
+    """A cast of a view of a graph input or a GEMM output (a pattern's input may be that view), of a view that is
+    no block split of the last dim, of a split no per-block reduction reads (heads, which a RoPE reads as values;
+    hoisted, the JAX block's norm output met its cast back and qkv_norm fused bare), and a narrowing cast stay where
+    they are: the rule moves only a widening cast of a computed value's quantisation blocks."""
+    x = torch.randn(4, 64).bfloat16()
+    for f in (lambda x: x.view(4, 2, 32).float(),  # a graph input's blocks
+              lambda x: (x @ x.t()).view(4, 2, 2).float(),  # a GEMM output's
+              lambda x: (x * 2).view(2, 128).float(),  # not a block split
+              lambda x: (x * 2).view(4, 2, 32).float(),  # heads: no reduction over the blocks reads them
+              lambda x: (x.float() * 2).view(4, 2, 32).to(torch.bfloat16)):  # narrowing
+        gm = normalized(f, x)
+        casts = [n for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default]
+        assert casts and all(n.args[0].target is aten.view.default for n in casts[-1:]), gm.code
+        assert torch.equal(as_tuple(gm(x))[0], f(x))
+
+
+def test_abs_of_a_value_bounded_below_by_a_positive_number_is_the_value():
+    """ceil_to_ue8m0's `2 ** ceil(log2(u.abs()))` of u = max(amax, 1e-4) / 448 (positive, or NaN) is the power of
+    u: abs is dropped, so the scale is seen as a normal power of two and `x * (1 / s)` as `x / s`. Checked on random
+    and extreme amaxes (0, subnormal, huge, inf, NaN); an abs of a value that may be negative or zero stays."""
+    def ue8m0(x, a):
+        s = torch.pow(2.0, torch.ceil(torch.log2((a.clamp_min(1e-4) / 448.0).abs())))
+        return x * (1.0 / s)
+
+    g = gen(3)
+    a = torch.cat([torch.rand(60, 1, generator=g) * 10.0 ** torch.randint(-40, 38, (60, 1), generator=g),
+                   torch.tensor([[0.0], [-0.0], [1e-45], [3e38], [float("inf")], [float("nan")], [-5.0], [-1e-30]])])
+    x = torch.randn(68, 32, generator=g)
+    gm = normalized(ue8m0, x, a)
+    assert op_counts(gm)["aten.abs"] == 0 and op_counts(gm)["aten.reciprocal"] == 0, gm.code
+    assert torch.equal(as_tuple(gm(x, a))[0].nan_to_num(7.0), ue8m0(x, a).nan_to_num(7.0))
+    for f in (lambda a: (a / 448.0).abs(), lambda a: a.clamp_min(0.0).abs(), lambda a: (a.clamp_min(1e-4) * -2.0).abs()):
+        assert op_counts(normalized(f, a))["aten.abs"] == 1
