@@ -1300,7 +1300,9 @@ class PatternSet:
         the comparisons it made; with `flip`, a kept walk that met none of the flipped ops so is replayed rather than
         walked, where the comparison budget left covers it: the walk is deterministic and takes its first
         different step only at such an op, so it would make the same comparisons to the same outcome. (A walk that
-        ran out of budget is not kept: its outcome depends on the comparisons made before it.)"""
+        ran out of budget is not kept: its outcome depends on the comparisons made before it. Nor is a walk that
+        matched: its state binds the graph's values, and `walks` lives on in the retries a match's `alternatives`
+        keep, which would hold the compiled graph, and through it the model's parameters, past the compile.)"""
         failure, best, wanted, elsewhere, total, matchers = None, None, [], None, 1, []
         for index, gm in enumerate(self._structural[pat.name]):
             structural = _Matcher(gm, exact=False, islands=islands, traces=lambda bound: self._traces(pat, bound),
@@ -1323,7 +1325,7 @@ class PatternSet:
                     start, structural.touched = structural.steps, set()
                     kind, value = self._walk(structural, pat, anchor, first, cand, total)
                     _extend(choices, structural.choices)
-                    if walks is not None and not flip and structural.steps <= _STEPS:
+                    if walks is not None and not flip and structural.steps <= _STEPS and kind != "match":
                         walks[index, cand] = _Walk(frozenset(structural.touched), structural.steps - start,
                                                    (kind, value))
                 if kind == "failure":
