@@ -887,10 +887,9 @@ _SATURATES = _saturating_e4m3_cast()
 
 
 def _exact_widening_root(n):
-    """n with its exact widening casts (bf16 / fp16 -> fp32) stripped."""
+    """n with its exact widening casts (`_widening`) stripped."""
     while (isinstance(n, fx.Node) and n.op == "call_function" and n.target is prims.convert_element_type.default
-           and n.args[1] == torch.float32 and isinstance(n.args[0], fx.Node)
-           and _val(n.args[0]).dtype in (torch.bfloat16, torch.float16)):
+           and isinstance(n.args[0], fx.Node) and _widening(n)):
         n = n.args[0]
     return n
 

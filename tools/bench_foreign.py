@@ -79,8 +79,9 @@ BATCH = 1
 WARMUP = 5
 AGREE_ATOL = AGREE_RTOL = 1.6e-2
 AGREE_MIN_FRACTION = 0.99
-# dsv41 short of that share passes where no further from eager than plain Inductor (`as_close_as_inductor`), as
-# the foreign blocks' tests judge such blocks (`assert_no_further_from_eager_than_inductor`)
+# dsv41 short of that share passes where no further from eager than plain Inductor (`as_close_as_inductor`), the
+# foreign blocks' tests' rule for such blocks (`assert_no_further_from_eager_than_inductor`) with a tighter floor:
+# max(1.5 x Inductor's, 2e-2) where the tests take 1.5 x max(Inductor's, 2e-2)
 AGREE_REL_L2_FACTOR, AGREE_REL_L2_FLOOR = 1.5, 2e-2
 CONTEXT = {"flash": 4096, "tiny": 24}  # compressed KV / index-key rows by --sizes (the tests' 24 at tiny)
 INPUT_SEED = 1  # the blocks draw their parameters from their constructors' default seed
